@@ -1,0 +1,57 @@
+# knit: the two commands a newcomer needs are `make lab` and `make test` (see README.md).
+SHELL := /bin/bash
+ROOT := $(abspath .)
+VENV := $(ROOT)/.venv
+PY := $(VENV)/bin/python
+BUILD := $(ROOT)/build
+APT_PACKAGES := iproute2 iptables nftables conntrack ipset iputils-ping python3-venv \
+	curl ca-certificates unzip git
+
+.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni clean
+
+setup: system-deps venv
+
+system-deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages:" $$missing; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# build/cni is a CNI_PATH directory holding the plugin executable `knit`.
+cni: $(BUILD)/cni/knit
+
+$(BUILD)/cni/knit: venv
+	mkdir -p $(BUILD)/cni
+	printf '#!%s -I\nimport sys\nsys.path.insert(0, "%s")\nfrom cni.plugin import main\nmain()\n' \
+		"$(PY)" "$(ROOT)" > $@.tmp
+	chmod 755 $@.tmp
+	mv $@.tmp $@
+
+# libcni driver and the reference plugins (bridge, host-local, portmap, loopback), pinned.
+go-tools:
+	tests/go/build.sh $(BUILD)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+unit: venv
+	$(PY) -m pytest -q tests/unit
+
+test: setup cni go-tools lint
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench-cni: setup cni go-tools
+	$(PY) bench/cni_bench.py
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,3 @@
+from cni.plugin import main
+
+main()

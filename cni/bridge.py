@@ -1,0 +1,277 @@
+"""Bridge mode through netlink: the node bridge, the pod's veth pair, its addresses and routes."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import ipaddress
+from typing import NoReturn
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.rtnl.ifinfmsg import IFF_PROMISC
+
+from cni import netns, sysctl
+from cni.errors import CniError, Code
+from cni.links import Link, addresses, ignoring, link_by_name, netlink_errors, routes
+from cni.netconf import NetConf
+from cni.result import Interface, IPConfig, IPInterface, Result, Route
+
+HOST_VETH_PREFIX = "knit"
+HAIRPIN = 1
+DEFAULT_ROUTES = {4: ipaddress.ip_network("0.0.0.0/0"), 6: ipaddress.ip_network("::/0")}
+
+
+def host_veth_name(network: str, container_id: str, ifname: str) -> str:
+    """Derived from the attachment, so DEL and GC find the veth without any saved state."""
+    digest = hashlib.sha256(f"{network}/{container_id}/{ifname}".encode()).hexdigest()
+    return HOST_VETH_PREFIX + digest[:11]
+
+
+def gateway_interfaces(ips: list[IPConfig]) -> list[IPInterface]:
+    """The bridge's side of each subnet: the IPAM gateway, or the subnet's first address."""
+    found: list[IPInterface] = []
+    for ip in ips:
+        gateway = ip.gateway or ip.address.network.network_address + 1
+        gateway_if = ipaddress.ip_interface(f"{gateway}/{ip.address.network.prefixlen}")
+        if gateway_if not in found:
+            found.append(gateway_if)
+    return found
+
+
+def container_routes(conf: NetConf, ipam: Result) -> list[Route]:
+    """IPAM's routes with gateways filled in per family, plus default routes if asked for."""
+    gateways = {g.version: g.ip for g in gateway_interfaces(ipam.ips)}
+    filled = [Route(r.dst, r.gw or gateways.get(r.dst.version), r.extras) for r in ipam.routes]
+    if conf.is_default_gateway:
+        for version, gateway in gateways.items():
+            default = DEFAULT_ROUTES[version]
+            if not any(r.dst == default for r in filled):
+                filled.append(Route(default, gateway))
+    return filled
+
+
+def ensure_bridge(ipr: IPRoute, conf: NetConf) -> Link:
+    with netlink_errors(f"cannot create bridge {conf.bridge}"):
+        if link_by_name(ipr, conf.bridge) is None:
+            options = {"br_vlan_filtering": 1} if conf.vlan else {}
+            ignoring(
+                errno.EEXIST,
+                lambda: ipr.link("add", ifname=conf.bridge, kind="bridge", **options),
+            )
+    bridge = link_by_name(ipr, conf.bridge)
+    if bridge is None or bridge.kind != "bridge":
+        raise CniError(Code.INVALID_NETWORK_CONFIG, f"{conf.bridge} exists and is not a bridge")
+    with netlink_errors(f"cannot configure bridge {conf.bridge}"):
+        changes: dict[str, object] = {"state": "up"}
+        if conf.mtu and bridge.mtu != conf.mtu:
+            changes["mtu"] = conf.mtu
+        if conf.promisc_mode and not bridge.flags & IFF_PROMISC:
+            changes.update(flags=IFF_PROMISC, mask=IFF_PROMISC)
+        ipr.link("set", index=bridge.index, **changes)
+    return bridge
+
+
+def ensure_gateway_addresses(
+    ipr: IPRoute, bridge: Link, gateways: list[IPInterface], force: bool
+) -> None:
+    present = addresses(ipr, bridge.index)
+    for gateway in gateways:
+        if gateway in present:
+            continue
+        clashing = [
+            a
+            for a in present
+            if a.version == gateway.version and a.network.overlaps(gateway.network)
+        ]
+        if clashing and not force:
+            raise CniError(
+                Code.INVALID_NETWORK_CONFIG,
+                f"bridge {bridge.name} already has {clashing[0]}, not {gateway} "
+                "(forceAddress replaces it)",
+            )
+        with netlink_errors(f"cannot set {gateway} on bridge {bridge.name}"):
+            for old in clashing:
+                ipr.addr(
+                    "del", index=bridge.index, address=str(old.ip), prefixlen=old.network.prefixlen
+                )
+            ignoring(
+                errno.EEXIST,
+                lambda g=gateway: ipr.addr(
+                    "add", index=bridge.index, address=str(g.ip), prefixlen=g.network.prefixlen
+                ),
+            )
+
+
+def enable_forwarding(ips: list[IPConfig]) -> None:
+    for version in sorted({ip.address.version for ip in ips}):
+        sysctl.write("net/ipv4/ip_forward" if version == 4 else "net/ipv6/conf/all/forwarding", "1")
+
+
+def create_veth(
+    ipr: IPRoute, conf: NetConf, host_name: str, ifname: str, netns_fd: int, mac: str
+) -> None:
+    stale = link_by_name(ipr, host_name)
+    with netlink_errors(f"cannot create veth {host_name}"):
+        if stale is not None:
+            ipr.link("del", index=stale.index)
+        peer: dict[str, object] = {"ifname": ifname, "net_ns_fd": netns_fd}
+        extra: dict[str, object] = {}
+        if conf.mtu:
+            peer["mtu"] = extra["mtu"] = conf.mtu
+        if mac:
+            peer["address"] = mac
+        ipr.link("add", ifname=host_name, kind="veth", peer=peer, **extra)
+
+
+def attach_to_bridge(ipr: IPRoute, conf: NetConf, host: Link, bridge: Link) -> None:
+    with netlink_errors(f"cannot attach {host.name} to {bridge.name}"):
+        ipr.link("set", index=host.index, master=bridge.index, state="up")
+        if conf.hairpin_mode:
+            ipr.brport("set", index=host.index, mode=HAIRPIN)
+        if conf.vlan:
+            ipr.vlan_filter("add", index=host.index, vlan_info={"vid": conf.vlan, "pvid": True})
+            ipr.vlan_filter("del", index=host.index, vlan_info={"vid": 1})
+
+
+def configure_container(
+    netns_fd: int, conf: NetConf, ifname: str, ips: list[IPConfig], route_list: list[Route]
+) -> Link:
+    """Addresses, link state and routes inside the pod; returns the pod's interface."""
+    with netns.entered(netns_fd), IPRoute() as ipc:
+        link = link_by_name(ipc, ifname)
+        if link is None:
+            raise CniError(Code.NETLINK_FAILURE, f"{ifname} vanished from the container")
+        if any(ip.address.version == 6 for ip in ips):
+            sysctl.write(sysctl.interface_key("ipv6", ifname, "disable_ipv6"), "0")
+            sysctl.write(
+                sysctl.interface_key("ipv6", ifname, "accept_dad"), "1" if conf.enable_dad else "0"
+            )
+        with netlink_errors(f"cannot configure {ifname} in the container"):
+            for ip in ips:
+                ipc.addr(
+                    "add",
+                    index=link.index,
+                    address=str(ip.address.ip),
+                    prefixlen=ip.address.network.prefixlen,
+                )
+            ipc.link("set", index=link.index, state="up")
+            for route in route_list:
+                ipc.route("add", **_route_spec(route, link.index))
+        return link
+
+
+def _route_spec(route: Route, oif: int) -> dict[str, object]:
+    spec: dict[str, object] = {"dst": str(route.dst), "oif": oif}
+    if route.gw is not None:
+        spec["gateway"] = str(route.gw)
+    for key in ("priority", "table", "scope"):
+        if key in route.extras:
+            spec[key] = route.extras[key]
+    metrics = {f"RTAX_{k.upper()}": route.extras[k] for k in ("mtu", "advmss") if k in route.extras}
+    if metrics:
+        spec["metrics"] = metrics
+    return spec
+
+
+def container_has_interface(netns_fd: int, ifname: str) -> bool:
+    with netns.entered(netns_fd), IPRoute() as ipc:
+        return link_by_name(ipc, ifname) is not None
+
+
+def delete_veth(ipr: IPRoute, host_name: str) -> bool:
+    """Remove the pair by its host end; False when it was already gone."""
+    host = link_by_name(ipr, host_name)
+    if host is None:
+        return False
+    with netlink_errors(f"cannot delete {host_name}"):
+        ignoring(errno.ENODEV, lambda: ipr.link("del", index=host.index))
+    return True
+
+
+def delete_container_interface(netns_fd: int, ifname: str) -> None:
+    with netns.entered(netns_fd), IPRoute() as ipc:
+        link = link_by_name(ipc, ifname)
+        if link is not None:
+            with netlink_errors(f"cannot delete {ifname} in the container"):
+                ignoring(errno.ENODEV, lambda: ipc.link("del", index=link.index))
+
+
+def setup(
+    conf: NetConf,
+    container_id: str,
+    ifname: str,
+    netns_path: str,
+    netns_fd: int,
+    ipam: Result,
+    mac: str,
+) -> Result:
+    """Everything on the node and in the pod for one attachment; the caller rolls back."""
+    host_name = host_veth_name(conf.name, container_id, ifname)
+    gateways = gateway_interfaces(ipam.ips)
+    route_list = container_routes(conf, ipam)
+    with IPRoute() as ipr:
+        bridge = ensure_bridge(ipr, conf)
+        if conf.is_gateway:
+            ensure_gateway_addresses(ipr, bridge, gateways, conf.force_address)
+        create_veth(ipr, conf, host_name, ifname, netns_fd, mac)
+        host = link_by_name(ipr, host_name)
+        if host is None:
+            raise CniError(Code.NETLINK_FAILURE, f"veth {host_name} vanished")
+        attach_to_bridge(ipr, conf, host, bridge)
+        bridge = link_by_name(ipr, conf.bridge) or bridge
+    container = configure_container(netns_fd, conf, ifname, ipam.ips, route_list)
+    if conf.is_gateway:
+        enable_forwarding(ipam.ips)
+    interfaces = [
+        Interface(bridge.name, bridge.mac),
+        Interface(host.name, host.mac),
+        Interface(container.name, container.mac, sandbox=netns_path, mtu=container.mtu),
+    ]
+    ips = [IPConfig(ip.address, ip.gateway, interface=2) for ip in ipam.ips]
+    return Result(interfaces=interfaces, ips=ips, routes=route_list, dns=ipam.dns)
+
+
+def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Result) -> None:
+    """Compare the kernel with prevResult; raise naming the first thing that differs."""
+    with IPRoute() as ipr:
+        bridge = link_by_name(ipr, conf.bridge)
+        if bridge is None or bridge.kind != "bridge":
+            _check_failed(f"bridge {conf.bridge} is missing")
+        host_names = [i.name for i in prev.interfaces if not i.sandbox and i.name != conf.bridge]
+        if not host_names:
+            _check_failed("prevResult names no host veth")
+        host = link_by_name(ipr, host_names[0])
+        if host is None:
+            _check_failed(f"host veth {host_names[0]} is missing")
+        if host.master != bridge.index:
+            _check_failed(f"host veth {host.name} is not attached to bridge {conf.bridge}")
+    index, expected = next(
+        ((n, i) for n, i in enumerate(prev.interfaces) if i.sandbox and i.name == ifname),
+        (None, None),
+    )
+    if expected is None:
+        _check_failed(f"prevResult has no interface {ifname} in {netns_path}")
+    with netns.entered(netns_fd), IPRoute() as ipc:
+        link = link_by_name(ipc, ifname)
+        if link is None:
+            _check_failed(f"container interface {ifname} is missing")
+        if link.kind != "veth":
+            _check_failed(f"container interface {ifname} is a {link.kind or 'device'}, not a veth")
+        if expected.mac and link.mac.lower() != expected.mac.lower():
+            _check_failed(f"container interface {ifname} has MAC {link.mac}, not {expected.mac}")
+        present = addresses(ipc, link.index)
+        for ip in prev.ips:
+            if ip.interface in (None, index) and ip.address not in present:
+                _check_failed(f"address {ip.address} is missing from {ifname}")
+        installed = routes(ipc, link.index)
+        for route in prev.routes:
+            if not any(
+                dst == route.dst and (route.gw is None or gw == str(route.gw))
+                for dst, gw in installed
+            ):
+                via = f" via {route.gw}" if route.gw else ""
+                _check_failed(f"route to {route.dst}{via} is missing from {ifname}")
+
+
+def _check_failed(what: str) -> NoReturn:
+    raise CniError(Code.CHECK_FAILED, f"CHECK failed: {what}")

@@ -1,0 +1,135 @@
+"""Talking to the node's packet filter: iptables in the node's flavour, or nftables.
+
+Rules are written as whole transactions (iptables-restore --noflush, nft -f) rather than
+through python-iptables, which speaks only legacy xtables and appends one rule at a time.
+Every rule carries a tag naming its attachment, so DEL and GC find it without saved state.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cni.errors import CniError, Code
+
+TAG_PATTERN = re.compile(
+    r'knit (?P<kind>[^\s"]+) net=(?P<net>[^\s"]+) id=(?P<id>[^\s"]+) if=(?P<ifname>[^\s"]+)'
+)
+KUBELET_HINT_CHAINS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")
+
+
+@dataclass(frozen=True)
+class Tag:
+    kind: str
+    network: str
+    container_id: str
+    ifname: str
+
+    def __str__(self) -> str:
+        return f"knit {self.kind} net={self.network} id={self.container_id} if={self.ifname}"
+
+    @classmethod
+    def parse(cls, text: str) -> Tag | None:
+        match = TAG_PATTERN.search(text)
+        if match is None:
+            return None
+        return cls(match["kind"], match["net"], match["id"], match["ifname"])
+
+
+Selector = Callable[[Tag], bool]
+
+
+def attachment_selector(kind: str, network: str, container_id: str, ifname: str) -> Selector:
+    """Selects the rules of one attachment (DEL, rollback)."""
+    return lambda tag: tag == Tag(kind, network, container_id, ifname)
+
+
+def stale_selector(kind: str, network: str, valid: set[tuple[str, str]]) -> Selector:
+    """Selects the network's rules whose attachment is not in the valid list (GC)."""
+    return lambda tag: (
+        tag.kind == kind and tag.network == network and (tag.container_id, tag.ifname) not in valid
+    )
+
+
+def run(argv: list[str], stdin: str = "") -> str:
+    try:
+        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
+    except FileNotFoundError as err:
+        raise CniError(Code.FIREWALL_FAILURE, f"{argv[0]} is not installed") from err
+    if proc.returncode != 0:
+        raise CniError(
+            Code.FIREWALL_FAILURE,
+            f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout.strip()}",
+            stdin,
+        )
+    return proc.stdout
+
+
+def _save_output(binary: str, *args: str) -> str:
+    if shutil.which(binary) is None:
+        return ""
+    proc = subprocess.run([binary, *args], capture_output=True, text=True, check=False)
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def detect_iptables_flavour() -> str:
+    """'nft' or 'legacy', decided as kind's node image and iptables-wrappers decide.
+
+    The mode kubelet announced with its hint chains wins; otherwise the flavour that holds
+    more rules; a tie (a fresh node) goes to nft.
+    """
+    for flavour in ("nft", "legacy"):
+        mangle = _save_output(f"iptables-{flavour}-save", "-t", "mangle")
+        if any(f":{chain} " in mangle for chain in KUBELET_HINT_CHAINS):
+            return flavour
+    counts = {}
+    for flavour in ("nft", "legacy"):
+        text = _save_output(f"iptables-{flavour}-save") + _save_output(f"ip6tables-{flavour}-save")
+        counts[flavour] = sum(1 for line in text.splitlines() if line.startswith("-"))
+    return "legacy" if counts["legacy"] > counts["nft"] else "nft"
+
+
+class IPTables:
+    """One address family of iptables in the node's flavour."""
+
+    def __init__(self, version: int, flavour: str) -> None:
+        prefix = "iptables" if version == 4 else "ip6tables"
+        self.save_cmd = f"{prefix}-{flavour}-save"
+        self.restore_cmd = f"{prefix}-{flavour}-restore"
+
+    def save(self, table: str) -> str:
+        return run([self.save_cmd, "-t", table])
+
+    def restore(self, text: str) -> None:
+        run([self.restore_cmd, "--noflush", "-w", "5"], text)
+
+
+def nft_apply(script: str) -> None:
+    run(["nft", "-f", "-"], script)
+
+
+def nft_tagged_rules(family: str, table: str, chain: str) -> list[tuple[int, Tag]]:
+    """(handle, tag) of every tagged rule in the chain; empty when the table is absent."""
+    try:
+        proc = subprocess.run(
+            ["nft", "-j", "list", "chain", family, table, chain],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except FileNotFoundError:
+        return []
+    if proc.returncode != 0:
+        return []
+    found = []
+    for item in json.loads(proc.stdout).get("nftables", []):
+        rule: dict[str, Any] = item.get("rule") or {}
+        tag = Tag.parse(rule.get("comment", ""))
+        if tag is not None:
+            found.append((int(rule["handle"]), tag))
+    return found

@@ -1,0 +1,108 @@
+"""The runtime's side of a call: environment variables and stdin, validated."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cni.errors import CniError, Code
+
+COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "VERSION", "GC")
+ATTACHMENT_COMMANDS = ("ADD", "DEL", "CHECK")
+CONTAINER_ID_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$")
+KNOWN_ARGS = frozenset(
+    {
+        "IgnoreUnknown",
+        "K8S_POD_NAMESPACE",
+        "K8S_POD_NAME",
+        "K8S_POD_INFRA_CONTAINER_ID",
+        "K8S_POD_UID",
+        "IP",
+    }
+)
+MAX_IFNAME_LENGTH = 15
+
+
+@dataclass(frozen=True)
+class Invocation:
+    command: str
+    container_id: str
+    netns: str
+    ifname: str
+    args: dict[str, str]
+    cni_path: tuple[str, ...]
+
+
+def from_environ(environ: Mapping[str, str]) -> Invocation:
+    command = environ.get("CNI_COMMAND", "")
+    if not command:
+        raise CniError(Code.INVALID_ENV, "required env variable CNI_COMMAND is missing")
+    if command not in COMMANDS:
+        raise CniError(Code.INVALID_ENV, f"CNI_COMMAND {command!r} is not one of {COMMANDS}")
+    container_id = environ.get("CNI_CONTAINERID", "")
+    netns = environ.get("CNI_NETNS", "")
+    ifname = environ.get("CNI_IFNAME", "")
+    if command in ATTACHMENT_COMMANDS:
+        required = {"CNI_CONTAINERID": container_id, "CNI_IFNAME": ifname}
+        if command != "DEL":
+            required["CNI_NETNS"] = netns
+        missing = [name for name, value in required.items() if not value]
+        if missing:
+            raise CniError(
+                Code.INVALID_ENV, f"required env variables {', '.join(missing)} are missing"
+            )
+        validate_container_id(container_id)
+        validate_ifname(ifname)
+    return Invocation(
+        command=command,
+        container_id=container_id,
+        netns=netns,
+        ifname=ifname,
+        args=parse_cni_args(environ.get("CNI_ARGS", "")),
+        cni_path=tuple(p for p in environ.get("CNI_PATH", "").split(":") if p),
+    )
+
+
+def validate_container_id(container_id: str) -> None:
+    if not CONTAINER_ID_PATTERN.match(container_id):
+        raise CniError(
+            Code.INVALID_ENV,
+            f"CNI_CONTAINERID {container_id!r} must match {CONTAINER_ID_PATTERN.pattern}",
+        )
+
+
+def validate_ifname(ifname: str) -> None:
+    if len(ifname) > MAX_IFNAME_LENGTH:
+        raise CniError(
+            Code.INVALID_ENV,
+            f"CNI_IFNAME {ifname!r} is longer than {MAX_IFNAME_LENGTH} characters",
+        )
+    if ifname in (".", "..") or any(c in ifname for c in "/:") or any(c.isspace() for c in ifname):
+        raise CniError(Code.INVALID_ENV, f"CNI_IFNAME {ifname!r} is not a valid interface name")
+
+
+def parse_cni_args(raw: str) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for item in filter(None, raw.split(";")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CniError(Code.INVALID_ENV, f"CNI_ARGS: {item!r} is not KEY=VALUE")
+        pairs[key] = value
+    ignore_unknown = pairs.get("IgnoreUnknown", "").lower() in ("1", "true")
+    unknown = sorted(set(pairs) - KNOWN_ARGS)
+    if unknown and not ignore_unknown:
+        raise CniError(Code.INVALID_ENV, f"CNI_ARGS: unknown keys {unknown} (no IgnoreUnknown)")
+    return pairs
+
+
+def parse_stdin(raw: bytes) -> dict[str, Any]:
+    try:
+        conf = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CniError(Code.DECODE_FAILURE, f"cannot decode network config: {err}") from err
+    if not isinstance(conf, dict):
+        raise CniError(Code.DECODE_FAILURE, "network config is not a JSON object")
+    return conf

@@ -1,0 +1,31 @@
+"""IP address management: host-local in-process, anything else delegated."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from cni.invocation import Invocation
+from cni.result import Result
+
+
+class Ipam(Protocol):
+    def add(self, container_id: str, ifname: str) -> Result: ...
+
+    def release(self, container_id: str, ifname: str) -> None: ...
+
+    def check(self, container_id: str, ifname: str) -> None: ...
+
+    def gc(self, valid: set[tuple[str, str]]) -> None: ...
+
+    def status(self) -> None: ...
+
+
+def for_config(raw: dict[str, Any], stdin: bytes, invocation: Invocation) -> Ipam:
+    plugin_type = raw["ipam"]["type"]
+    if plugin_type == "host-local":
+        from cni.ipam.hostlocal import HostLocal, parse_conf
+
+        return HostLocal(parse_conf(raw, raw["name"], invocation.args))
+    from cni.ipam.delegate import Delegate
+
+    return Delegate(plugin_type, stdin, invocation)

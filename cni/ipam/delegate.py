@@ -1,0 +1,65 @@
+"""Any IPAM type other than host-local: exec that plugin from CNI_PATH, as the spec says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from cni.errors import CniError, Code
+from cni.invocation import Invocation
+from cni.result import Result
+
+
+class Delegate:
+    def __init__(self, plugin_type: str, stdin: bytes, invocation: Invocation) -> None:
+        self.plugin_type = plugin_type
+        self.stdin = stdin
+        self.invocation = invocation
+
+    def _executable(self) -> Path:
+        for directory in self.invocation.cni_path:
+            candidate = Path(directory) / self.plugin_type
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+        raise CniError(
+            Code.DELEGATE_FAILURE,
+            f"IPAM plugin {self.plugin_type!r} not found in CNI_PATH "
+            f"{':'.join(self.invocation.cni_path)!r}",
+        )
+
+    def _call(self, command: str) -> bytes:
+        env = dict(os.environ, CNI_COMMAND=command)
+        proc = subprocess.run(
+            [self._executable()], input=self.stdin, env=env, capture_output=True, check=False
+        )
+        if proc.returncode == 0:
+            return proc.stdout
+        try:
+            answer = json.loads(proc.stdout)
+            raise CniError(int(answer["code"]), answer.get("msg", ""), answer.get("details", ""))
+        except (ValueError, KeyError, TypeError):
+            raise CniError(
+                Code.DELEGATE_FAILURE,
+                f"IPAM plugin {self.plugin_type} {command} failed",
+                (proc.stderr or proc.stdout).decode(errors="replace"),
+            ) from None
+
+    def add(self, container_id: str, ifname: str) -> Result:
+        try:
+            return Result.from_json(json.loads(self._call("ADD")))
+        except ValueError as err:
+            raise CniError(Code.DECODE_FAILURE, f"IPAM plugin answer: {err}") from err
+
+    def release(self, container_id: str, ifname: str) -> None:
+        self._call("DEL")
+
+    def check(self, container_id: str, ifname: str) -> None:
+        self._call("CHECK")
+
+    def gc(self, valid: set[tuple[str, str]]) -> None:
+        self._call("GC")
+
+    def status(self) -> None:
+        self._call("STATUS")

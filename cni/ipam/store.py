@@ -1,0 +1,94 @@
+"""host-local's on-disk store, byte-compatible with the reference plugin's.
+
+<dataDir>/<network>/<ip> holds "<containerID>\\r\\n<ifname>" (older files hold only the
+container ID), last_reserved_ip.<set index> holds the last address handed out from that
+range set, and every change happens under flock on <dataDir>/<network>/lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from cni.result import IPAddress
+
+LINE_BREAK = "\r\n"
+LAST_RESERVED_PREFIX = "last_reserved_ip."
+LOCK_FILE = "lock"
+
+
+def attachment_key(container_id: str, ifname: str) -> str:
+    return container_id.strip() + LINE_BREAK + ifname
+
+
+class Store:
+    def __init__(self, data_dir: str, network: str) -> None:
+        self.directory = Path(data_dir) / network
+
+    @contextmanager
+    def locked(self) -> Iterator[Store]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield self
+        finally:
+            os.close(fd)
+
+    def reserve(self, ip: IPAddress, container_id: str, ifname: str, range_set: int) -> bool:
+        """Claim ip for the attachment; False when someone holds it already."""
+        path = self.directory / str(ip)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, attachment_key(container_id, ifname).encode())
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        (self.directory / f"{LAST_RESERVED_PREFIX}{range_set}").write_text(str(ip))
+        return True
+
+    def last_reserved(self, range_set: int) -> IPAddress | None:
+        try:
+            return ipaddress.ip_address(
+                (self.directory / f"{LAST_RESERVED_PREFIX}{range_set}").read_text().strip()
+            )
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def reservations(self) -> dict[IPAddress, tuple[str, str]]:
+        """Every reserved address with its (container ID, ifname); ifname is "" in old files."""
+        found: dict[IPAddress, tuple[str, str]] = {}
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            try:
+                ip = ipaddress.ip_address(entry.name)
+                content = Path(entry.path).read_bytes().decode().strip()
+            except (ValueError, OSError):
+                continue
+            container_id, _, ifname = content.partition(LINE_BREAK)
+            found[ip] = (container_id.strip(), ifname.strip())
+        return found
+
+    def owned_by(self, container_id: str, ifname: str) -> list[IPAddress]:
+        """Addresses held by the attachment; old files match on the container ID alone."""
+        cid = container_id.strip()
+        return [
+            ip
+            for ip, (owner, owner_ifname) in self.reservations().items()
+            if owner == cid and owner_ifname in (ifname, "")
+        ]
+
+    def release(self, ip: IPAddress) -> None:
+        (self.directory / str(ip)).unlink(missing_ok=True)

@@ -1,0 +1,87 @@
+"""Thin helpers over pyroute2's IPRoute: look links up and turn netlink errors into CNI ones."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from cni.errors import CniError, Code
+from cni.result import IPInterface, IPNetwork
+
+MAIN_TABLE = 254
+
+
+@dataclass(frozen=True)
+class Link:
+    index: int
+    name: str
+    kind: str
+    mac: str
+    mtu: int
+    master: int | None
+    flags: int
+
+
+@contextmanager
+def netlink_errors(action: str) -> Iterator[None]:
+    try:
+        yield
+    except NetlinkError as err:
+        raise CniError(Code.NETLINK_FAILURE, f"{action}: {err}") from err
+
+
+def ignoring(code: int, call: Callable[[], Any]) -> None:
+    """Run a netlink call for which one errno (EEXIST, ENODEV, ...) means "already done"."""
+    try:
+        call()
+    except NetlinkError as err:
+        if err.code != code:
+            raise
+
+
+def link_by_name(ipr: IPRoute, name: str) -> Link | None:
+    try:
+        msgs = ipr.get_links(ifname=name)
+    except NetlinkError as err:
+        if err.code == errno.ENODEV:
+            return None
+        raise CniError(Code.NETLINK_FAILURE, f"cannot look up {name}: {err}") from err
+    if not msgs:
+        return None
+    msg = msgs[0]
+    info = msg.get_attr("IFLA_LINKINFO")
+    return Link(
+        index=msg["index"],
+        name=msg.get_attr("IFLA_IFNAME"),
+        kind=(info.get_attr("IFLA_INFO_KIND") if info else "") or "",
+        mac=msg.get_attr("IFLA_ADDRESS") or "",
+        mtu=msg.get_attr("IFLA_MTU") or 0,
+        master=msg.get_attr("IFLA_MASTER"),
+        flags=msg["flags"],
+    )
+
+
+def addresses(ipr: IPRoute, index: int) -> list[IPInterface]:
+    return [
+        ipaddress.ip_interface(f"{msg.get_attr('IFA_ADDRESS')}/{msg['prefixlen']}")
+        for msg in ipr.get_addr(index=index)
+        if msg["scope"] == 0
+    ]
+
+
+def routes(ipr: IPRoute, index: int) -> list[tuple[IPNetwork, str | None]]:
+    """(destination, gateway) of the main-table routes through the link."""
+    found = []
+    for family in (2, 10):
+        for msg in ipr.get_routes(family=family, table=MAIN_TABLE, oif=index):
+            any_net = "0.0.0.0" if family == 2 else "::"
+            dst = ipaddress.ip_network(f"{msg.get_attr('RTA_DST') or any_net}/{msg['dst_len']}")
+            found.append((dst, msg.get_attr("RTA_GATEWAY")))
+    return found

@@ -1,0 +1,98 @@
+"""ipMasq: source NAT for traffic a pod sends outside its own subnet.
+
+iptables backend: a chain per attachment (KNIT-MASQ-<hash>) reached from nat POSTROUTING
+by the pod's source address, as the reference bridge plugin lays it out. nftables backend:
+one tagged rule per pod address in `inet knit_masq` postrouting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from cni.firewall import (
+    IPTables,
+    Selector,
+    Tag,
+    detect_iptables_flavour,
+    nft_apply,
+    nft_tagged_rules,
+)
+from cni.result import IPInterface
+
+KIND = "masq"
+CHAIN_PREFIX = "KNIT-MASQ-"
+NFT_TABLE = "knit_masq"
+NFT_CHAIN = "postrouting"
+MULTICAST = {4: "224.0.0.0/4", 6: "ff00::/8"}
+
+
+def chain_name(tag: Tag) -> str:
+    digest = hashlib.sha256(f"{tag.network}/{tag.container_id}/{tag.ifname}".encode())
+    return CHAIN_PREFIX + digest.hexdigest()[:16]
+
+
+def setup(backend: str, tag: Tag, addresses: Iterable[IPInterface]) -> None:
+    by_family: dict[int, list[IPInterface]] = {}
+    for address in addresses:
+        by_family.setdefault(address.version, []).append(address)
+    if backend == "nftables":
+        _nft_setup(tag, by_family)
+        return
+    flavour = detect_iptables_flavour()
+    chain = chain_name(tag)
+    for version, family_addresses in by_family.items():
+        lines = ["*nat", f":{chain} - [0:0]"]
+        for address in family_addresses:
+            lines += [
+                f'-A {chain} -d {address.network} -m comment --comment "{tag}" -j ACCEPT',
+                f'-A {chain} ! -d {MULTICAST[version]} -m comment --comment "{tag}" -j MASQUERADE',
+                f'-A POSTROUTING -s {address.ip} -m comment --comment "{tag}" -j {chain}',
+            ]
+        IPTables(version, flavour).restore("\n".join([*lines, "COMMIT", ""]))
+
+
+def _nft_setup(tag: Tag, by_family: dict[int, list[IPInterface]]) -> None:
+    lines = [
+        f"add table inet {NFT_TABLE}",
+        f"add chain inet {NFT_TABLE} {NFT_CHAIN} "
+        "{ type nat hook postrouting priority srcnat; policy accept; }",
+    ]
+    for version, family_addresses in by_family.items():
+        proto = "ip" if version == 4 else "ip6"
+        for address in family_addresses:
+            lines.append(
+                f"add rule inet {NFT_TABLE} {NFT_CHAIN} {proto} saddr {address.ip} "
+                f"{proto} daddr != {address.network} {proto} daddr != {MULTICAST[version]} "
+                f'masquerade comment "{tag}"'
+            )
+    nft_apply("\n".join(lines) + "\n")
+
+
+def teardown(backends: Iterable[str], select: Selector) -> None:
+    """Remove the selected masquerade rules from the given backends."""
+    if "nftables" in backends:
+        handles = [h for h, tag in nft_tagged_rules("inet", NFT_TABLE, NFT_CHAIN) if select(tag)]
+        if handles:
+            nft_apply(
+                "".join(f"delete rule inet {NFT_TABLE} {NFT_CHAIN} handle {h}\n" for h in handles)
+            )
+    if "iptables" in backends:
+        flavour = detect_iptables_flavour()
+        for version in (4, 6):
+            _iptables_teardown(IPTables(version, flavour), select)
+
+
+def _iptables_teardown(iptables: IPTables, select: Selector) -> None:
+    jumps, chains = [], set()
+    for line in iptables.save("nat").splitlines():
+        if not line.startswith("-A POSTROUTING ") or f"-j {CHAIN_PREFIX}" not in line:
+            continue
+        tag = Tag.parse(line)
+        if tag is not None and select(tag):
+            jumps.append("-D" + line[2:])
+            chains.add(line.rsplit("-j ", 1)[1].strip())
+    if jumps:
+        flushes = [f":{c} - [0:0]" for c in sorted(chains)]
+        removals = [f"-X {c}" for c in sorted(chains)]
+        iptables.restore("\n".join(["*nat", *flushes, *jumps, *removals, "COMMIT", ""]))

@@ -1,0 +1,126 @@
+"""The bridge network configuration: every option checked, unknown ones named."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cni.errors import CniError, Code
+from cni.version import require_supported
+
+# Keys the runtime (libcni) inserts or that the spec defines for every plugin.
+RUNTIME_KEYS = frozenset(
+    {
+        "cniVersion",
+        "cniVersions",
+        "name",
+        "type",
+        "ipam",
+        "dns",
+        "args",
+        "runtimeConfig",
+        "prevResult",
+        "cni.dev/valid-attachments",
+        "cni.dev/attachments",
+    }
+)
+BRIDGE_OPTIONS = {
+    "bridge": str,
+    "isGateway": bool,
+    "isDefaultGateway": bool,
+    "forceAddress": bool,
+    "ipMasq": bool,
+    "ipMasqBackend": str,
+    "mtu": int,
+    "hairpinMode": bool,
+    "promiscMode": bool,
+    "vlan": int,
+    "macspoofchk": bool,
+    "enabledad": bool,
+}
+MASQ_BACKENDS = ("iptables", "nftables")
+DEFAULT_BRIDGE = "cni0"
+MAX_VLAN = 4094
+
+
+@dataclass(frozen=True)
+class NetConf:
+    cni_version: str
+    name: str
+    ipam: dict[str, Any]
+    bridge: str = DEFAULT_BRIDGE
+    is_gateway: bool = False
+    is_default_gateway: bool = False
+    force_address: bool = False
+    ip_masq: bool = False
+    ip_masq_backend: str = "iptables"
+    mtu: int = 0
+    hairpin_mode: bool = False
+    promisc_mode: bool = False
+    vlan: int = 0
+    mac_spoof_check: bool = False
+    enable_dad: bool = False
+
+
+def parse_version_and_name(raw: dict[str, Any]) -> tuple[str, str]:
+    """The two keys every verb needs, even those that take no bridge options."""
+    version = raw.get("cniVersion")
+    if not isinstance(version, str):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "network config needs a string cniVersion")
+    require_supported(version)
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "network config needs a non-empty name")
+    return version, name
+
+
+def parse(raw: dict[str, Any]) -> NetConf:
+    version, name = parse_version_and_name(raw)
+    unknown = sorted(set(raw) - RUNTIME_KEYS - set(BRIDGE_OPTIONS))
+    if unknown:
+        raise CniError(
+            Code.UNSUPPORTED_FIELD,
+            f"unknown option(s) {', '.join(unknown)}",
+            f"known options: {', '.join(sorted(BRIDGE_OPTIONS))}",
+        )
+    for key, kind in BRIDGE_OPTIONS.items():
+        if key in raw and type(raw[key]) is not kind:
+            raise CniError(Code.INVALID_NETWORK_CONFIG, f"option {key} must be a {kind.__name__}")
+    ipam = raw.get("ipam")
+    if not isinstance(ipam, dict) or not isinstance(ipam.get("type"), str):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "ipam with a type is required")
+    conf = NetConf(
+        cni_version=version,
+        name=name,
+        ipam=ipam,
+        bridge=raw.get("bridge", DEFAULT_BRIDGE),
+        is_gateway=raw.get("isGateway", False) or raw.get("isDefaultGateway", False),
+        is_default_gateway=raw.get("isDefaultGateway", False),
+        force_address=raw.get("forceAddress", False),
+        ip_masq=raw.get("ipMasq", False),
+        ip_masq_backend=raw.get("ipMasqBackend", "iptables"),
+        mtu=raw.get("mtu", 0),
+        hairpin_mode=raw.get("hairpinMode", False),
+        promisc_mode=raw.get("promiscMode", False),
+        vlan=raw.get("vlan", 0),
+        mac_spoof_check=raw.get("macspoofchk", False),
+        enable_dad=raw.get("enabledad", False),
+    )
+    _check_consistency(conf)
+    return conf
+
+
+def _check_consistency(conf: NetConf) -> None:
+    problems = []
+    if not conf.bridge or len(conf.bridge) > 15 or "/" in conf.bridge:
+        problems.append(f"bridge name {conf.bridge!r} is not a valid interface name")
+    if conf.hairpin_mode and conf.promisc_mode:
+        problems.append("hairpinMode and promiscMode cannot both be set")
+    if conf.ip_masq_backend not in MASQ_BACKENDS:
+        problems.append(f"ipMasqBackend must be one of {MASQ_BACKENDS}")
+    if not 0 <= conf.vlan <= MAX_VLAN:
+        problems.append(f"vlan {conf.vlan} is outside 0-{MAX_VLAN}")
+    if conf.mtu < 0 or 0 < conf.mtu < 68:
+        problems.append(f"mtu {conf.mtu} is too small")
+    if problems:
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "; ".join(problems))

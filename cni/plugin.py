@@ -1,0 +1,251 @@
+"""The `knit` executable: reads a CNI call, runs the verb, prints a result or the error JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from cni import ipam as ipam_module
+from cni import netconf, version
+from cni.errors import CniError, Code
+from cni.firewall import Tag, attachment_selector, stale_selector
+from cni.invocation import Invocation, from_environ, parse_stdin
+from cni.netconf import NetConf
+
+MAC_PATTERN = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
+
+
+def run(invocation: Invocation, stdin: bytes) -> dict[str, Any] | None:
+    """Serve one call; returns the JSON to print, if the verb prints any."""
+    if invocation.command == "VERSION":
+        return version_answer(stdin)
+    raw = parse_stdin(stdin)
+    verbs: dict[str, Callable[[Invocation, dict[str, Any], bytes], dict[str, Any] | None]] = {
+        "ADD": cmd_add,
+        "DEL": cmd_del,
+        "CHECK": cmd_check,
+        "STATUS": cmd_status,
+        "GC": cmd_gc,
+    }
+    return verbs[invocation.command](invocation, raw, stdin)
+
+
+def version_answer(stdin: bytes) -> dict[str, Any]:
+    try:
+        asked = json.loads(stdin or b"{}").get("cniVersion") or version.LATEST
+    except (ValueError, AttributeError):
+        asked = version.LATEST
+    return {"cniVersion": asked, "supportedVersions": list(version.SUPPORTED_VERSIONS)}
+
+
+def _requested_mac(raw: dict[str, Any]) -> str:
+    mac = (
+        (raw.get("runtimeConfig") or {}).get("mac")
+        or (((raw.get("args") or {}).get("cni") or {}).get("mac"))
+        or ""
+    )
+    if mac and not MAC_PATTERN.match(mac):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, f"requested MAC {mac!r} is not a MAC address")
+    return mac
+
+
+def _best_effort(steps: list[Callable[[], None]]) -> list[CniError]:
+    """Run every step even when some fail; return what failed."""
+    failures = []
+    for step in steps:
+        try:
+            step()
+        except CniError as err:
+            failures.append(err)
+        except Exception as err:
+            failures.append(CniError(Code.UNEXPECTED, f"{type(err).__name__}: {err}"))
+    return failures
+
+
+def _firewall_teardown(conf: NetConf, container_id: str, ifname: str) -> list[Callable[[], None]]:
+    from cni import masq, spoofcheck
+
+    steps: list[Callable[[], None]] = []
+    if conf.ip_masq:
+        select = attachment_selector(masq.KIND, conf.name, container_id, ifname)
+        steps.append(lambda: masq.teardown([conf.ip_masq_backend], select))
+    if conf.mac_spoof_check:
+        select = attachment_selector(spoofcheck.KIND, conf.name, container_id, ifname)
+        steps.append(lambda: spoofcheck.teardown(select))
+    return steps
+
+
+def cmd_add(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> dict[str, Any]:
+    from cni import bridge, masq, netns, spoofcheck
+
+    conf = netconf.parse(raw)
+    mac = _requested_mac(raw)
+    ipam = ipam_module.for_config(raw, stdin, invocation)
+    cid, ifname = invocation.container_id, invocation.ifname
+    netns_fd = netns.open_netns(invocation.netns)
+    try:
+        if bridge.container_has_interface(netns_fd, ifname):
+            raise CniError(
+                Code.INTERFACE_EXISTS, f"interface {ifname} already exists in {invocation.netns}"
+            )
+        ipam_result = ipam.add(cid, ifname)
+        host_veth = bridge.host_veth_name(conf.name, cid, ifname)
+        try:
+            result = bridge.setup(conf, cid, ifname, invocation.netns, netns_fd, ipam_result, mac)
+            if conf.ip_masq:
+                masq.setup(
+                    conf.ip_masq_backend,
+                    Tag(masq.KIND, conf.name, cid, ifname),
+                    [ip.address for ip in result.ips],
+                )
+            if conf.mac_spoof_check:
+                spoofcheck.setup(
+                    Tag(spoofcheck.KIND, conf.name, cid, ifname),
+                    host_veth,
+                    result.interfaces[2].mac,
+                )
+        except BaseException:
+            _best_effort(
+                [
+                    *_firewall_teardown(conf, cid, ifname),
+                    lambda: _delete_attachment_links(conf, invocation, netns_fd),
+                    lambda: ipam.release(cid, ifname),
+                ]
+            )
+            raise
+    finally:
+        os.close(netns_fd)
+    return result.to_json(conf.cni_version)
+
+
+def _delete_attachment_links(conf: NetConf, invocation: Invocation, netns_fd: int | None) -> None:
+    from pyroute2 import IPRoute
+
+    from cni import bridge
+
+    with IPRoute() as ipr:
+        removed = bridge.delete_veth(
+            ipr, bridge.host_veth_name(conf.name, invocation.container_id, invocation.ifname)
+        )
+    if not removed and netns_fd is not None:
+        bridge.delete_container_interface(netns_fd, invocation.ifname)
+
+
+def cmd_del(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
+    from cni import netns
+
+    conf = netconf.parse(raw)
+    ipam = ipam_module.for_config(raw, stdin, invocation)
+    cid, ifname = invocation.container_id, invocation.ifname
+    netns_fd = None
+    if invocation.netns:
+        try:
+            netns_fd = netns.open_netns(invocation.netns)
+        except CniError:
+            netns_fd = None
+    try:
+        failures = _best_effort(
+            [
+                *_firewall_teardown(conf, cid, ifname),
+                lambda: _delete_attachment_links(conf, invocation, netns_fd),
+                lambda: ipam.release(cid, ifname),
+            ]
+        )
+    finally:
+        if netns_fd is not None:
+            os.close(netns_fd)
+    if failures:
+        raise failures[0]
+
+
+def cmd_check(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
+    from cni import bridge, netns
+    from cni.result import Result
+
+    conf = netconf.parse(raw)
+    if not version.at_least(conf.cni_version, "0.4.0"):
+        raise CniError(Code.INCOMPATIBLE_VERSION, "CHECK needs cniVersion 0.4.0 or later")
+    if not isinstance(raw.get("prevResult"), dict):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "CHECK needs a prevResult")
+    prev = Result.from_json(raw["prevResult"])
+    ipam_module.for_config(raw, stdin, invocation).check(invocation.container_id, invocation.ifname)
+    netns_fd = netns.open_netns(invocation.netns)
+    try:
+        bridge.check(conf, invocation.ifname, invocation.netns, netns_fd, prev)
+    finally:
+        os.close(netns_fd)
+
+
+def cmd_status(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
+    conf = netconf.parse(raw)
+    if not version.at_least(conf.cni_version, "1.1.0"):
+        raise CniError(Code.INCOMPATIBLE_VERSION, "STATUS needs cniVersion 1.1.0 or later")
+    ipam_module.for_config(raw, stdin, invocation).status()
+
+
+def valid_attachments(raw: dict[str, Any]) -> set[tuple[str, str]]:
+    entries = raw.get("cni.dev/valid-attachments", raw.get("cni.dev/attachments"))
+    if not isinstance(entries, list):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "GC needs cni.dev/valid-attachments")
+    try:
+        return {(str(e["containerID"]), str(e["ifname"])) for e in entries}
+    except (KeyError, TypeError) as err:
+        raise CniError(Code.INVALID_NETWORK_CONFIG, f"bad valid-attachments entry: {err}") from err
+
+
+def cmd_gc(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
+    from cni import masq, spoofcheck
+
+    conf = netconf.parse(raw)
+    if not version.at_least(conf.cni_version, "1.1.0"):
+        raise CniError(Code.INCOMPATIBLE_VERSION, "GC needs cniVersion 1.1.0 or later")
+    valid = valid_attachments(raw)
+    ipam = ipam_module.for_config(raw, stdin, invocation)
+    failures = _best_effort(
+        [
+            lambda: ipam.gc(valid),
+            lambda: masq.teardown(
+                netconf.MASQ_BACKENDS, stale_selector(masq.KIND, conf.name, valid)
+            ),
+            lambda: spoofcheck.teardown(stale_selector(spoofcheck.KIND, conf.name, valid)),
+        ]
+    )
+    if failures:
+        raise CniError(
+            failures[0].code,
+            "GC: " + "; ".join(f.msg for f in failures),
+            "\n".join(f.details for f in failures if f.details),
+        )
+
+
+def main(environ: Mapping[str, str] | None = None) -> None:
+    environ = os.environ if environ is None else environ
+    cni_version = version.LATEST
+    try:
+        stdin = sys.stdin.buffer.read()
+        try:
+            asked = json.loads(stdin).get("cniVersion")
+            if asked in version.SUPPORTED_VERSIONS:
+                cni_version = asked
+        except (ValueError, AttributeError):
+            pass
+        answer = run(from_environ(environ), stdin)
+    except CniError as err:
+        _print(err.to_json(cni_version))
+        sys.exit(1)
+    except Exception as err:
+        failure = CniError(Code.UNEXPECTED, f"{type(err).__name__}: {err}", traceback.format_exc())
+        _print(failure.to_json(cni_version))
+        sys.exit(1)
+    if answer is not None:
+        _print(answer)
+
+
+def _print(answer: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,158 @@
+"""The CNI Result, parsed from any supported version and printed in the one asked for."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any
+
+from cni.errors import CniError, Code
+from cni.version import at_least
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+ROUTE_EXTRAS_1_1 = ("mtu", "advmss", "priority", "table", "scope")
+
+
+@dataclass
+class Interface:
+    name: str
+    mac: str = ""
+    sandbox: str = ""
+    mtu: int = 0
+
+
+@dataclass
+class IPConfig:
+    address: IPInterface
+    gateway: IPAddress | None = None
+    interface: int | None = None
+
+
+@dataclass
+class Route:
+    dst: IPNetwork
+    gw: IPAddress | None = None
+    extras: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class DNS:
+    nameservers: list[str] = field(default_factory=list)
+    domain: str = ""
+    search: list[str] = field(default_factory=list)
+    options: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.nameservers:
+            out["nameservers"] = self.nameservers
+        if self.domain:
+            out["domain"] = self.domain
+        if self.search:
+            out["search"] = self.search
+        if self.options:
+            out["options"] = self.options
+        return out
+
+
+@dataclass
+class Result:
+    interfaces: list[Interface] = field(default_factory=list)
+    ips: list[IPConfig] = field(default_factory=list)
+    routes: list[Route] = field(default_factory=list)
+    dns: DNS = field(default_factory=DNS)
+
+    def to_json(self, cni_version: str) -> dict[str, Any]:
+        with_ip_version = not at_least(cni_version, "1.0.0")
+        with_1_1_fields = at_least(cni_version, "1.1.0")
+        out: dict[str, Any] = {"cniVersion": cni_version}
+        if self.interfaces:
+            out["interfaces"] = [_interface_json(i, with_1_1_fields) for i in self.interfaces]
+        if self.ips:
+            out["ips"] = [_ip_json(ip, with_ip_version) for ip in self.ips]
+        if self.routes:
+            out["routes"] = [_route_json(r, with_1_1_fields) for r in self.routes]
+        out["dns"] = self.dns.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> Result:
+        """Parse a Result of any version from 0.3.0 on (a prevResult or a delegate's answer)."""
+        if not isinstance(data, dict):
+            raise CniError(Code.DECODE_FAILURE, "result is not a JSON object")
+        try:
+            dns = data.get("dns") or {}
+            return cls(
+                interfaces=[
+                    Interface(
+                        name=i["name"],
+                        mac=i.get("mac", ""),
+                        sandbox=i.get("sandbox", ""),
+                        mtu=int(i.get("mtu", 0)),
+                    )
+                    for i in data.get("interfaces") or []
+                ],
+                ips=[
+                    IPConfig(
+                        address=ipaddress.ip_interface(ip["address"]),
+                        gateway=ipaddress.ip_address(ip["gateway"]) if ip.get("gateway") else None,
+                        interface=ip.get("interface"),
+                    )
+                    for ip in data.get("ips") or []
+                ],
+                routes=[parse_route(r) for r in data.get("routes") or []],
+                dns=DNS(
+                    nameservers=list(dns.get("nameservers") or []),
+                    domain=dns.get("domain", ""),
+                    search=list(dns.get("search") or []),
+                    options=list(dns.get("options") or []),
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise CniError(Code.DECODE_FAILURE, f"cannot decode result: {err}") from err
+
+
+def parse_route(data: Any) -> Route:
+    """A route as CNI writes it: dst (host bits allowed), optional gw and 1.1 extras."""
+    if not isinstance(data, dict) or "dst" not in data:
+        raise ValueError(f"route {data!r} needs a dst")
+    return Route(
+        dst=ipaddress.ip_network(data["dst"], strict=False),
+        gw=ipaddress.ip_address(data["gw"]) if data.get("gw") else None,
+        extras={k: int(data[k]) for k in ROUTE_EXTRAS_1_1 if k in data},
+    )
+
+
+def _interface_json(iface: Interface, with_mtu: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": iface.name}
+    if iface.mac:
+        out["mac"] = iface.mac
+    if with_mtu and iface.mtu:
+        out["mtu"] = iface.mtu
+    if iface.sandbox:
+        out["sandbox"] = iface.sandbox
+    return out
+
+
+def _ip_json(ip: IPConfig, with_version: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if with_version:
+        out["version"] = str(ip.address.version)
+    out["address"] = str(ip.address)
+    if ip.gateway is not None:
+        out["gateway"] = str(ip.gateway)
+    if ip.interface is not None:
+        out["interface"] = ip.interface
+    return out
+
+
+def _route_json(route: Route, with_extras: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"dst": str(route.dst)}
+    if route.gw is not None:
+        out["gw"] = str(route.gw)
+    if with_extras:
+        out.update(route.extras)
+    return out

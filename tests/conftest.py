@@ -1,0 +1,159 @@
+"""Shared fixtures: namespaces created per test and always removed, the built plugin, traffic."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "build"
+PLUGIN_DIR = BUILD / "cni"
+REFERENCE_DIR = BUILD / "refcni"
+CNIDRIVER = BUILD / "tools" / "cnidriver"
+ECHO = Path(__file__).resolve().parent / "echo.py"
+_names = itertools.count()
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{next(_names)}"
+
+
+@dataclass
+class Netns:
+    name: str
+    servers: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    @property
+    def path(self) -> str:
+        return f"/var/run/netns/{self.name}"
+
+    def run(
+        self,
+        *argv: str,
+        check: bool = True,
+        stdin: str | bytes | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[Any]:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.name, *argv],
+            input=stdin,
+            env=env,
+            capture_output=True,
+            check=check,
+            timeout=timeout,
+            text=not isinstance(stdin, bytes),
+        )
+
+    def ip(self, *args: str) -> str:
+        return self.run("ip", *args).stdout
+
+    def serve(self, host: str, port: int, proto: str = "tcp") -> None:
+        proc = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.name,
+                sys.executable,
+                str(ECHO),
+                "serve",
+                host,
+                str(port),
+                proto,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        self.servers.append(proc)
+
+    def request(self, host: str, port: int, proto: str = "tcp") -> str:
+        """The address the server saw us come from; raises when no answer came."""
+        return self.run(
+            sys.executable, str(ECHO), "request", host, str(port), proto, timeout=10
+        ).stdout.strip()
+
+    def reaches(self, host: str, port: int, proto: str = "tcp") -> bool:
+        result = self.run(
+            sys.executable, str(ECHO), "request", host, str(port), proto, check=False, timeout=10
+        )
+        return result.returncode == 0
+
+    def remove(self) -> None:
+        for proc in self.servers:
+            proc.kill()
+            proc.wait()
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.name], capture_output=True, text=True
+        ).stdout.split()
+        for pid in pids:
+            subprocess.run(["kill", "-9", pid], check=False)
+        subprocess.run(["ip", "netns", "del", self.name], check=False)
+
+
+@pytest.fixture
+def make_netns() -> Iterator[Any]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespace tests need root")
+    created: list[Netns] = []
+
+    def make(prefix: str = "knit") -> Netns:
+        ns = Netns(unique_name(prefix))
+        subprocess.run(["ip", "netns", "add", ns.name], check=True)
+        created.append(ns)
+        ns.run("ip", "link", "set", "lo", "up")
+        return ns
+
+    yield make
+    for ns in reversed(created):
+        ns.remove()
+
+
+@dataclass
+class CniAnswer:
+    code: int
+    output: dict[str, Any] | None
+    stderr: str
+
+    @property
+    def error_code(self) -> int | None:
+        return self.output.get("code") if self.output and self.code else None
+
+
+def call_plugin(
+    node: Netns,
+    command: str,
+    conf: dict[str, Any] | bytes,
+    *,
+    container_id: str = "",
+    netns: str = "",
+    ifname: str = "eth0",
+    args: str = "",
+    env: dict[str, str] | None = None,
+    plugin: Path = PLUGIN_DIR / "knit",
+) -> CniAnswer:
+    """Call the plugin as a runtime does: env variables, config on stdin, inside the node."""
+    full_env = {
+        "PATH": os.environ["PATH"],
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": container_id,
+        "CNI_NETNS": netns,
+        "CNI_IFNAME": ifname,
+        "CNI_ARGS": args,
+        "CNI_PATH": f"{PLUGIN_DIR}:{REFERENCE_DIR}",
+    }
+    full_env.update(env or {})
+    stdin = conf if isinstance(conf, bytes) else json.dumps(conf).encode()
+    result = node.run(str(plugin), stdin=stdin, env=full_env, check=False)
+    out = result.stdout.decode().strip()
+    return CniAnswer(result.returncode, json.loads(out) if out else None, result.stderr.decode())
