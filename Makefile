@@ -7,7 +7,7 @@ BUILD := $(ROOT)/build
 APT_PACKAGES := iproute2 iptables nftables conntrack ipset iputils-ping python3-venv \
 	curl ca-certificates unzip git
 
-.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni clean
+.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni lab lab-down clean
 
 setup: system-deps venv
 
@@ -51,6 +51,12 @@ unit: venv
 
 test: setup cni go-tools lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+lab: setup cni go-tools
+	$(PY) deploy/lab/lab.py up
+
+lab-down:
+	$(PY) deploy/lab/lab.py down
 
 bench-cni: setup cni go-tools
 	$(PY) bench/cni_bench.py

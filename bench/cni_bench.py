@@ -34,22 +34,40 @@ def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path) -> dict
     return {
         "cniVersion": "1.1.0",
         "name": f"bench-{plugin_type}",
-        "plugins": [{
-            "type": plugin_type,
-            "bridge": bridge,
-            "isGateway": True,
-            "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]],
-                     "dataDir": str(data_dir)},
-        }],
+        "plugins": [
+            {
+                "type": plugin_type,
+                "bridge": bridge,
+                "isGateway": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": subnet}]],
+                    "dataDir": str(data_dir),
+                },
+            }
+        ],
     }
 
 
 def run_driver(node: str, work: Path, name: str, conf: dict, netns_list: Path) -> dict:
     path = work / f"{name}.conflist"
     path.write_text(json.dumps(conf))
-    out = sh("ip", "netns", "exec", node, str(DRIVER), "bench", "--conflist", str(path),
-             "--cni-path", f"{KNIT_DIR}:{REFERENCE_DIR}", "--cache-dir", str(work / "cache"),
-             "--netns-list", str(netns_list))
+    out = sh(
+        "ip",
+        "netns",
+        "exec",
+        node,
+        str(DRIVER),
+        "bench",
+        "--conflist",
+        str(path),
+        "--cni-path",
+        f"{KNIT_DIR}:{REFERENCE_DIR}",
+        "--cache-dir",
+        str(work / "cache"),
+        "--netns-list",
+        str(netns_list),
+    )
     return json.loads(out)
 
 
@@ -63,11 +81,15 @@ def startup_breakdown() -> dict[str, float]:
         start = time.perf_counter()
         subprocess.run([launcher], input=b"{}", env=env, capture_output=True, check=True)
         version_times.append(time.perf_counter() - start)
-        code = ("import time; t = time.perf_counter(); from pyroute2 import IPRoute; "
-                "print(time.perf_counter() - t)")
+        code = (
+            "import time; t = time.perf_counter(); from pyroute2 import IPRoute; "
+            "print(time.perf_counter() - t)"
+        )
         import_times.append(float(sh(sys.executable, "-I", "-c", code)))
-    return {"version_call": statistics.median(version_times),
-            "pyroute2_import": statistics.median(import_times)}
+    return {
+        "version_call": statistics.median(version_times),
+        "pyroute2_import": statistics.median(import_times),
+    }
 
 
 def main() -> None:
@@ -103,9 +125,11 @@ def main() -> None:
         ref = statistics.median(samples["reference"][verb]) * 1000
         print(f"{verb:6} {ours:8.1f} {ref:10.1f} {ours / ref:7.2f}")
     breakdown = startup_breakdown()
-    print(f"knit VERSION call (interpreter + plugin modules): "
-          f"{breakdown['version_call'] * 1000:.1f} ms; importing pyroute2: "
-          f"{breakdown['pyroute2_import'] * 1000:.1f} ms")
+    print(
+        f"knit VERSION call (interpreter + plugin modules): "
+        f"{breakdown['version_call'] * 1000:.1f} ms; importing pyroute2: "
+        f"{breakdown['pyroute2_import'] * 1000:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

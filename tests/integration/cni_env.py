@@ -56,13 +56,15 @@ class Node:
 
     def add_pod(self, conf: dict[str, Any], container_id: str, ifname: str = "eth0") -> Pod:
         pod_ns = self.make_netns("pod")
-        answer = call_plugin(self.ns, "ADD", conf, container_id=container_id,
-                             netns=pod_ns.path, ifname=ifname)
+        answer = call_plugin(
+            self.ns, "ADD", conf, container_id=container_id, netns=pod_ns.path, ifname=ifname
+        )
         assert answer.code == 0, answer
         return Pod(pod_ns, container_id, answer)
 
-    def call(self, command: str, conf: dict[str, Any] | bytes, pod: Pod | None = None,
-             **kwargs: Any) -> CniAnswer:
+    def call(
+        self, command: str, conf: dict[str, Any] | bytes, pod: Pod | None = None, **kwargs: Any
+    ) -> CniAnswer:
         if pod is not None:
             kwargs.setdefault("container_id", pod.container_id)
             kwargs.setdefault("netns", pod.ns.path)
@@ -73,8 +75,19 @@ class Node:
 
     def connect_outside(self, outside: Netns) -> None:
         """A veth between the node and an 'outside' host; the outside has no route to pods."""
-        self.ns.run("ip", "link", "add", "uplink", "type", "veth", "peer", "name", "wan",
-                    "netns", outside.name)
+        self.ns.run(
+            "ip",
+            "link",
+            "add",
+            "uplink",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "wan",
+            "netns",
+            outside.name,
+        )
         self.ns.run("ip", "addr", "add", f"{UPLINK_NODE}/24", "dev", "uplink")
         self.ns.run("ip", "link", "set", "uplink", "up")
         outside.run("ip", "addr", "add", f"{UPLINK_OUTSIDE}/24", "dev", "wan")
@@ -84,8 +97,11 @@ class Node:
         directory = self.data_dir / NETWORK
         if not directory.exists():
             return []
-        return sorted(p.name for p in directory.iterdir()
-                      if p.name != "lock" and not p.name.startswith("last_reserved_ip."))
+        return sorted(
+            p.name
+            for p in directory.iterdir()
+            if p.name != "lock" and not p.name.startswith("last_reserved_ip.")
+        )
 
     def veths(self) -> list[str]:
         links = json.loads(self.ns.run("ip", "-j", "link", "show", "type", "veth").stdout)
@@ -94,13 +110,19 @@ class Node:
     def knit_rules(self) -> list[str]:
         rules = []
         for save in ("iptables-save", "ip6tables-save"):
-            rules += [line for line in self.ns.run(save).stdout.splitlines()
-                      if "knit" in line.lower() and line.startswith("-A")]
+            rules += [
+                line
+                for line in self.ns.run(save).stdout.splitlines()
+                if "knit" in line.lower() and line.startswith("-A")
+            ]
         nft = self.ns.run("nft", "list", "ruleset").stdout
         rules += [line.strip() for line in nft.splitlines() if 'comment "knit' in line]
         return rules
 
     def leftovers(self) -> dict[str, list[str]]:
-        found = {"veths": self.veths(), "reservations": self.reservations(),
-                 "rules": self.knit_rules()}
+        found = {
+            "veths": self.veths(),
+            "reservations": self.reservations(),
+            "rules": self.knit_rules(),
+        }
         return {k: v for k, v in found.items() if v}

@@ -14,9 +14,11 @@ def test_pods_reach_each_other_and_the_gateway(node):
     conf = bridge_conf(node.data_dir)
     pods = [node.add_pod(conf, f"pod{i}") for i in range(3)]
     first = pods[0].result
-    assert [i["name"] for i in first["interfaces"]][0] == "kbr0"
+    assert first["interfaces"][0]["name"] == "kbr0"
     assert first["interfaces"][2] == {
-        "name": "eth0", "mac": first["interfaces"][2]["mac"], "mtu": 1500,
+        "name": "eth0",
+        "mac": first["interfaces"][2]["mac"],
+        "mtu": 1500,
         "sandbox": pods[0].ns.path,
     }
     assert first["ips"] == [{"address": "10.244.1.2/24", "gateway": "10.244.1.1", "interface": 2}]
@@ -74,7 +76,9 @@ def test_check_passes_then_names_what_is_missing(node):
 
     pod.ns.run("ip", "route", "del", "default")
     answer = node.call("CHECK", checked, pod)
-    assert answer.code == 1 and "route to 0.0.0.0/0 via 10.244.1.1 is missing" in answer.output["msg"]
+    assert (
+        answer.code == 1 and "route to 0.0.0.0/0 via 10.244.1.1 is missing" in answer.output["msg"]
+    )
 
     pod.ns.run("ip", "addr", "del", "10.244.1.2/24", "dev", "eth0")
     assert "address 10.244.1.2/24 is missing" in node.call("CHECK", checked, pod).output["msg"]
@@ -125,12 +129,37 @@ def test_bad_input_gets_the_right_code_and_leaves_nothing(node, make_netns):
         (6, node.call("ADD", b"{not json", **add)),
         (4, node.call("ADD", conf, container_id="bad")),
         (1, node.call("ADD", {**conf, "cniVersion": "0.2.0"}, **add)),
-        (7, node.call("ADD", bridge_conf(node.data_dir) | {"ipam": {
-            "type": "host-local", "subnet": "10.244.1.0/33", "dataDir": str(node.data_dir)}},
-            **add)),
-        (7, node.call("ADD", bridge_conf(node.data_dir) | {"ipam": {
-            "type": "host-local", "subnet": "10.244.1.0/24", "rangeStart": "10.9.9.9",
-            "dataDir": str(node.data_dir)}}, **add)),
+        (
+            7,
+            node.call(
+                "ADD",
+                bridge_conf(node.data_dir)
+                | {
+                    "ipam": {
+                        "type": "host-local",
+                        "subnet": "10.244.1.0/33",
+                        "dataDir": str(node.data_dir),
+                    }
+                },
+                **add,
+            ),
+        ),
+        (
+            7,
+            node.call(
+                "ADD",
+                bridge_conf(node.data_dir)
+                | {
+                    "ipam": {
+                        "type": "host-local",
+                        "subnet": "10.244.1.0/24",
+                        "rangeStart": "10.9.9.9",
+                        "dataDir": str(node.data_dir),
+                    }
+                },
+                **add,
+            ),
+        ),
         (4, node.call("ADD", conf, ifname="a-very-long-ifname", **add)),
         (2, node.call("ADD", {**conf, "hairpinmode": True}, **add)),
         (3, node.call("ADD", conf, container_id="bad", netns="/var/run/netns/no-such-ns")),
@@ -185,8 +214,12 @@ def test_gc_removes_what_is_not_valid(node):
     keep = node.add_pod(conf, "keep")
     for name in ("stale1", "stale2"):
         node.add_pod(conf, name)
-    node.call("ADD", {**bridge_conf(node.data_dir, ipMasq=True, ipMasqBackend="nftables")},
-              container_id="stale3", netns=node.make_netns("pod").path)
+    node.call(
+        "ADD",
+        {**bridge_conf(node.data_dir, ipMasq=True, ipMasqBackend="nftables")},
+        container_id="stale3",
+        netns=node.make_netns("pod").path,
+    )
     gc = {**conf, "cni.dev/valid-attachments": [{"containerID": "keep", "ifname": "eth0"}]}
     answer = node.call("GC", gc)
     assert answer.code == 0, answer
@@ -235,10 +268,36 @@ def test_mtu_hairpin_and_promisc(node):
 def test_hairpin_lets_a_pod_reach_itself_through_the_node(node):
     conf = bridge_conf(node.data_dir, hairpinMode=True)
     pod = node.add_pod(conf, "hairpin")
-    node.ns.run("iptables", "-t", "nat", "-A", "PREROUTING", "-d", "10.244.1.1", "-p", "tcp",
-                "--dport", "7070", "-j", "DNAT", "--to-destination", f"{pod.address()}:8080")
-    node.ns.run("iptables", "-t", "nat", "-A", "POSTROUTING", "-s", pod.address(), "-d",
-                pod.address(), "-j", "MASQUERADE")
+    node.ns.run(
+        "iptables",
+        "-t",
+        "nat",
+        "-A",
+        "PREROUTING",
+        "-d",
+        "10.244.1.1",
+        "-p",
+        "tcp",
+        "--dport",
+        "7070",
+        "-j",
+        "DNAT",
+        "--to-destination",
+        f"{pod.address()}:8080",
+    )
+    node.ns.run(
+        "iptables",
+        "-t",
+        "nat",
+        "-A",
+        "POSTROUTING",
+        "-s",
+        pod.address(),
+        "-d",
+        pod.address(),
+        "-j",
+        "MASQUERADE",
+    )
     node.ns.run("sysctl", "-w", "net.bridge.bridge-nf-call-iptables=1")
     pod.ns.serve("0.0.0.0", 8080)
     assert pod.ns.reaches("10.244.1.1", 7070)
@@ -272,8 +331,9 @@ def test_force_address_replaces_a_clashing_bridge_address(node):
 
 def test_vlan_is_refused_cleanly_by_a_kernel_without_bridge_vlan_filtering(node):
     """This kernel lacks CONFIG_BRIDGE_VLAN_FILTERING: the option is proven only this far."""
-    probe = node.ns.run("ip", "link", "add", "vlanprobe", "type", "bridge", "vlan_filtering",
-                        "1", check=False)
+    probe = node.ns.run(
+        "ip", "link", "add", "vlanprobe", "type", "bridge", "vlan_filtering", "1", check=False
+    )
     if probe.returncode == 0:
         pytest.skip("kernel has bridge VLAN filtering; covered where it is missing")
     conf = bridge_conf(node.data_dir, vlan=100)

@@ -11,16 +11,21 @@ import pytest
 from tests.conftest import CNIDRIVER, PLUGIN_DIR, REFERENCE_DIR
 from tests.integration.cni_env import NETWORK, UPLINK_NODE, UPLINK_OUTSIDE, bridge_conf
 
-CONTAINERD_ARGS = ("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name};"
-                   "K8S_POD_INFRA_CONTAINER_ID={name};K8S_POD_UID=uid-{name}")
+CONTAINERD_ARGS = (
+    "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name};"
+    "K8S_POD_INFRA_CONTAINER_ID={name};K8S_POD_UID=uid-{name}"
+)
 
 
 @pytest.fixture
 def runtime(node, tmp_path):
     if not CNIDRIVER.exists():
         pytest.fail(f"{CNIDRIVER} is missing: run `make go-tools`")
-    plugin = {k: v for k, v in bridge_conf(node.data_dir, ipMasq=True).items()
-              if k not in ("cniVersion", "name")}
+    plugin = {
+        k: v
+        for k, v in bridge_conf(node.data_dir, ipMasq=True).items()
+        if k not in ("cniVersion", "name")
+    }
     conflist = {
         "cniVersion": "1.1.0",
         "name": NETWORK,
@@ -31,16 +36,34 @@ def runtime(node, tmp_path):
     cache = tmp_path / "cache"
 
     def drive(verb: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return node.ns.run(str(CNIDRIVER), verb, "--conflist", str(path), "--cni-path",
-                           f"{PLUGIN_DIR}:{REFERENCE_DIR}", "--cache-dir", str(cache), *extra,
-                           check=check)
+        return node.ns.run(
+            str(CNIDRIVER),
+            verb,
+            "--conflist",
+            str(path),
+            "--cni-path",
+            f"{PLUGIN_DIR}:{REFERENCE_DIR}",
+            "--cache-dir",
+            str(cache),
+            *extra,
+            check=check,
+        )
 
     return drive
 
 
 def pod_args(pod_ns, name: str, *extra: str) -> list[str]:
-    return ["--netns", pod_ns.path, "--container-id", name, "--ifname", "eth0",
-            "--args", CONTAINERD_ARGS.format(name=name), *extra]
+    return [
+        "--netns",
+        pod_ns.path,
+        "--container-id",
+        name,
+        "--ifname",
+        "eth0",
+        "--args",
+        CONTAINERD_ARGS.format(name=name),
+        *extra,
+    ]
 
 
 def test_add_check_del_through_libcni_with_a_host_port(node, make_netns, runtime):
@@ -63,8 +86,9 @@ def test_add_check_del_through_libcni_with_a_host_port(node, make_netns, runtime
     web.run("ip", "route", "del", "default")
     failed = runtime("check", *pod_args(web, "web"), check=False)
     assert failed.returncode == 1
-    assert json.loads(failed.stdout)["msg"].endswith("route to 0.0.0.0/0 via 10.244.1.1 is "
-                                                     "missing from eth0")
+    assert json.loads(failed.stdout)["msg"].endswith(
+        "route to 0.0.0.0/0 via 10.244.1.1 is missing from eth0"
+    )
 
     teardown = pod_args(web, "web", "--capability-args", json.dumps(mapping))
     runtime("del", *teardown)
