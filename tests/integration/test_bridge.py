@@ -121,6 +121,12 @@ def test_del_is_idempotent_and_survives_a_missing_netns(node, make_netns):
     assert node.leftovers() == {}
 
 
+def with_range(conf, **range_options):
+    """conf with its single range changed, e.g. to an invalid subnet."""
+    ipam = conf["ipam"]
+    return {**conf, "ipam": {**ipam, "ranges": [[{**ipam["ranges"][0][0], **range_options}]]}}
+
+
 def test_bad_input_gets_the_right_code_and_leaves_nothing(node, make_netns):
     conf = bridge_conf(node.data_dir, ipMasq=True)
     pod_ns = make_netns("pod")
@@ -129,37 +135,8 @@ def test_bad_input_gets_the_right_code_and_leaves_nothing(node, make_netns):
         (6, node.call("ADD", b"{not json", **add)),
         (4, node.call("ADD", conf, container_id="bad")),
         (1, node.call("ADD", {**conf, "cniVersion": "0.2.0"}, **add)),
-        (
-            7,
-            node.call(
-                "ADD",
-                bridge_conf(node.data_dir)
-                | {
-                    "ipam": {
-                        "type": "host-local",
-                        "subnet": "10.244.1.0/33",
-                        "dataDir": str(node.data_dir),
-                    }
-                },
-                **add,
-            ),
-        ),
-        (
-            7,
-            node.call(
-                "ADD",
-                bridge_conf(node.data_dir)
-                | {
-                    "ipam": {
-                        "type": "host-local",
-                        "subnet": "10.244.1.0/24",
-                        "rangeStart": "10.9.9.9",
-                        "dataDir": str(node.data_dir),
-                    }
-                },
-                **add,
-            ),
-        ),
+        (7, node.call("ADD", with_range(conf, subnet="10.244.1.0/33"), **add)),
+        (7, node.call("ADD", with_range(conf, rangeStart="10.9.9.9"), **add)),
         (4, node.call("ADD", conf, ifname="a-very-long-ifname", **add)),
         (2, node.call("ADD", {**conf, "hairpinmode": True}, **add)),
         (3, node.call("ADD", conf, container_id="bad", netns="/var/run/netns/no-such-ns")),
