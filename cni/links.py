@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,9 +80,8 @@ def addresses(ipr: IPRoute, index: int) -> list[IPInterface]:
 def routes(ipr: IPRoute, index: int) -> list[tuple[IPNetwork, str | None]]:
     """(destination, gateway) of the main-table routes through the link."""
     found = []
-    for family in (2, 10):
+    for family, any_net in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         for msg in ipr.get_routes(family=family, table=MAIN_TABLE, oif=index):
-            any_net = "0.0.0.0" if family == 2 else "::"
             dst = ipaddress.ip_network(f"{msg.get_attr('RTA_DST') or any_net}/{msg['dst_len']}")
             found.append((dst, msg.get_attr("RTA_GATEWAY")))
     return found

@@ -191,12 +191,10 @@ def test_gc_removes_what_is_not_valid(node):
     keep = node.add_pod(conf, "keep")
     for name in ("stale1", "stale2"):
         node.add_pod(conf, name)
-    node.call(
-        "ADD",
-        {**bridge_conf(node.data_dir, ipMasq=True, ipMasqBackend="nftables")},
-        container_id="stale3",
-        netns=node.make_netns("pod").path,
-    )
+    node.add_pod(bridge_conf(node.data_dir, ipMasq=True, ipMasqBackend="nftables"), "stale3")
+    before = node.knit_rules()
+    assert any("id=stale3" in r and "masquerade" in r for r in before), "an nft rule to collect"
+    assert any("id=stale1" in r and "KNIT-MASQ-" in r for r in before), "an iptables rule too"
     gc = {**conf, "cni.dev/valid-attachments": [{"containerID": "keep", "ifname": "eth0"}]}
     answer = node.call("GC", gc)
     assert answer.code == 0, answer
@@ -207,6 +205,7 @@ def test_gc_removes_what_is_not_valid(node):
     legacy_key = {**conf, "cni.dev/attachments": []}
     assert node.call("GC", legacy_key).code == 0
     assert node.reservations() == []
+    assert node.knit_rules() == []
 
 
 def test_status_reports_exhaustion_and_an_unusable_data_dir(node, tmp_path):
