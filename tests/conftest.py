@@ -77,11 +77,17 @@ class Netns:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         self.servers.append(proc)
 
+    def exchange(
+        self, host: str, port: int, proto: str = "tcp", source_port: int = 0
+    ) -> tuple[str, str]:
+        """(client address as the server saw it, server address); raises when no answer came."""
+        argv = [sys.executable, str(ECHO), "request", host, str(port), proto, str(source_port)]
+        client, server = self.run(*argv, timeout=10).stdout.split()
+        return client, server
+
     def request(self, host: str, port: int, proto: str = "tcp") -> str:
         """The address the server saw us come from; raises when no answer came."""
-        return self.run(
-            sys.executable, str(ECHO), "request", host, str(port), proto, timeout=10
-        ).stdout.strip()
+        return self.exchange(host, port, proto)[0]
 
     def reaches(self, host: str, port: int, proto: str = "tcp") -> bool:
         result = self.run(

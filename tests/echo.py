@@ -1,44 +1,81 @@
-"""Traffic endpoints for tests, run inside namespaces: a server that answers with the
-client's address as it saw it, and a client that prints the answer."""
+"""Traffic endpoints for tests, run inside namespaces.
+
+serve HOST PORT [tcp|udp]: answers every TCP connection (or UDP datagram) with
+"<client address> <server address>" as the server saw them; a TCP connection then echoes
+every line it receives, so a held connection can prove it still works.
+request HOST PORT [tcp|udp] [SOURCE_PORT]: prints the server's answer.
+hold HOST PORT: connects, prints the greeting, then sends each stdin line and prints the echo.
+"""
 
 from __future__ import annotations
 
 import socket
 import sys
+import threading
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _answer(conn: socket.socket, peer: str) -> None:
+    with conn:
+        conn.sendall(f"{peer} {conn.getsockname()[0]}\n".encode())
+        while data := conn.recv(2048):
+            conn.sendall(data)
 
 
 def serve(host: str, port: int, proto: str) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     kind = socket.SOCK_DGRAM if proto == "udp" else socket.SOCK_STREAM
-    sock = socket.socket(family, kind)
+    sock = socket.socket(_family(host), kind)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     if proto == "udp":
         print("ready", flush=True)
         while True:
             _, peer = sock.recvfrom(2048)
-            sock.sendto(peer[0].encode(), peer)
+            sock.sendto(f"{peer[0]} {host}\n".encode(), peer)
     sock.listen(64)
     print("ready", flush=True)
     while True:
         conn, peer = sock.accept()
-        with conn:
-            conn.sendall(peer[0].encode())
+        threading.Thread(target=_answer, args=(conn, peer[0]), daemon=True).start()
 
 
-def request(host: str, port: int, proto: str) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def request(host: str, port: int, proto: str, source_port: int = 0) -> None:
     if proto == "udp":
-        sock = socket.socket(family, socket.SOCK_DGRAM)
+        sock = socket.socket(_family(host), socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if source_port:
+            sock.bind(("::" if ":" in host else "0.0.0.0", source_port))
         sock.settimeout(2)
         sock.sendto(b"hi", (host, port))
-        print(sock.recvfrom(2048)[0].decode())
+        print(sock.recvfrom(2048)[0].decode().strip())
         return
     with socket.create_connection((host, port), timeout=3) as conn:
-        print(conn.recv(2048).decode())
+        print(conn.makefile().readline().strip())
+
+
+def hold(host: str, port: int) -> None:
+    with socket.create_connection((host, port), timeout=10) as conn:
+        stream = conn.makefile("rw")
+        print(stream.readline().strip(), flush=True)
+        for line in sys.stdin:
+            stream.write(line)
+            stream.flush()
+            print(stream.readline().strip(), flush=True)
 
 
 if __name__ == "__main__":
     mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    proto = sys.argv[4] if len(sys.argv) > 4 else "tcp"
-    (serve if mode == "serve" else request)(host, port, proto)
+    if mode == "hold":
+        hold(host, port)
+    elif mode == "serve":
+        serve(host, port, sys.argv[4] if len(sys.argv) > 4 else "tcp")
+    else:
+        request(
+            host,
+            port,
+            sys.argv[4] if len(sys.argv) > 4 else "tcp",
+            int(sys.argv[5]) if len(sys.argv) > 5 else 0,
+        )

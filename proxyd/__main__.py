@@ -1,0 +1,5 @@
+import sys
+
+from proxyd.daemon import main
+
+sys.exit(main())

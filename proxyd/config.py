@@ -1,0 +1,185 @@
+"""knit-proxyd's options: kube-proxy's flags where they mean the same, and a config file in
+kube-proxy's KubeProxyConfiguration form setting the same options (flags win)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODES = ("iptables",)
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Config:
+    kubeconfig: str = ""
+    hostname_override: str = ""
+    proxy_mode: str = "iptables"
+    cluster_cidr: tuple[str, ...] = ()
+    nodeport_addresses: tuple[str, ...] = ()
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    localhost_nodeports: bool = True
+    min_sync_period: float = 1.0
+    sync_period: float = 30.0
+    metrics_bind_address: str = "127.0.0.1:10249"
+    healthz_bind_address: str = "0.0.0.0:10256"
+    cleanup: bool = False
+    cleanup_kube_proxy: bool = False
+    verbosity: int = 0
+
+
+def parse_duration(text: str | float) -> float:
+    """Go-style durations as kube-proxy takes them: 1s, 500ms, 1m30s; a bare number is seconds."""
+    if isinstance(text, int | float):
+        return float(text)
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ConfigError(f"invalid duration {text!r}")
+    return sum(float(n) * UNIT_SECONDS[u] for n, u in parts)
+
+
+def _cidrs(
+    values: list[str] | tuple[str, ...], what: str, allow_primary: bool = False
+) -> tuple[str, ...]:
+    result = []
+    for value in values:
+        value = value.strip()
+        if not value:
+            continue
+        if allow_primary and value == "primary":
+            result.append(value)
+            continue
+        try:
+            result.append(str(ipaddress.ip_network(value, strict=False)))
+        except ValueError as err:
+            raise ConfigError(f"{what}: {value!r} is not a CIDR") from err
+    return tuple(result)
+
+
+def _split(text: str) -> list[str]:
+    return [part for part in text.split(",") if part.strip()]
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from err
+    iptables = doc.get("iptables") or {}
+    connection = doc.get("clientConnection") or {}
+    mapping = {
+        "kubeconfig": connection.get("kubeconfig"),
+        "hostname_override": doc.get("hostnameOverride"),
+        "proxy_mode": doc.get("mode") or None,
+        "cluster_cidr": _split(doc["clusterCIDR"]) if doc.get("clusterCIDR") else None,
+        "nodeport_addresses": doc.get("nodePortAddresses"),
+        "masquerade_all": iptables.get("masqueradeAll"),
+        "masquerade_bit": iptables.get("masqueradeBit"),
+        "localhost_nodeports": iptables.get("localhostNodePorts"),
+        "min_sync_period": iptables.get("minSyncPeriod"),
+        "sync_period": iptables.get("syncPeriod"),
+        "metrics_bind_address": doc.get("metricsBindAddress"),
+        "healthz_bind_address": doc.get("healthzBindAddress"),
+    }
+    return {key: value for key, value in mapping.items() if value is not None}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="knit-proxyd", description="knit node daemon: Kubernetes Service proxy"
+    )
+    p.add_argument("--config", help="KubeProxyConfiguration file; flags override it")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    p.add_argument("--hostname-override", help="this node's name (default: the hostname)")
+    p.add_argument("--proxy-mode", choices=MODES, help="datapath (default iptables)")
+    p.add_argument(
+        "--cluster-cidr",
+        help="pod CIDR(s), comma-separated; traffic from outside "
+        "them to a cluster IP is masqueraded",
+    )
+    p.add_argument(
+        "--nodeport-addresses",
+        help="CIDRs (or 'primary') of the node addresses "
+        "NodePorts answer on; default all local addresses",
+    )
+    p.add_argument(
+        "--masquerade-all",
+        action="store_const",
+        const=True,
+        help="masquerade all traffic sent to cluster IPs",
+    )
+    p.add_argument(
+        "--iptables-masquerade-bit",
+        type=int,
+        dest="masquerade_bit",
+        help="fwmark bit marking packets to masquerade (default 14)",
+    )
+    p.add_argument(
+        "--iptables-localhost-nodeports",
+        dest="localhost_nodeports",
+        type=lambda v: v.lower() in ("1", "true", "yes"),
+        help="answer NodePorts on 127.0.0.1 (default true)",
+    )
+    p.add_argument("--min-sync-period", help="minimum interval between syncs (default 1s)")
+    p.add_argument("--sync-period", help="maximum interval between syncs (default 30s)")
+    p.add_argument("--metrics-bind-address", help="default 127.0.0.1:10249")
+    p.add_argument("--healthz-bind-address", help="default 0.0.0.0:10256")
+    p.add_argument(
+        "--cleanup",
+        action="store_const",
+        const=True,
+        help="remove every rule this proxy installed, then exit",
+    )
+    p.add_argument(
+        "--cleanup-kube-proxy",
+        action="store_const",
+        const=True,
+        help="remove kube-proxy's leftover KUBE-* rules at start-up",
+    )
+    p.add_argument("-v", "--v", type=int, dest="verbosity", help="log verbosity (0-4)")
+    return p
+
+
+def load(argv: list[str] | None = None) -> Config:
+    args = parser().parse_args(argv)
+    values: dict[str, Any] = _from_file(args.config) if args.config else {}
+    flags = vars(args)
+    for field in fields(Config):
+        if flags.get(field.name) is not None:
+            values[field.name] = flags[field.name]
+    if isinstance(values.get("cluster_cidr"), str):
+        values["cluster_cidr"] = _split(values["cluster_cidr"])
+    if isinstance(values.get("nodeport_addresses"), str):
+        values["nodeport_addresses"] = _split(values["nodeport_addresses"])
+    values["cluster_cidr"] = _cidrs(values.get("cluster_cidr", ()), "--cluster-cidr")
+    values["nodeport_addresses"] = _cidrs(
+        values.get("nodeport_addresses", ()), "--nodeport-addresses", allow_primary=True
+    )
+    for name in ("min_sync_period", "sync_period"):
+        if name in values:
+            values[name] = parse_duration(values[name])
+    config = Config(**values)
+    if config.proxy_mode not in MODES:
+        raise ConfigError(f"proxy mode {config.proxy_mode!r} is not supported (one of {MODES})")
+    if not 0 <= config.masquerade_bit <= 31:
+        raise ConfigError("--iptables-masquerade-bit must be within 0..31")
+    if config.sync_period <= 0 or config.min_sync_period < 0:
+        raise ConfigError("sync periods must be positive")
+    return config

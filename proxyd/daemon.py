@@ -1,0 +1,199 @@
+"""knit-proxyd: watches the API, syncs the datapath, serves health and metrics."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from kubernetes import client
+from kubernetes import config as kubeconfig
+
+from proxyd import watch
+from proxyd.config import Config, ConfigError, load
+from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
+from proxyd.iptables.chains import owned_by_kube_proxy
+from proxyd.iptables.kernel import Iptables
+from proxyd.iptables.proxier import IptablesProxier, ProxyOptions
+from proxyd.metrics import Metrics
+from proxyd.runner import BoundedFrequencyRunner
+from proxyd.tracker import ClusterState
+
+log = logging.getLogger("knit-proxyd")
+
+FAMILIES = (4, 6)
+SYSCTLS_FOR_BRIDGED_PODS = (
+    "net/bridge/bridge-nf-call-iptables",
+    "net/bridge/bridge-nf-call-ip6tables",
+)
+
+
+def _write_sysctl(name: str, value: str) -> None:
+    path = Path("/proc/sys") / name
+    try:
+        if path.read_text().strip() != value:
+            path.write_text(value)
+    except OSError as err:
+        log.warning("cannot set %s=%s: %s", name.replace("/", "."), value, err)
+
+
+def _api_client(config: Config) -> client.ApiClient:
+    configuration = client.Configuration()
+    if config.kubeconfig:
+        kubeconfig.load_kube_config(
+            config_file=config.kubeconfig, client_configuration=configuration
+        )
+    else:
+        kubeconfig.load_incluster_config(client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+def _node_name(config: Config) -> str:
+    return (config.hostname_override or socket.gethostname()).strip().lower()
+
+
+def _options(config: Config) -> ProxyOptions:
+    return ProxyOptions(
+        cluster_cidrs=config.cluster_cidr,
+        masquerade_all=config.masquerade_all,
+        masquerade_bit=config.masquerade_bit,
+        nodeport_addresses=config.nodeport_addresses,
+        localhost_nodeports=config.localhost_nodeports,
+    )
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.health = ProxyHealth(timeout=2 * config.sync_period)
+        self.health_servers = ServiceHealthServers(self.health)
+        self.proxier = IptablesProxier(_options(config), FAMILIES, self.metrics)
+        self.state = ClusterState(_node_name(config), on_change=self._queued)
+        self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
+        self.stop = threading.Event()
+
+    def _queued(self) -> None:
+        now = time.time()
+        self.health.queued()
+        self.health.node_deleting = self.state.node.deleting
+        self.metrics.last_queued.set(now)
+        services, endpoints = self.state.pending()
+        self.metrics.service_changes_pending.set(services)
+        self.metrics.endpoint_changes_pending.set(endpoints)
+        self.runner.run()
+
+    def sync(self) -> None:
+        if not self.state.ready():
+            log.debug("waiting for the first lists of Services and EndpointSlices")
+            return
+        changes = self.state.take()
+        self.metrics.service_changes.inc(changes.service_changes)
+        self.metrics.endpoint_changes.inc(changes.endpoint_changes)
+        self.metrics.service_changes_pending.set(0)
+        self.metrics.endpoint_changes_pending.set(0)
+        start = time.monotonic()
+        try:
+            result = self.proxier.sync(changes)
+        except Exception:
+            log.exception("sync failed; a full sync follows")
+            self.runner.retry_after(max(self.config.min_sync_period, 1.0))
+            return
+        elapsed = time.monotonic() - start
+        self.metrics.sync_duration.observe(elapsed)
+        (
+            self.metrics.full_sync_duration if result.full else self.metrics.partial_sync_duration
+        ).observe(elapsed)
+        now = time.time()
+        self.metrics.last_sync.set(now)
+        for trigger in changes.trigger_times:
+            self.metrics.network_programming.observe(max(0.0, now - trigger))
+        internal, external = self.proxier.no_local_endpoints()
+        self.metrics.no_local_endpoints.labels(traffic_policy="internal").set(internal)
+        self.metrics.no_local_endpoints.labels(traffic_policy="external").set(external)
+        self.health.updated()
+        self.health_servers.update(result.health_checks)
+        log.info(
+            "%s sync of %d changed services in %.1f ms",
+            "full" if result.full else "partial",
+            len(changes.services),
+            elapsed * 1000,
+        )
+
+    def run(self) -> None:
+        if self.config.localhost_nodeports:
+            _write_sysctl("net/ipv4/conf/all/route_localnet", "1")
+        if Path("/proc/sys/net/bridge").exists():
+            for name in SYSCTLS_FOR_BRIDGED_PODS:
+                _write_sysctl(name, "1")
+        api = _api_client(self.config)
+        serve_metrics(self.config.metrics_bind_address, self.metrics, self.proxier.mode)
+        serve_health(self.config.healthz_bind_address, self.health, self.metrics)
+        reflectors = [
+            watch.Reflector(
+                api,
+                watch.services(),
+                self.state.replace_services,
+                self.state.service_event,
+                self.stop,
+            ),
+            watch.Reflector(
+                api,
+                watch.endpoint_slices(),
+                self.state.replace_slices,
+                self.state.slice_event,
+                self.stop,
+            ),
+            watch.Reflector(
+                api,
+                watch.node(self.state.node.name),
+                self._replace_node,
+                self.state.node_event,
+                self.stop,
+            ),
+        ]
+        for reflector in reflectors:
+            reflector.start()
+        log.info(
+            "knit-proxyd (%s mode) running on node %s", self.proxier.mode, self.state.node.name
+        )
+        self.runner.loop()
+        self.health_servers.close()
+
+    def _replace_node(self, items: list[dict]) -> None:
+        if items:
+            self.state.node_event("ADDED", items[0])
+
+    def shutdown(self, signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: stopping (rules stay in place)", signum)
+        self.stop.set()
+        self.runner.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = load(argv)
+    except ConfigError as err:
+        print(f"knit-proxyd: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if config.verbosity >= 4 else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if config.cleanup:
+        removed = IptablesProxier(_options(config), FAMILIES, Metrics()).cleanup()
+        log.info("cleanup: removed %d chains", removed)
+        return 0
+    if config.cleanup_kube_proxy:
+        removed = sum(Iptables(family).remove_owned(owned_by_kube_proxy) for family in FAMILIES)
+        log.info("removed %d chains kube-proxy left behind", removed)
+    daemon = Daemon(config)
+    signal.signal(signal.SIGTERM, daemon.shutdown)
+    signal.signal(signal.SIGINT, daemon.shutdown)
+    daemon.run()
+    return 0

@@ -1,0 +1,1 @@
+"""The iptables datapath: rules rendered from the model, applied with iptables-restore."""

@@ -1,0 +1,110 @@
+"""Thin layer over the iptables binaries of one family, in the node's flavour."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable
+
+from cni.firewall import detect_iptables_flavour
+from proxyd.iptables.render import TABLES
+
+BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
+JUMP = re.compile(r"(?:^| )-j (\S+)")
+
+
+class RestoreError(RuntimeError):
+    pass
+
+
+class Iptables:
+    def __init__(self, family: int, flavour: str | None = None) -> None:
+        self.family = family
+        self.flavour = flavour or detect_iptables_flavour()
+        prefix = "iptables" if family == 4 else "ip6tables"
+        self.binary = f"{prefix}-{self.flavour}"
+        self.save_binary = f"{prefix}-{self.flavour}-save"
+        self.restore_binary = f"{prefix}-{self.flavour}-restore"
+
+    def restore(self, text: str) -> None:
+        proc = subprocess.run(
+            [self.restore_binary, "--noflush", "-w", "5"],
+            input=text,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RestoreError(f"{self.restore_binary} failed: {proc.stderr.strip()}")
+
+    def save(self, table: str) -> str:
+        proc = subprocess.run(
+            [self.save_binary, "-t", table], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise RestoreError(f"{self.save_binary} -t {table} failed: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def chains(self, table: str, owned: Callable[[str], bool]) -> set[str]:
+        return {
+            line[1:].split(" ", 1)[0]
+            for line in self.save(table).splitlines()
+            if line.startswith(":") and owned(line[1:].split(" ", 1)[0])
+        }
+
+    def _rule_exists(self, table: str, chain: str, rule: str) -> bool:
+        argv = [self.binary, "-w", "5", "-t", table, "-C", chain, *split_rule(rule)]
+        return subprocess.run(argv, capture_output=True, check=False).returncode == 0
+
+    def ensure_hooks(self, hooks: tuple[tuple[str, str, str], ...]) -> None:
+        """Insert the missing jumps from built-in chains, keeping their order at the head."""
+        for table, chain, rule in reversed(hooks):
+            if not self._rule_exists(table, chain, rule):
+                argv = [self.binary, "-w", "5", "-t", table, "-I", chain, "1", *split_rule(rule)]
+                proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+                if proc.returncode != 0:
+                    raise RestoreError(f"inserting {chain} hook failed: {proc.stderr.strip()}")
+
+    def remove_owned(self, owned: Callable[[str], bool]) -> int:
+        """Remove every jump into owned chains from built-in chains, then the chains.
+
+        Returns how many chains were removed.
+        """
+        lines: list[str] = []
+        removed = 0
+        for table in TABLES:
+            saved = self.save(table).splitlines()
+            chains = [
+                line[1:].split(" ", 1)[0]
+                for line in saved
+                if line.startswith(":") and owned(line[1:].split(" ", 1)[0])
+            ]
+            jumps = [
+                "-D" + line[2:]
+                for line in saved
+                if line.startswith("-A ")
+                and line.split(" ", 2)[1] in BUILTIN_CHAINS
+                and (m := JUMP.search(line)) is not None
+                and owned(m.group(1))
+            ]
+            if not chains and not jumps:
+                continue
+            removed += len(chains)
+            lines += [f"*{table}", *jumps]
+            lines += [f":{chain} - [0:0]" for chain in chains]
+            lines += [f"-X {chain}" for chain in chains]
+            lines.append("COMMIT")
+        if lines:
+            self.restore("\n".join(lines) + "\n")
+        return removed
+
+
+def split_rule(rule: str) -> list[str]:
+    """Split a rule into argv, keeping double-quoted comments whole."""
+    parts: list[str] = []
+    for index, chunk in enumerate(rule.split('"')):
+        if index % 2:
+            parts.append(chunk)
+        else:
+            parts.extend(chunk.split())
+    return parts

@@ -1,0 +1,330 @@
+"""Pure rendering: the model of one address family -> the iptables rules it needs.
+
+The layout follows kube-proxy's iptables mode (per-service SVC/SVL/EXT/FW chains, per-endpoint
+SEP chains, dispatch from KNIT-SERVICES and KNIT-NODEPORTS, drops and rejects in the filter
+table), with KNIT- names. A rule is the text after `-A CHAIN`, in the form iptables-restore
+reads, so the same text adds (`-A`/`-I`) and deletes (`-D`) it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from proxyd.iptables import chains as ch
+from proxyd.model import Endpoint, NodeInfo, ServicePort
+from proxyd.topology import categorize
+
+NAT = "nat"
+FILTER = "filter"
+TABLES = (NAT, FILTER)
+
+Rules = tuple[str, ...]
+SharedKey = tuple[str, str]
+"""(table, chain) of a chain every service adds rules to."""
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    family: int
+    node: NodeInfo
+    cluster_cidr: str = ""
+    """Pod CIDR of this family for detect-local; empty: no local detection."""
+    masquerade_all: bool = False
+    masquerade_mark: int = 0x4000
+    nodeport_addresses: tuple[str, ...] | None = None
+    """Node addresses NodePorts answer on; None: every local address."""
+    localhost_nodeports: bool = True
+
+    def of_family(self, address: str) -> bool:
+        return ipaddress.ip_network(address, strict=False).version == self.family
+
+    @property
+    def mark(self) -> str:
+        return f"{self.masquerade_mark:#x}"
+
+    def nodeport_destinations(self) -> list[str]:
+        """Match arguments selecting the destinations NodePorts answer on."""
+        if self.nodeport_addresses is None:
+            if self.family == 6:
+                return ["-m addrtype --dst-type LOCAL ! -d ::1/128"]
+            if self.localhost_nodeports:
+                return ["-m addrtype --dst-type LOCAL"]
+            return ["-m addrtype --dst-type LOCAL ! -d 127.0.0.0/8"]
+        return [f"-d {address}" for address in self.nodeport_addresses]
+
+
+@dataclass(frozen=True)
+class ServiceRules:
+    """What one service port contributes in one family."""
+
+    chains: dict[str, Rules] = field(default_factory=dict)
+    """Its own nat chains, whole."""
+    shared: dict[SharedKey, Rules] = field(default_factory=dict)
+    """Its rules in chains every service shares; their order there does not matter."""
+    no_local_internal: bool = False
+    no_local_external: bool = False
+    local_endpoints: int = 0
+    reachable: tuple[Endpoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class BaseRules:
+    """Chains independent of any service, and the fixed tail rules of the shared chains."""
+
+    chains: dict[SharedKey, Rules]
+    hooks: tuple[tuple[str, str, str], ...]
+    """(table, built-in chain, rule) jumps into the proxy's chains."""
+
+
+def comment(text: str) -> str:
+    return f'-m comment --comment "{text}"'
+
+
+def _endpoint_rules(
+    port: ServicePort, chains: ch.ServiceChains, endpoints: tuple[Endpoint, ...]
+) -> list[str]:
+    rules: list[str] = []
+    if port.affinity_timeout:
+        for endpoint in endpoints:
+            sep = chains.endpoint(endpoint)
+            rules.append(
+                f"{comment(f'{port.name} -> {endpoint}')} -m recent --name {sep} --rcheck"
+                f" --seconds {port.affinity_timeout} --reap -j {sep}"
+            )
+    count = len(endpoints)
+    for index, endpoint in enumerate(endpoints):
+        statistic = ""
+        if index < count - 1:
+            statistic = f" -m statistic --mode random --probability {1.0 / (count - index):.10f}"
+        rules.append(
+            f"{comment(f'{port.name} -> {endpoint}')}{statistic} -j {chains.endpoint(endpoint)}"
+        )
+    return rules
+
+
+def _endpoint_chain(port: ServicePort, endpoint: Endpoint, proto: str) -> Rules:
+    affinity = ""
+    if port.affinity_timeout:
+        affinity = f" -m recent --name {ch.ServiceChains(port.name).endpoint(endpoint)} --set"
+    return (
+        f"{comment(str(port.name))} -s {endpoint.ip} -j {ch.MARK_MASQ}",
+        f"{comment(str(port.name))}{affinity} {proto} -j DNAT --to-destination {endpoint}",
+    )
+
+
+def render_service(
+    port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: RenderContext
+) -> ServiceRules:
+    cluster_ip = next((ip for ip in port.cluster_ips if ctx.of_family(ip)), None)
+    if cluster_ip is None:
+        return ServiceRules()
+    endpoints = tuple(e for e in endpoints if ctx.of_family(e.ip))
+    external_ips = [ip for ip in port.external_ips if ctx.of_family(ip)]
+    lb_ips = [ip for ip in port.load_balancer_ips if ctx.of_family(ip)]
+    source_ranges = [cidr for cidr in port.source_ranges if ctx.of_family(cidr)]
+    categorized = categorize(port, endpoints, ctx.node)
+    chains = ch.ServiceChains(port.name)
+    proto_name = port.protocol.lower()
+    proto = f"-p {proto_name} -m {proto_name}"
+    name = str(port.name)
+
+    has_endpoints = bool(categorized.reachable)
+    uses_cluster_chain = bool(categorized.cluster) and port.uses_cluster_endpoints
+    uses_local_chain = bool(categorized.local) and port.uses_local_endpoints
+    internal_chain = chains.local if port.internal_policy_local else chains.cluster
+    has_internal = has_endpoints and (not port.internal_policy_local or bool(categorized.local))
+    external_policy_chain = chains.local if port.external_policy_local else chains.cluster
+    has_external = has_endpoints and (not port.external_policy_local or bool(categorized.local))
+    uses_external_chain = has_endpoints and port.externally_accessible
+    uses_firewall = has_endpoints and bool(lb_ips) and bool(port.source_ranges)
+    lb_chain = chains.firewall if uses_firewall else chains.external
+
+    if not has_endpoints:
+        internal_target = external_target = "REJECT"
+    else:
+        internal_target = "" if has_internal else "DROP"
+        external_target = "" if has_external else "DROP"
+
+    shared: dict[SharedKey, list[str]] = {}
+
+    def share(table: str, chain: str, rule: str) -> None:
+        shared.setdefault((table, chain), []).append(rule)
+
+    own: dict[str, list[str]] = {}
+
+    cluster_match = f"{comment(f'{name} cluster IP')} {proto} -d {cluster_ip} --dport {port.port}"
+    if has_internal:
+        share(NAT, ch.SERVICES, f"{cluster_match} -j {internal_chain}")
+        if ctx.masquerade_all:
+            own.setdefault(internal_chain, []).append(f"{cluster_match} -j {ch.MARK_MASQ}")
+        elif ctx.cluster_cidr:
+            own.setdefault(internal_chain, []).append(
+                f"{cluster_match} ! -s {ctx.cluster_cidr} -j {ch.MARK_MASQ}"
+            )
+    else:
+        share(FILTER, ch.SERVICES, f"{cluster_match} -j {internal_target}")
+
+    for external_ip in external_ips:
+        match = f"{comment(f'{name} external IP')} {proto} -d {external_ip} --dport {port.port}"
+        if has_endpoints:
+            share(NAT, ch.SERVICES, f"{match} -j {chains.external}")
+        if external_target:
+            share(FILTER, ch.EXTERNAL_SERVICES, f"{match} -j {external_target}")
+
+    for lb_ip in lb_ips:
+        match = f"{comment(f'{name} loadbalancer IP')} {proto} -d {lb_ip} --dport {port.port}"
+        if has_endpoints:
+            share(NAT, ch.SERVICES, f"{match} -j {lb_chain}")
+        if uses_firewall:
+            share(FILTER, ch.PROXY_FIREWALL, f"{match} -j DROP")
+        if external_target:
+            share(FILTER, ch.EXTERNAL_SERVICES, f"{match} -j {external_target}")
+
+    if port.node_port:
+        match = f"{comment(name)} {proto} --dport {port.node_port}"
+        if has_endpoints:
+            share(NAT, ch.NODEPORTS, f"{match} -j {chains.external}")
+        if external_target:
+            for destination in ctx.nodeport_destinations():
+                share(FILTER, ch.EXTERNAL_SERVICES, f"{match} {destination} -j {external_target}")
+
+    if port.health_check_node_port:
+        share(
+            FILTER,
+            ch.NODEPORTS,
+            f"{comment(f'{name} health check node port')} -p tcp -m tcp"
+            f" --dport {port.health_check_node_port} -j ACCEPT",
+        )
+
+    if uses_external_chain:
+        rules = own.setdefault(chains.external, [])
+        if not port.external_policy_local:
+            what = f"masquerade traffic for {name} external destinations"
+            rules.append(f"{comment(what)} -j {ch.MARK_MASQ}")
+        else:
+            if ctx.cluster_cidr and uses_cluster_chain:
+                rules.append(
+                    f"{comment(f'pod traffic for {name} external destinations')}"
+                    f" -s {ctx.cluster_cidr} -j {chains.cluster}"
+                )
+            rules.append(
+                f"{comment(f'masquerade LOCAL traffic for {name} external destinations')}"
+                f" -m addrtype --src-type LOCAL -j {ch.MARK_MASQ}"
+            )
+            if uses_cluster_chain:
+                rules.append(
+                    f"{comment(f'route LOCAL traffic for {name} external destinations')}"
+                    f" -m addrtype --src-type LOCAL -j {chains.cluster}"
+                )
+        if has_external:
+            rules.append(f"-j {external_policy_chain}")
+
+    if uses_firewall:
+        rules = own.setdefault(chains.firewall, [])
+        match = comment(f"{name} loadbalancer IP")
+        for source in source_ranges:
+            rules.append(f"{match} -s {source} -j {chains.external}")
+        node_networks = [ipaddress.ip_network(s) for s in source_ranges]
+        if any(
+            ipaddress.ip_address(a) in net
+            for a in ctx.node.addresses
+            if ctx.of_family(a)
+            for net in node_networks
+        ):
+            for lb_ip in lb_ips:
+                rules.append(f"{match} -s {lb_ip} -j {chains.external}")
+
+    if uses_cluster_chain:
+        own.setdefault(chains.cluster, []).extend(
+            _endpoint_rules(port, chains, categorized.cluster)
+        )
+    if uses_local_chain:
+        own.setdefault(chains.local, []).extend(_endpoint_rules(port, chains, categorized.local))
+    if has_endpoints:
+        for endpoint in categorized.reachable:
+            own[chains.endpoint(endpoint)] = list(_endpoint_chain(port, endpoint, proto))
+
+    return ServiceRules(
+        chains={chain: tuple(rules) for chain, rules in own.items()},
+        shared={key: tuple(rules) for key, rules in shared.items()},
+        no_local_internal=has_endpoints and port.internal_policy_local and not categorized.local,
+        no_local_external=has_endpoints
+        and port.external_policy_local
+        and port.externally_accessible
+        and not categorized.local,
+        local_endpoints=len(categorized.local),
+        reachable=categorized.reachable,
+    )
+
+
+def render_base(ctx: RenderContext) -> BaseRules:
+    mark = ctx.mark
+    nodeport_jumps = tuple(
+        f"{comment('knit service nodeports; NOTE: this must be the last rule in this chain')}"
+        f" {destination} -j {ch.NODEPORTS}"
+        for destination in ctx.nodeport_destinations()
+    )
+    localnet = ctx.family == 4 and ctx.localhost_nodeports
+    chains: dict[SharedKey, Rules] = {
+        (NAT, ch.SERVICES): nodeport_jumps,
+        (NAT, ch.NODEPORTS): (),
+        (NAT, ch.MARK_MASQ): (f"-j MARK --or-mark {mark}",),
+        (NAT, ch.POSTROUTING): (
+            f"-m mark ! --mark {mark}/{mark} -j RETURN",
+            f"-j MARK --xor-mark {mark}",
+            f"{comment('knit service traffic requiring SNAT')} -j MASQUERADE --random-fully",
+        ),
+        (FILTER, ch.SERVICES): (),
+        (FILTER, ch.EXTERNAL_SERVICES): (),
+        (FILTER, ch.NODEPORTS): (),
+        (FILTER, ch.PROXY_FIREWALL): (),
+        (FILTER, ch.FORWARD): (
+            "-m conntrack --ctstate INVALID -j DROP",
+            f"{comment('knit forwarding rules')} -m mark --mark {mark}/{mark} -j ACCEPT",
+            f"{comment('knit forwarding conntrack rule')}"
+            " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+        ),
+    }
+    if localnet:
+        chains[(FILTER, ch.LOCALNET_FIREWALL)] = (
+            f"{comment('block incoming localnet connections')} -d 127.0.0.0/8 ! -s 127.0.0.0/8"
+            " -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP",
+        )
+    new = "-m conntrack --ctstate NEW"
+    hooks = [
+        (FILTER, "INPUT", f"{new} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}"),
+        (FILTER, "INPUT", f"{comment('knit health check service ports')} -j {ch.NODEPORTS}"),
+        (
+            FILTER,
+            "INPUT",
+            f"{new} {comment('knit externally-visible service portals')} -j {ch.EXTERNAL_SERVICES}",
+        ),
+        (
+            FILTER,
+            "FORWARD",
+            f"{new} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}",
+        ),
+        (FILTER, "FORWARD", f"{comment('knit forwarding rules')} -j {ch.FORWARD}"),
+        (FILTER, "FORWARD", f"{new} {comment('knit service portals')} -j {ch.SERVICES}"),
+        (
+            FILTER,
+            "FORWARD",
+            f"{new} {comment('knit externally-visible service portals')} -j {ch.EXTERNAL_SERVICES}",
+        ),
+        (
+            FILTER,
+            "OUTPUT",
+            f"{new} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}",
+        ),
+        (FILTER, "OUTPUT", f"{new} {comment('knit service portals')} -j {ch.SERVICES}"),
+        (NAT, "PREROUTING", f"{comment('knit service portals')} -j {ch.SERVICES}"),
+        (NAT, "OUTPUT", f"{comment('knit service portals')} -j {ch.SERVICES}"),
+        (NAT, "POSTROUTING", f"{comment('knit postrouting rules')} -j {ch.POSTROUTING}"),
+    ]
+    if localnet:
+        hooks += [
+            (FILTER, "INPUT", f"-j {ch.LOCALNET_FIREWALL}"),
+            (FILTER, "OUTPUT", f"-j {ch.LOCALNET_FIREWALL}"),
+        ]
+    return BaseRules(chains=chains, hooks=tuple(hooks))

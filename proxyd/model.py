@@ -1,0 +1,296 @@
+"""The proxy's view of the cluster: Service ports and their endpoints, parsed from API objects.
+
+Objects arrive as the API server's JSON (dicts with camelCase keys). Parsing validates what
+the rules depend on; an object the proxy cannot use raises InvalidObject naming the problem,
+and the caller logs and skips it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOLS = ("TCP", "UDP", "SCTP")
+IGNORE_LABELS = ("service.kubernetes.io/service-proxy-name", "service.kubernetes.io/headless")
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+DEFAULT_AFFINITY_TIMEOUT = 10800
+
+Obj = dict[str, Any]
+
+
+class InvalidObject(ValueError):
+    """An API object the proxy cannot program; the message says why."""
+
+
+@dataclass(frozen=True, order=True)
+class ServicePortName:
+    namespace: str
+    name: str
+    port: str
+    protocol: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    """One port of one Service, with everything its rules depend on."""
+
+    name: ServicePortName
+    cluster_ips: tuple[str, ...]
+    port: int
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    load_balancer_ips: tuple[str, ...] = ()
+    source_ranges: tuple[str, ...] = ()
+    external_policy_local: bool = False
+    internal_policy_local: bool = False
+    affinity_timeout: int = 0
+    health_check_node_port: int = 0
+
+    @property
+    def protocol(self) -> str:
+        return self.name.protocol
+
+    @property
+    def externally_accessible(self) -> bool:
+        return bool(self.node_port or self.external_ips or self.load_balancer_ips)
+
+    @property
+    def uses_cluster_endpoints(self) -> bool:
+        return not self.internal_policy_local or (
+            self.externally_accessible and not self.external_policy_local
+        )
+
+    @property
+    def uses_local_endpoints(self) -> bool:
+        return self.internal_policy_local or (
+            self.externally_accessible and self.external_policy_local
+        )
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    ip: str
+    port: int
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str = ""
+    zone: str = ""
+    zone_hints: frozenset[str] = frozenset()
+    node_hints: frozenset[str] = frozenset()
+
+    def __str__(self) -> str:
+        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SlicePort:
+    name: str
+    port: int
+    protocol: str
+
+
+@dataclass(frozen=True)
+class EndpointSlice:
+    namespace: str
+    name: str
+    service: str
+    ports: tuple[SlicePort, ...]
+    endpoints: tuple[Endpoint, ...]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    zone: str = ""
+    addresses: tuple[str, ...] = ()
+    deleting: bool = False
+    labels: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+def ignored(obj: Obj) -> bool:
+    """Objects another proxy owns, or headless ones (kube-proxy's label selector)."""
+    labels = obj.get("metadata", {}).get("labels") or {}
+    return any(label in labels for label in IGNORE_LABELS)
+
+
+def key_of(obj: Obj) -> tuple[str, str]:
+    meta = obj.get("metadata", {})
+    return meta.get("namespace", ""), meta.get("name", "")
+
+
+def _ip(text: Any, what: str) -> str:
+    try:
+        return str(ipaddress.ip_address(text))
+    except (ValueError, TypeError) as err:
+        raise InvalidObject(f"{what} {text!r} is not an IP address") from err
+
+
+def _cidr(text: Any, what: str) -> str:
+    try:
+        return str(ipaddress.ip_network(str(text).strip(), strict=False))
+    except (ValueError, TypeError) as err:
+        raise InvalidObject(f"{what} {text!r} is not a CIDR") from err
+
+
+def _port(value: Any, what: str, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidObject(f"{what} {value!r} is not a port number")
+    if not (0 if allow_zero else 1) <= value <= 65535:
+        raise InvalidObject(f"{what} {value} is out of range")
+    return value
+
+
+def _protocol(value: Any) -> str:
+    protocol = value or "TCP"
+    if protocol not in PROTOCOLS:
+        raise InvalidObject(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+    return protocol
+
+
+def parse_service(obj: Obj) -> list[ServicePort]:
+    """The ports the proxy programs for a Service; empty for headless and ExternalName."""
+    namespace, name = key_of(obj)
+    spec = obj.get("spec") or {}
+    if spec.get("type") == "ExternalName":
+        return []
+    cluster_ips = spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else [])
+    if not cluster_ips or cluster_ips[0] == "None":
+        return []
+    cluster_ips = tuple(_ip(ip, "clusterIP") for ip in cluster_ips)
+    external_ips = tuple(_ip(ip, "externalIP") for ip in spec.get("externalIPs") or [])
+    ingress = ((obj.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+    lb_ips = tuple(
+        _ip(entry["ip"], "load balancer ingress IP")
+        for entry in ingress
+        if entry.get("ip") and entry.get("ipMode", "VIP") == "VIP"
+    )
+    source_ranges = tuple(
+        _cidr(cidr, "loadBalancerSourceRange")
+        for cidr in spec.get("loadBalancerSourceRanges") or []
+    )
+    affinity_timeout = 0
+    if spec.get("sessionAffinity") == "ClientIP":
+        config = (spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}
+        affinity_timeout = config.get("timeoutSeconds") or DEFAULT_AFFINITY_TIMEOUT
+        if not isinstance(affinity_timeout, int) or not 0 < affinity_timeout <= 86400:
+            raise InvalidObject(f"sessionAffinity timeoutSeconds {affinity_timeout!r} is invalid")
+    external_local = spec.get("externalTrafficPolicy") == "Local"
+    ports: list[ServicePort] = []
+    seen: set[tuple[str, str]] = set()
+    for entry in spec.get("ports") or []:
+        port_name = ServicePortName(
+            namespace, name, entry.get("name") or "", _protocol(entry.get("protocol"))
+        )
+        if (port_name.port, port_name.protocol) in seen:
+            raise InvalidObject(f"port name {port_name.port!r} appears twice")
+        seen.add((port_name.port, port_name.protocol))
+        ports.append(
+            ServicePort(
+                name=port_name,
+                cluster_ips=cluster_ips,
+                port=_port(entry.get("port"), "port"),
+                node_port=_port(entry.get("nodePort", 0), "nodePort", allow_zero=True),
+                external_ips=external_ips,
+                load_balancer_ips=lb_ips,
+                source_ranges=source_ranges,
+                external_policy_local=external_local,
+                internal_policy_local=spec.get("internalTrafficPolicy") == "Local",
+                affinity_timeout=affinity_timeout,
+                health_check_node_port=(
+                    _port(
+                        spec.get("healthCheckNodePort", 0), "healthCheckNodePort", allow_zero=True
+                    )
+                    if external_local
+                    else 0
+                ),
+            )
+        )
+    return ports
+
+
+def parse_endpoint_slice(obj: Obj) -> EndpointSlice | None:
+    """The slice's usable endpoints; None for FQDN slices and slices without a service."""
+    namespace, name = key_of(obj)
+    labels = obj.get("metadata", {}).get("labels") or {}
+    service = labels.get(SERVICE_NAME_LABEL)
+    address_type = obj.get("addressType")
+    if not service or address_type not in ("IPv4", "IPv6"):
+        return None
+    version = 4 if address_type == "IPv4" else 6
+    ports = tuple(
+        SlicePort(
+            entry.get("name") or "",
+            _port(entry.get("port"), "endpoint port"),
+            _protocol(entry.get("protocol")),
+        )
+        for entry in obj.get("ports") or []
+        if entry.get("port") is not None
+    )
+    endpoints: list[Endpoint] = []
+    for entry in obj.get("endpoints") or []:
+        addresses = entry.get("addresses") or []
+        if not addresses:
+            continue
+        ip = _ip(addresses[0], "endpoint address")
+        if ipaddress.ip_address(ip).version != version:
+            raise InvalidObject(f"endpoint address {ip} is not {address_type}")
+        conditions = entry.get("conditions") or {}
+        hints = entry.get("hints") or {}
+        ready = conditions.get("ready")
+        serving = conditions.get("serving")
+        endpoints.append(
+            Endpoint(
+                ip=ip,
+                port=0,
+                ready=ready is not False,
+                serving=serving is not False,
+                terminating=bool(conditions.get("terminating")),
+                node_name=entry.get("nodeName") or "",
+                zone=entry.get("zone") or "",
+                zone_hints=frozenset(h.get("name", "") for h in hints.get("forZones") or []),
+                node_hints=frozenset(h.get("name", "") for h in hints.get("forNodes") or []),
+            )
+        )
+    return EndpointSlice(namespace, name, service, ports, tuple(endpoints))
+
+
+def endpoints_for(port: ServicePort, slices: list[EndpointSlice]) -> tuple[Endpoint, ...]:
+    """The endpoints of one service port: slice ports matched by name and protocol.
+
+    When two slices hold the same address, the non-terminating entry wins.
+    """
+    chosen: dict[tuple[str, int], Endpoint] = {}
+    for endpoint_slice in slices:
+        for slice_port in endpoint_slice.ports:
+            if slice_port.name != port.name.port or slice_port.protocol != port.protocol:
+                continue
+            for endpoint in endpoint_slice.endpoints:
+                placed = Endpoint(**{**endpoint.__dict__, "port": slice_port.port})
+                key = (placed.ip, placed.port)
+                previous = chosen.get(key)
+                if previous is None or (previous.terminating and not placed.terminating):
+                    chosen[key] = placed
+    return tuple(sorted(chosen.values(), key=lambda e: (e.ip, e.port)))
+
+
+def parse_node(obj: Obj) -> NodeInfo:
+    meta = obj.get("metadata", {})
+    labels = meta.get("labels") or {}
+    addresses = tuple(
+        entry["address"]
+        for entry in (obj.get("status") or {}).get("addresses") or []
+        if entry.get("type") == "InternalIP" and entry.get("address")
+    )
+    return NodeInfo(
+        name=meta.get("name", ""),
+        zone=labels.get(ZONE_LABEL, ""),
+        addresses=addresses,
+        deleting=bool(meta.get("deletionTimestamp")),
+        labels=labels,
+    )

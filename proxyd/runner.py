@@ -1,0 +1,85 @@
+"""A bounded-frequency runner: syncs at most `burst` times back to back, then no more often
+than every `min_interval`; at least every `max_interval`; requests in between coalesce."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class BoundedFrequencyRunner:
+    def __init__(
+        self,
+        fn: Callable[[], None],
+        min_interval: float,
+        max_interval: float,
+        burst: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fn = fn
+        self._min = min_interval
+        self._max = max_interval
+        self._burst = burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._stamp = clock()
+        self._last_run = clock()
+        self._requested = False
+        self._retry_at: float | None = None
+        self._cond = threading.Condition()
+        self._stopped = False
+
+    def run(self) -> None:
+        """Ask for a sync as soon as the rate limit allows."""
+        with self._cond:
+            self._requested = True
+            self._cond.notify()
+
+    def retry_after(self, delay: float) -> None:
+        """Ask for a sync after `delay` seconds (after a failure)."""
+        with self._cond:
+            at = self._clock() + delay
+            self._retry_at = at if self._retry_at is None else min(self._retry_at, at)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _refill(self, now: float) -> None:
+        if self._min > 0:
+            self._tokens = min(self._burst, self._tokens + (now - self._stamp) / self._min)
+        else:
+            self._tokens = float(self._burst)
+        self._stamp = now
+
+    def _next_deadline(self, now: float) -> float:
+        """When the loop must wake up next."""
+        deadline = self._last_run + self._max
+        if self._retry_at is not None:
+            deadline = min(deadline, self._retry_at)
+        if self._requested:
+            wait = 0.0 if self._tokens >= 1 else (1 - self._tokens) * self._min
+            deadline = min(deadline, now + wait)
+        return deadline
+
+    def loop(self) -> None:
+        """Run until stop(); call from the thread that should do the syncs."""
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopped:
+                        return
+                    now = self._clock()
+                    self._refill(now)
+                    deadline = self._next_deadline(now)
+                    if deadline <= now:
+                        break
+                    self._cond.wait(deadline - now)
+                self._tokens = max(0.0, self._tokens - 1)
+                self._requested = False
+                self._retry_at = None
+                self._last_run = now
+            self._fn()

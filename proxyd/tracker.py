@@ -1,0 +1,201 @@
+"""The cluster as the watches delivered it, and which services changed since the last sync.
+
+Watch threads feed it; the sync thread takes the accumulated changes and a consistent view of
+the services they touch. Objects the proxy cannot use are logged and left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from proxyd.model import (
+    Endpoint,
+    EndpointSlice,
+    InvalidObject,
+    NodeInfo,
+    Obj,
+    ServicePort,
+    endpoints_for,
+    ignored,
+    key_of,
+    parse_endpoint_slice,
+    parse_node,
+    parse_service,
+)
+
+log = logging.getLogger(__name__)
+
+ServiceKey = tuple[str, str]
+TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
+
+
+@dataclass
+class ServiceView:
+    ports: list[ServicePort]
+    endpoints: dict[ServicePort, tuple[Endpoint, ...]]
+
+
+@dataclass
+class Changes:
+    """What one sync has to program."""
+
+    services: dict[ServiceKey, ServiceView]
+    """The changed services; a deleted one has no ports."""
+    node: NodeInfo
+    trigger_times: list[float] = field(default_factory=list)
+    service_changes: int = 0
+    endpoint_changes: int = 0
+
+
+def _trigger_time(obj: Obj) -> float:
+    annotations = obj.get("metadata", {}).get("annotations") or {}
+    stamp = annotations.get(TRIGGER_TIME_ANNOTATION)
+    if stamp:
+        try:
+            return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            pass
+    return time.time()
+
+
+class ClusterState:
+    def __init__(self, node_name: str, on_change: Callable[[], None] = lambda: None) -> None:
+        self._lock = threading.Lock()
+        self._on_change = on_change
+        self._services: dict[ServiceKey, list[ServicePort]] = {}
+        self._slices: dict[ServiceKey, dict[str, EndpointSlice]] = {}
+        self._slice_owner: dict[tuple[str, str], ServiceKey] = {}
+        self.node = NodeInfo(node_name)
+        self._pending_services: dict[ServiceKey, float] = {}
+        self._pending_endpoints: dict[ServiceKey, float] = {}
+        self._listed: set[str] = set()
+        self.changes_seen = {"services": 0, "endpoints": 0}
+
+    # ------------------------------------------------------------ feeding
+    def ready(self) -> bool:
+        with self._lock:
+            return {"services", "endpointslices"} <= self._listed
+
+    def pending(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._pending_services), len(self._pending_endpoints)
+
+    def has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._pending_services or self._pending_endpoints)
+
+    def _mark(self, pending: dict[ServiceKey, float], key: ServiceKey, at: float) -> None:
+        pending[key] = min(pending.get(key, at), at)
+
+    def _set_service(self, key: ServiceKey, obj: Obj | None) -> bool:
+        ports: list[ServicePort] = []
+        if obj is not None and not ignored(obj):
+            try:
+                ports = parse_service(obj)
+            except InvalidObject as err:
+                log.warning("skipping Service %s/%s: %s", key[0], key[1], err)
+        if self._services.get(key, []) == ports:
+            return False
+        if ports:
+            self._services[key] = ports
+        else:
+            self._services.pop(key, None)
+        self._mark(self._pending_services, key, time.time())
+        self.changes_seen["services"] += 1
+        return True
+
+    def _set_slice(self, slice_key: tuple[str, str], obj: Obj | None) -> bool:
+        parsed: EndpointSlice | None = None
+        if obj is not None and not ignored(obj):
+            try:
+                parsed = parse_endpoint_slice(obj)
+            except InvalidObject as err:
+                log.warning("skipping EndpointSlice %s/%s: %s", slice_key[0], slice_key[1], err)
+        old_owner = self._slice_owner.pop(slice_key, None)
+        old: EndpointSlice | None = None
+        if old_owner is not None:
+            old = self._slices[old_owner].pop(slice_key[1], None)
+            if not self._slices[old_owner]:
+                del self._slices[old_owner]
+        if parsed is not None:
+            key = (parsed.namespace, parsed.service)
+            self._slice_owner[slice_key] = key
+            self._slices.setdefault(key, {})[parsed.name] = parsed
+        if old == parsed:
+            return False
+        changed = {old_owner} if old_owner is not None else set()
+        if parsed is not None:
+            changed.add((parsed.namespace, parsed.service))
+        at = _trigger_time(obj) if obj is not None else time.time()
+        for key in changed:
+            self._mark(self._pending_endpoints, key, at)
+            self.changes_seen["endpoints"] += 1
+        return bool(changed)
+
+    def _notify(self, changed: bool) -> None:
+        if changed:
+            self._on_change()
+
+    def service_event(self, kind: str, obj: Obj) -> None:
+        with self._lock:
+            changed = self._set_service(key_of(obj), None if kind == "DELETED" else obj)
+        self._notify(changed)
+
+    def slice_event(self, kind: str, obj: Obj) -> None:
+        with self._lock:
+            changed = self._set_slice(key_of(obj), None if kind == "DELETED" else obj)
+        self._notify(changed)
+
+    def replace_services(self, objs: list[Obj]) -> None:
+        """A fresh list: services missing from it are gone."""
+        with self._lock:
+            present = {key_of(obj): obj for obj in objs}
+            for key in list(self._services.keys() - present.keys()):
+                self._set_service(key, None)
+            for key, obj in present.items():
+                self._set_service(key, obj)
+            self._listed.add("services")
+        self._notify(True)
+
+    def replace_slices(self, objs: list[Obj]) -> None:
+        with self._lock:
+            present = {key_of(obj): obj for obj in objs}
+            for slice_key in list(self._slice_owner.keys() - present.keys()):
+                self._set_slice(slice_key, None)
+            for slice_key, obj in present.items():
+                self._set_slice(slice_key, obj)
+            self._listed.add("endpointslices")
+        self._notify(True)
+
+    def node_event(self, kind: str, obj: Obj) -> None:
+        with self._lock:
+            node = NodeInfo(self.node.name) if kind == "DELETED" else parse_node(obj)
+            changed = node != self.node
+            self.node = node
+        self._notify(changed)
+
+    # ------------------------------------------------------------ taking
+    def _view(self, key: ServiceKey) -> ServiceView:
+        ports = self._services.get(key, [])
+        slices = list(self._slices.get(key, {}).values())
+        return ServiceView(ports, {port: endpoints_for(port, slices) for port in ports})
+
+    def take(self) -> Changes:
+        """Every service changed since the last take, as it is now."""
+        with self._lock:
+            changed = self._pending_services.keys() | self._pending_endpoints.keys()
+            changes = Changes(
+                services={key: self._view(key) for key in changed},
+                node=self.node,
+                trigger_times=list(self._pending_endpoints.values()),
+                service_changes=len(self._pending_services),
+                endpoint_changes=len(self._pending_endpoints),
+            )
+            self._pending_services.clear()
+            self._pending_endpoints.clear()
+            return changes

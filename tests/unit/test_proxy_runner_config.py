@@ -1,0 +1,70 @@
+"""The bounded-frequency runner and the daemon's options (pure)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from proxyd.config import ConfigError, load, parse_duration
+from proxyd.runner import BoundedFrequencyRunner
+
+
+def test_runner_coalesces_a_storm_and_respects_the_minimum_interval() -> None:
+    runs: list[float] = []
+    runner = BoundedFrequencyRunner(lambda: runs.append(time.monotonic()), 0.2, 60, burst=1)
+    thread = threading.Thread(target=runner.loop)
+    thread.start()
+    try:
+        for _ in range(50):
+            runner.run()
+            time.sleep(0.01)
+        time.sleep(0.5)
+    finally:
+        runner.stop()
+        thread.join()
+    assert 2 <= len(runs) <= 5, runs
+    gaps = [b - a for a, b in itertools.pairwise(runs)]
+    assert all(gap >= 0.18 for gap in gaps), gaps
+
+
+def test_runner_runs_at_the_maximum_interval_without_requests() -> None:
+    runs: list[float] = []
+    runner = BoundedFrequencyRunner(lambda: runs.append(time.monotonic()), 0, 0.1)
+    thread = threading.Thread(target=runner.loop)
+    thread.start()
+    time.sleep(0.35)
+    runner.stop()
+    thread.join()
+    assert len(runs) >= 2
+
+
+def test_durations_as_kube_proxy_takes_them() -> None:
+    assert parse_duration("1m30s") == 90
+    assert parse_duration("250ms") == 0.25
+    with pytest.raises(ConfigError):
+        parse_duration("10 parsecs")
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    config_file = tmp_path / "proxy.yaml"
+    config_file.write_text(
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+        "clusterCIDR: 10.244.0.0/16,fd10::/48\nmetricsBindAddress: 127.0.0.1:9999\n"
+        "iptables:\n  masqueradeAll: true\n  minSyncPeriod: 2s\n"
+    )
+    config = load(["--config", str(config_file), "--metrics-bind-address", "127.0.0.1:1"])
+    assert config.cluster_cidr == ("10.244.0.0/16", "fd10::/48")
+    assert config.masquerade_all and config.min_sync_period == 2
+    assert config.metrics_bind_address == "127.0.0.1:1"
+    assert config.healthz_bind_address == "0.0.0.0:10256"
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        load(["--cluster-cidr", "10.244.0.0/99"])
+    with pytest.raises(ConfigError):
+        load(["--iptables-masquerade-bit", "40"])
