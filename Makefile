@@ -5,9 +5,10 @@ VENV := $(ROOT)/.venv
 PY := $(VENV)/bin/python
 BUILD := $(ROOT)/build
 APT_PACKAGES := iproute2 iptables nftables conntrack ipset iputils-ping procps python3 \
-	python3-venv curl ca-certificates unzip git
+	python3-venv curl ca-certificates unzip git openssl
 
-.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni lab lab-down clean
+.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni lab lab-down \
+	controlplane controlplane-down clean
 
 setup: system-deps venv
 
@@ -38,7 +39,8 @@ $(BUILD)/cni/knit: venv Makefile
 	chmod 755 $@.tmp
 	mv $@.tmp $@
 
-# libcni driver and the reference plugins (bridge, host-local, portmap, loopback), pinned.
+# libcni driver, the reference plugins (bridge, host-local, portmap, loopback) and the
+# control plane (etcd, kube-apiserver), pinned.
 go-tools:
 	tests/go/build.sh $(BUILD)
 
@@ -57,6 +59,13 @@ lab: setup cni go-tools
 
 lab-down:
 	$(PY) deploy/lab/lab.py down
+
+# etcd + kube-apiserver on host loopback, left running; kubeconfig and logs in .controlplane/
+controlplane: setup go-tools
+	$(PY) deploy/lab/controlplane.py up --dir $(ROOT)/.controlplane
+
+controlplane-down:
+	$(PY) deploy/lab/controlplane.py down --dir $(ROOT)/.controlplane
 
 bench-cni: setup cni go-tools
 	$(PY) bench/cni_bench.py

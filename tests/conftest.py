@@ -1,10 +1,12 @@
-"""Shared fixtures: namespaces created per test and always removed, the built plugin, traffic."""
+"""Shared fixtures: namespaces created per test and always removed, the built plugin, traffic,
+and one real control plane (etcd + kube-apiserver on host loopback) for the whole session."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,12 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes.client import ApiClient
+from kubernetes.config import new_client_from_config
+
+from deploy.lab.controlplane import ControlPlane, ControlPlaneError, start
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"
 PLUGIN_DIR = BUILD / "cni"
 REFERENCE_DIR = BUILD / "refcni"
 CNIDRIVER = BUILD / "tools" / "cnidriver"
+CONTROLPLANE_BIN = BUILD / "controlplane"
 ECHO = Path(__file__).resolve().parent / "echo.py"
 _names = itertools.count()
 
@@ -57,7 +64,7 @@ class Netns:
     def ip(self, *args: str) -> str:
         return self.run("ip", *args).stdout
 
-    def serve(self, host: str, port: int, proto: str = "tcp") -> None:
+    def serve(self, host: str, port: int, proto: str = "tcp", label: str = "") -> None:
         proc = subprocess.Popen(
             [
                 "ip",
@@ -70,6 +77,7 @@ class Netns:
                 host,
                 str(port),
                 proto,
+                *([label] if label else []),
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -123,6 +131,30 @@ def make_netns() -> Iterator[Any]:
     yield make
     for ns in reversed(created):
         ns.remove()
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver from build/controlplane: started once, removed at the end."""
+    state_dir = tmp_path_factory.mktemp("controlplane")
+    try:
+        plane = start(state_dir, bin_dir=CONTROLPLANE_BIN)
+    except ControlPlaneError as err:
+        shutil.rmtree(state_dir)
+        pytest.fail(f"the control plane did not start: {err}", pytrace=False)
+    try:
+        yield plane
+    finally:
+        plane.stop()
+        shutil.rmtree(state_dir)
+
+
+@pytest.fixture(scope="session")
+def kube_api(control_plane: ControlPlane) -> Iterator[ApiClient]:
+    """A kubernetes client (system:masters) for the session's control plane."""
+    api = new_client_from_config(config_file=str(control_plane.kubeconfig))
+    yield api
+    api.close()
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Traffic endpoints for tests, run inside namespaces.
 
-serve HOST PORT [tcp|udp]: answers every TCP connection (or UDP datagram) with
-"<client address> <server address>" as the server saw them; a TCP connection then echoes
-every line it receives, so a held connection can prove it still works.
+serve HOST PORT [tcp|udp] [LABEL]: answers every TCP connection (or UDP datagram) with
+"<client address> <LABEL>", the client address as the server saw it (an IPv4 client of a
+dual-stack socket without its ::ffff: prefix) and LABEL defaulting to the server's address; a
+TCP connection then echoes every line it receives, so a held connection can prove it still
+works.
 request HOST PORT [tcp|udp] [SOURCE_PORT]: prints the server's answer.
 hold HOST PORT: connects, prints the greeting, then sends each stdin line and prints the echo.
 """
@@ -18,14 +20,18 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _answer(conn: socket.socket, peer: str) -> None:
+def _client(peer: str) -> str:
+    return peer.removeprefix("::ffff:")
+
+
+def _answer(conn: socket.socket, peer: str, label: str) -> None:
     with conn:
-        conn.sendall(f"{peer} {conn.getsockname()[0]}\n".encode())
+        conn.sendall(f"{_client(peer)} {label or _client(conn.getsockname()[0])}\n".encode())
         while data := conn.recv(2048):
             conn.sendall(data)
 
 
-def serve(host: str, port: int, proto: str) -> None:
+def serve(host: str, port: int, proto: str = "tcp", label: str = "") -> None:
     kind = socket.SOCK_DGRAM if proto == "udp" else socket.SOCK_STREAM
     sock = socket.socket(_family(host), kind)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -34,12 +40,12 @@ def serve(host: str, port: int, proto: str) -> None:
         print("ready", flush=True)
         while True:
             _, peer = sock.recvfrom(2048)
-            sock.sendto(f"{peer[0]} {host}\n".encode(), peer)
+            sock.sendto(f"{_client(peer[0])} {label or host}\n".encode(), peer)
     sock.listen(64)
     print("ready", flush=True)
     while True:
         conn, peer = sock.accept()
-        threading.Thread(target=_answer, args=(conn, peer[0]), daemon=True).start()
+        threading.Thread(target=_answer, args=(conn, peer[0], label), daemon=True).start()
 
 
 def request(host: str, port: int, proto: str, source_port: int = 0) -> None:
@@ -71,7 +77,7 @@ if __name__ == "__main__":
     if mode == "hold":
         hold(host, port)
     elif mode == "serve":
-        serve(host, port, sys.argv[4] if len(sys.argv) > 4 else "tcp")
+        serve(host, port, *sys.argv[4:6])
     else:
         request(
             host,

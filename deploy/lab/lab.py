@@ -185,9 +185,9 @@ class Lab:
 
     def request(self, ns: str, ip: str) -> str:
         for _ in range(20):
-            out = in_ns(ns, sys.executable, str(ECHO), "request", ip, "80", check=False).strip()
+            out = in_ns(ns, sys.executable, str(ECHO), "request", ip, "80", check=False).split()
             if out:
-                return out
+                return out[0]
         return ""
 
     def down(self) -> None:

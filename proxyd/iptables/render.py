@@ -129,7 +129,7 @@ def render_service(
     proto = f"-p {proto_name} -m {proto_name}"
     name = str(port.name)
 
-    has_endpoints = bool(categorized.reachable)
+    has_endpoints = categorized.any_usable
     uses_cluster_chain = bool(categorized.cluster) and port.uses_cluster_endpoints
     uses_local_chain = bool(categorized.local) and port.uses_local_endpoints
     internal_chain = chains.local if port.internal_policy_local else chains.cluster

@@ -3,11 +3,13 @@
 #   OUTDIR/tools/cnidriver                          (libcni driver, ./cmd/cnidriver)
 #   OUTDIR/refcni/{bridge,host-local,portmap,loopback}  (reference CNI plugins,
 #                                                    pinned by go.mod/go.sum)
+#   OUTDIR/controlplane/{etcd,kube-apiserver}       (a real control plane, pinned by
+#                                                    controlplane/go.mod/go.sum)
 #
 # usage: tests/go/build.sh OUTDIR
 #
-# Uses `go` from PATH (or /usr/local/go/bin/go) if it is at least the go.mod's
-# `go` version; otherwise downloads that toolchain from the Go module proxy
+# Uses `go` from PATH (or /usr/local/go/bin/go) if it is at least the highest `go`
+# version of the two go.mod files; otherwise downloads that toolchain from the Go module proxy
 # (module golang.org/toolchain), verifies it against the checksum database
 # (through the proxy) and caches it in ${XDG_CACHE_HOME:-$HOME/.cache}/knit/go.
 #
@@ -26,6 +28,7 @@ die() { log "error: $*"; exit 1; }
 [ $# -eq 1 ] && [ -n "$1" ] || { echo "usage: $0 OUTDIR" >&2; exit 2; }
 
 SRC_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CP_DIR=$SRC_DIR/controlplane
 mkdir -p "$1"
 OUT_DIR=$(cd "$1" && pwd)
 
@@ -33,8 +36,10 @@ REF_PKG=github.com/containernetworking/plugins/plugins
 REF_PLUGINS=(main/bridge ipam/host-local meta/portmap main/loopback)
 OUTPUTS=("$OUT_DIR/tools/cnidriver")
 for p in "${REF_PLUGINS[@]}"; do OUTPUTS+=("$OUT_DIR/refcni/${p##*/}"); done
+OUTPUTS+=("$OUT_DIR/controlplane/etcd" "$OUT_DIR/controlplane/kube-apiserver")
 
 # ---------------------------------------------------------------- up to date?
+# The inputs are every go source, go.mod and go.sum under SRC_DIR: both modules.
 up_to_date() {
     [ "${KNIT_FORCE_BUILD:-0}" = 1 ] && return 1
     local o newer
@@ -52,11 +57,15 @@ if up_to_date; then
 fi
 
 # ---------------------------------------------------------------- toolchain
-REQ_GO=$(sed -n 's/^go[[:space:]]\{1,\}\([0-9][0-9a-z.]*\).*/\1/p' "$SRC_DIR/go.mod" | head -n1)
-[ -n "$REQ_GO" ] || die "no go directive in $SRC_DIR/go.mod"
-
 # version_ge A B: A >= B (plain dotted versions, as printed by `go version`)
 version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$2" ]; }
+
+REQ_GO=0
+for mod in "$SRC_DIR/go.mod" "$CP_DIR/go.mod"; do
+    v=$(sed -n 's/^go[[:space:]]\{1,\}\([0-9][0-9a-z.]*\).*/\1/p' "$mod" | head -n1)
+    [ -n "$v" ] || die "no go directive in $mod"
+    version_ge "$REQ_GO" "$v" || REQ_GO=$v
+done
 
 # go_version GO: prints e.g. 1.24.2, or nothing if GO does not run
 go_version() {
@@ -156,19 +165,40 @@ if [ -z "$GO" ]; then
     v=$(go_version "$GO")
     [ -n "$v" ] && version_ge "$v" "$REQ_GO" || die "bootstrapped $GO does not work (version '${v}')"
 fi
-log "using go $(go_version "$GO") at $GO (go.mod requires $REQ_GO)"
+log "using go $(go_version "$GO") at $GO (the go.mod files require $REQ_GO)"
 
 # ---------------------------------------------------------------- build
 export GOTOOLCHAIN=local CGO_ENABLED=0
 # go.sum is the pin: refuse to change go.mod/go.sum while building.
 export GOFLAGS="-mod=readonly -buildvcs=false -trimpath"
-mkdir -p "$OUT_DIR/tools" "$OUT_DIR/refcni"
+mkdir -p "$OUT_DIR/tools" "$OUT_DIR/refcni" "$OUT_DIR/controlplane"
+
+# timed WHAT CMD...: run CMD and log how long it took
+timed() {
+    local what=$1 start
+    shift
+    start=$(date +%s)
+    "$@"
+    log "built $what in $(( $(date +%s) - start ))s"
+}
+
 cd "$SRC_DIR"
 pkgs=()
 for p in "${REF_PLUGINS[@]}"; do pkgs+=("$REF_PKG/$p"); done
-start=$(date +%s)
-"$GO" build -ldflags='-s -w' -o "$OUT_DIR/tools/cnidriver" ./cmd/cnidriver
-"$GO" build -ldflags='-s -w' -o "$OUT_DIR/refcni/" "${pkgs[@]}"
+timed "tools/cnidriver" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/tools/cnidriver" ./cmd/cnidriver
+timed "refcni/*" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/refcni/" "${pkgs[@]}"
+
+cd "$CP_DIR"
+timed "controlplane/etcd" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/controlplane/etcd" \
+    go.etcd.io/etcd/server/v3
+# Report the pinned release as the server version (clients read it), as Kubernetes' own
+# build does; a plain `go build` reports v0.0.0-master.
+kube=$("$GO" list -m -f '{{.Version}}' k8s.io/kubernetes)
+IFS=. read -r major minor _ <<<"${kube#v}"
+vpkg=k8s.io/component-base/version
+kube_ldflags="-s -w -X $vpkg.gitVersion=$kube -X $vpkg.gitMajor=$major"
+kube_ldflags+=" -X $vpkg.gitMinor=$minor -X $vpkg.gitTreeState=clean"
+timed "controlplane/kube-apiserver" "$GO" build -ldflags="$kube_ldflags" \
+    -o "$OUT_DIR/controlplane/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver
 # make the outputs newer than every input even if the go build cache made them old
 touch "${OUTPUTS[@]}"
-log "built ${OUTPUTS[*]} in $(( $(date +%s) - start ))s"

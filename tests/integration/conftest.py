@@ -1,10 +1,73 @@
 from __future__ import annotations
 
-import pytest
+import subprocess
+from collections.abc import Callable, Iterator
 
+import pytest
+from kubernetes.client import ApiClient
+
+from deploy.lab.controlplane import ControlPlane, NetnsForward
+from tests.conftest import Netns, unique_name
 from tests.integration.cni_env import Node
+from tests.integration.proxy_env import Kube, ProxyNode, node_object, setup_node
 
 
 @pytest.fixture
 def node(make_netns, tmp_path) -> Node:
     return Node(make_netns("node"), tmp_path / "ipam", make_netns)
+
+
+@pytest.fixture(scope="module")
+def module_netns() -> Iterator[Callable[[str], Netns]]:
+    """Namespaces that live for a whole test module (a node shared by its tests)."""
+    created: list[Netns] = []
+
+    def make(prefix: str = "knit") -> Netns:
+        ns = Netns(unique_name(prefix))
+        subprocess.run(["ip", "netns", "add", ns.name], check=True)
+        created.append(ns)
+        ns.run("ip", "link", "set", "lo", "up")
+        return ns
+
+    yield make
+    for ns in reversed(created):
+        ns.remove()
+
+
+@pytest.fixture(scope="module")
+def proxy_node(
+    control_plane: ControlPlane,
+    kube_api: ApiClient,
+    module_netns: Callable[[str], Netns],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ProxyNode]:
+    """A node running knit-proxyd against the real API server, with an outside host."""
+    tmp = tmp_path_factory.mktemp("proxy-node")
+    node_ns = module_netns("node")
+    forward = NetnsForward(node_ns.name, control_plane.port)
+    kubeconfig = control_plane.write_kubeconfig(tmp / "kubeconfig", forward.listen_port)
+    name = unique_name("node")
+    kube = Kube(kube_api)
+    kube.create("/api/v1/nodes", node_object(name))
+    proxy = setup_node(
+        Node(node_ns, tmp / "ipam", module_netns),
+        module_netns("outside"),
+        name,
+        kubeconfig,
+        tmp / "proxyd.log",
+    )
+    proxy.forward = forward
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+        proxy.forward.stop()
+        kube.cleanup()
+
+
+@pytest.fixture
+def kube(kube_api: ApiClient) -> Iterator[Kube]:
+    objects = Kube(kube_api)
+    yield objects
+    objects.cleanup()

@@ -1,0 +1,500 @@
+"""A real Kubernetes control plane on host loopback (etcd + kube-apiserver) for tests and the lab.
+
+`start(state_dir)` makes a CA and certificates with the openssl CLI, starts etcd and
+kube-apiserver on 127.0.0.1 with free ports (data, logs and pids under state_dir), waits for
+/readyz and writes an admin kubeconfig. `NetnsForward` makes that apiserver reachable at
+127.0.0.1:6443 inside a network namespace, so a daemon in a node namespace talks to it
+without any change to the host namespace's network.
+
+CLI: `up --dir DIR` leaves both processes running; `down --dir DIR` stops them and removes
+what `up` wrote to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import ctypes
+import http.client
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from cni.errors import CniError
+from cni.netns import entered, open_netns
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN_DIR = ROOT / "build" / "controlplane"
+SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
+NODE_PORT_RANGE = "30000-32767"
+ADMIN = "knit-admin"
+NETNS_PORT = 6443
+PROCESSES = ("etcd", "kube-apiserver")
+# Everything start() writes into the state dir; `down` removes exactly these.
+STATE = (
+    "pki",
+    "etcd-data",
+    "admin.kubeconfig",
+    *(f"{name}.{suffix}" for name in PROCESSES for suffix in ("log", "pid")),
+)
+STOP_GRACE = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- certificates
+
+
+def _openssl(pki: Path, command: str) -> None:
+    """Run `openssl COMMAND` in pki (file names in COMMAND are relative to it)."""
+    try:
+        result = subprocess.run(
+            ["openssl", *command.split()], cwd=pki, capture_output=True, text=True
+        )
+    except FileNotFoundError as err:
+        raise ControlPlaneError("openssl is not installed (`make setup` installs it)") from err
+    if result.returncode != 0:
+        raise ControlPlaneError(f"openssl {command} failed: {result.stderr.strip()}")
+
+
+def _issue(pki: Path, name: str, subject: dict[str, str], extensions: dict[str, str]) -> None:
+    """pki/NAME.key (P-256) and pki/NAME.crt, signed by pki/ca (self-signed when NAME is ca)."""
+    (pki / f"{name}.cnf").write_text(
+        "[req]\ndistinguished_name = dn\nprompt = no\n[dn]\n"
+        + "".join(f"{key} = {value}\n" for key, value in subject.items())
+        + "[ext]\n"
+        + "".join(f"{key} = {value}\n" for key, value in extensions.items())
+    )
+    request = f"req -new -config {name}.cnf -nodes -newkey ec -pkeyopt ec_paramgen_curve:P-256"
+    if name == "ca":
+        _openssl(pki, f"{request} -keyout ca.key -x509 -extensions ext -days 3650 -out ca.crt")
+    else:
+        _openssl(pki, f"{request} -keyout {name}.key -out {name}.csr")
+        serial = f"0x{secrets.token_hex(16)}"
+        _openssl(
+            pki,
+            f"x509 -req -in {name}.csr -CA ca.crt -CAkey ca.key -set_serial {serial} -days 3650"
+            f" -extfile {name}.cnf -extensions ext -out {name}.crt",
+        )
+        (pki / f"{name}.csr").unlink()
+    (pki / f"{name}.cnf").unlink()
+
+
+def make_pki(pki: Path, service_cidrs: Sequence[str]) -> None:
+    """CA, apiserver serving cert, admin client cert and the service-account key pair."""
+    pki.mkdir(parents=True, exist_ok=True)
+    ca = {"basicConstraints": "critical,CA:TRUE", "keyUsage": "critical,keyCertSign,cRLSign"}
+    _issue(pki, "ca", {"CN": "knit-ca"}, ca)
+    leaf = {"basicConstraints": "critical,CA:FALSE", "keyUsage": "critical,digitalSignature"}
+    domains = ("", ".default", ".default.svc", ".default.svc.cluster.local")
+    names = ["localhost"] + [f"kubernetes{domain}" for domain in domains]
+    ips = ["127.0.0.1", "::1"] + [str(ipaddress.ip_network(cidr)[1]) for cidr in service_cidrs]
+    sans = ",".join([f"DNS:{name}" for name in names] + [f"IP:{ip}" for ip in ips])
+    serving = {**leaf, "extendedKeyUsage": "serverAuth", "subjectAltName": sans}
+    _issue(pki, "apiserver", {"CN": "kube-apiserver"}, serving)
+    client = {**leaf, "extendedKeyUsage": "clientAuth"}
+    _issue(pki, "admin", {"CN": ADMIN, "O": "system:masters"}, client)
+    _openssl(pki, "genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out sa.key")
+    _openssl(pki, "pkey -in sa.key -pubout -out sa.pub")
+
+
+def _admin_config(pki: Path, server: str) -> dict[str, object]:
+    """An admin kubeconfig for server, with the CA and the client cert embedded."""
+
+    def data(name: str) -> str:
+        return base64.b64encode((pki / name).read_bytes()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "knit",
+                "cluster": {"server": server, "certificate-authority-data": data("ca.crt")},
+            }
+        ],
+        "users": [
+            {
+                "name": ADMIN,
+                "user": {
+                    "client-certificate-data": data("admin.crt"),
+                    "client-key-data": data("admin.key"),
+                },
+            }
+        ],
+        "contexts": [{"name": "knit", "context": {"cluster": "knit", "user": ADMIN}}],
+        "current-context": "knit",
+    }
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: no locks taken, the libc function was looked up beforehand."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _runs(pid: int, name: str) -> bool:
+    """Whether pid is still a live NAME process (not reused, not a zombie)."""
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return False
+    return Path(argv0.decode(errors="replace")).name == name
+
+
+def _stop_pid(pid: int, name: str) -> None:
+    """_stop for a process that is not our child: signal it, then poll until it is gone."""
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE), (signal.SIGKILL, STOP_GRACE)):
+        if not _runs(pid, name):
+            return
+        os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while _runs(pid, name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if _runs(pid, name):
+        raise ControlPlaneError(f"{name} (pid {pid}) survived SIGKILL")
+
+
+@dataclass
+class ControlPlane:
+    state_dir: Path
+    port: int
+    etcd_port: int
+    processes: list[subprocess.Popen[bytes]]
+    etcd_seconds: float = 0.0
+    apiserver_seconds: float = 0.0
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "admin.kubeconfig"
+
+    def write_kubeconfig(self, path: Path, port: int | None = None) -> Path:
+        """An admin kubeconfig for https://127.0.0.1:PORT (default: the apiserver's own port);
+        with a NetnsForward's listen_port, it is the kubeconfig to use inside that namespace."""
+        config = _admin_config(self.state_dir / "pki", f"https://127.0.0.1:{port or self.port}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(config, out, indent=2)
+        return path
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            _stop(proc)
+
+
+def _launch(
+    state_dir: Path, bin_dir: Path, name: str, args: list[str], detach: bool
+) -> subprocess.Popen[bytes]:
+    with (state_dir / f"{name}.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [str(bin_dir / name), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=None if detach else _die_with_parent,
+        )
+    (state_dir / f"{name}.pid").write_text(f"{proc.pid}\n")
+    return proc
+
+
+def _wait_ready(
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    check: http.client.HTTPConnection,
+    path: str,
+    deadline: float,
+) -> None:
+    """Poll GET path until it answers 200; ControlPlaneError with the log tail otherwise."""
+    name = log.stem
+    while True:
+        if proc.poll() is not None:
+            raise ControlPlaneError(f"{name} exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            check.request("GET", path)
+            response = check.getresponse()
+            response.read()
+            if response.status == 200:
+                return
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            check.close()
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(f"{name} not ready on {path} in time:\n{_tail(log)}")
+        time.sleep(0.1)
+
+
+def _etcd_args(state_dir: Path, client_port: int, peer_port: int) -> list[str]:
+    client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    return [
+        "--name=knit",
+        f"--data-dir={state_dir / 'etcd-data'}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=knit={peer}",
+        # a throw-away store on one machine: no fsync, as the Kubernetes test harness does
+        "--unsafe-no-fsync",
+    ]
+
+
+def _apiserver_args(
+    pki: Path, port: int, etcd_port: int, service_cidrs: Sequence[str], node_port_range: str
+) -> list[str]:
+    return [
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        # accepted whatever the family of the primary Service range (measured)
+        "--advertise-address=127.0.0.1",
+        f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+        f"--service-cluster-ip-range={','.join(service_cidrs)}",
+        f"--service-node-port-range={node_port_range}",
+        "--authorization-mode=RBAC",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        f"--tls-cert-file={pki / 'apiserver.crt'}",
+        f"--tls-private-key-file={pki / 'apiserver.key'}",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pki / 'sa.pub'}",
+        f"--service-account-signing-key-file={pki / 'sa.key'}",
+        # no Endpoints for the `kubernetes` Service: they would point at a host address
+        "--endpoint-reconciler-type=none",
+        "--profiling=false",
+    ]
+
+
+def start(
+    state_dir: Path,
+    *,
+    bin_dir: Path = BIN_DIR,
+    service_cidrs: Sequence[str] = SERVICE_CIDRS,
+    node_port_range: str = NODE_PORT_RANGE,
+    detach: bool = False,
+    timeout: float = 90.0,
+) -> ControlPlane:
+    """Start etcd and kube-apiserver with their state in state_dir; return once /readyz is ok.
+
+    Unless detach, the kernel kills both when the thread that started them ends, so a test
+    run that dies without calling stop() leaves nothing behind.
+    """
+    for name in PROCESSES:
+        if not os.access(bin_dir / name, os.X_OK):
+            raise ControlPlaneError(f"{bin_dir / name} is missing: build it with `make go-tools`")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    pki = state_dir / "pki"
+    make_pki(pki, service_cidrs)
+    plane = ControlPlane(state_dir, _free_port(), _free_port(), [])
+    try:
+        began = time.monotonic()
+        args = _etcd_args(state_dir, plane.etcd_port, _free_port())
+        etcd = _launch(state_dir, bin_dir, "etcd", args, detach)
+        plane.processes.append(etcd)
+        check = http.client.HTTPConnection("127.0.0.1", plane.etcd_port, timeout=2)
+        _wait_ready(etcd, state_dir / "etcd.log", check, "/health", began + timeout)
+        plane.etcd_seconds = time.monotonic() - began
+
+        began = time.monotonic()
+        args = _apiserver_args(pki, plane.port, plane.etcd_port, service_cidrs, node_port_range)
+        apiserver = _launch(state_dir, bin_dir, "kube-apiserver", args, detach)
+        plane.processes.append(apiserver)
+        tls = ssl.create_default_context(cafile=pki / "ca.crt")
+        tls.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+        check = http.client.HTTPSConnection("127.0.0.1", plane.port, timeout=2, context=tls)
+        _wait_ready(apiserver, state_dir / "kube-apiserver.log", check, "/readyz", began + timeout)
+        plane.apiserver_seconds = time.monotonic() - began
+    except BaseException:
+        plane.stop()
+        raise
+    plane.write_kubeconfig(plane.kubeconfig)
+    return plane
+
+
+def down(state_dir: Path) -> None:
+    """Stop what `start(state_dir, detach=True)` left running and remove its state."""
+    for name in reversed(PROCESSES):
+        pid_file = state_dir / f"{name}.pid"
+        if pid_file.exists():
+            _stop_pid(int(pid_file.read_text()), name)
+    for entry in STATE:
+        path = state_dir / entry
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    if state_dir.is_dir() and not any(state_dir.iterdir()):
+        state_dir.rmdir()
+
+
+# ---------------------------------------------------------------- into a namespace
+
+
+def _listen_in(netns: str, port: int) -> socket.socket:
+    """A socket listening on 127.0.0.1:port inside /run/netns/NETNS (made by a thread that
+    entered the namespace: the socket stays there, the thread goes back)."""
+    try:
+        fd = open_netns(f"/run/netns/{netns}")
+        try:
+            with entered(fd):
+                return socket.create_server(("127.0.0.1", port))
+        finally:
+            os.close(fd)
+    except (OSError, CniError) as err:
+        raise ControlPlaneError(
+            f"cannot listen on 127.0.0.1:{port} in netns {netns} (is lo up there?): {err}"
+        ) from err
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
+class NetnsForward:
+    """Listen on 127.0.0.1:listen_port inside network namespace NETNS (/run/netns/NETNS) and
+    relay every connection to 127.0.0.1:target_port in this process's own namespace."""
+
+    def __init__(self, netns: str, target_port: int, listen_port: int = NETNS_PORT) -> None:
+        self.netns = netns
+        self.target_port = target_port
+        self.listen_port = listen_port
+        # a thread of its own enters the namespace: the caller's thread never changes it
+        with ThreadPoolExecutor(max_workers=1) as one:
+            self._listener = one.submit(_listen_in, netns, listen_port).result()
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._acceptor = threading.Thread(target=self._accept, name=f"forward-{netns}", daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # stop() shut the listener down
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            relay = threading.Thread(target=self._relay, args=(client, upstream), daemon=True)
+            with self._lock:
+                self._sockets.update((client, upstream))
+                self._threads.add(relay)
+            relay.start()
+
+    def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
+        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+        back.start()
+        _pump(client, upstream)
+        back.join()
+        with self._lock:
+            self._sockets -= {client, upstream}
+            self._threads.discard(threading.current_thread())
+        client.close()
+        upstream.close()
+
+    def stop(self) -> None:
+        """Close the listener and every relayed connection; calling it again does nothing."""
+        with contextlib.suppress(OSError):  # already closed by an earlier stop()
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._acceptor.join()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            relays = list(self._threads)
+        for relay in relays:
+            relay.join()
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("--dir", type=Path, required=True, help="state dir (certs, data, logs)")
+    parser.add_argument("--bin-dir", type=Path, default=BIN_DIR)
+    parser.add_argument("--service-cidrs", default=",".join(SERVICE_CIDRS))
+    options = parser.parse_args()
+    state_dir = options.dir.resolve()
+    down(state_dir)
+    if options.action == "down":
+        return
+    try:
+        plane = start(
+            state_dir,
+            bin_dir=options.bin_dir,
+            service_cidrs=options.service_cidrs.split(","),
+            detach=True,
+        )
+    except BaseException as err:
+        down(state_dir)
+        if isinstance(err, ControlPlaneError):
+            sys.exit(f"control plane did not start: {err}")
+        raise
+    print(
+        f"etcd ready in {plane.etcd_seconds:.1f}s, "
+        f"kube-apiserver ready in {plane.apiserver_seconds:.1f}s at {plane.server}"
+    )
+    print(f"export KUBECONFIG={plane.kubeconfig}")
+    print(f"stop: {sys.executable} {Path(__file__)} down --dir {state_dir}")
+
+
+if __name__ == "__main__":
+    main()

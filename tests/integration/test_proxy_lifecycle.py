@@ -1,0 +1,121 @@
+"""knit-proxyd's life on a node: restart without disruption, API outages, clean-ups."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from deploy.lab.controlplane import NetnsForward
+from tests.conftest import ECHO, ROOT
+from tests.integration.proxy_env import (
+    SERVICES,
+    SLICES,
+    Kube,
+    ProxyNode,
+    endpoint,
+    eventually,
+    service_object,
+    slice_object,
+)
+
+HTTP = [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
+SLICE_HTTP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
+
+
+@pytest.fixture(scope="module")
+def backend(proxy_node: ProxyNode) -> Any:
+    return proxy_node.add_pod("backend", (8080, "tcp"))
+
+
+def make_service(kube: Kube, proxy_node: ProxyNode, backend: Any, name: str) -> str:
+    svc = kube.create(SERVICES, service_object(name, HTTP))
+    kube.create(
+        SLICES, slice_object(name, [endpoint(backend.address(), proxy_node.name)], SLICE_HTTP)
+    )
+    return svc["spec"]["clusterIP"]
+
+
+def test_restart_adopts_rules_and_keeps_established_connections(
+    proxy_node: ProxyNode, backend: Any, kube: Kube
+) -> None:
+    ip = make_service(kube, proxy_node, backend, "held")
+    client = proxy_node.add_pod("held-client")
+    eventually(lambda: client.ns.exchange(ip, 80))
+    held = subprocess.Popen(
+        ["ip", "netns", "exec", client.ns.name, sys.executable, str(ECHO), "hold", ip, "80"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert held.stdin is not None and held.stdout is not None
+    try:
+        assert held.stdout.readline().split()[1] == "backend"
+        proxy_node.stop()
+        assert f"-d {ip}/32" in proxy_node.iptables(), "stopping leaves the rules in place"
+        proxy_node.start()
+        assert f"-d {ip}/32" in proxy_node.iptables()
+        held.stdin.write("still there\n")
+        held.stdin.flush()
+        assert held.stdout.readline().strip() == "still there"
+    finally:
+        held.kill()
+        held.wait()
+
+
+def test_api_outage_keeps_rules_and_recovers(
+    proxy_node: ProxyNode, backend: Any, kube: Kube
+) -> None:
+    ip = make_service(kube, proxy_node, backend, "steady")
+    client = proxy_node.add_pod("outage-client")
+    eventually(lambda: client.ns.exchange(ip, 80))
+    forward = proxy_node.forward
+    forward.stop()
+    try:
+        later = make_service(kube, proxy_node, backend, "during-outage")
+        assert client.ns.exchange(ip, 80)[1] == "backend", "rules stay while the API is away"
+        assert f"-d {later}/32" not in proxy_node.iptables()
+    finally:
+        proxy_node.forward = NetnsForward(proxy_node.ns.name, forward.target_port)
+    assert eventually(lambda: client.ns.exchange(later, 80), timeout=60)[1] == "backend"
+
+
+def test_cleanup_removes_what_the_proxy_installed_and_nothing_else(
+    proxy_node: ProxyNode, backend: Any, kube: Kube
+) -> None:
+    make_service(kube, proxy_node, backend, "to-clean")
+    eventually(lambda: "KNIT-SVC-" in proxy_node.iptables())
+    proxy_node.ns.run("iptables", "-t", "nat", "-N", "KNIT-MASQ-0123456789ab")
+    try:
+        proxy_node.stop()
+        proxy_node.ns.run(
+            sys.executable, "-m", "proxyd", "--cleanup", env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
+        for table in ("nat", "filter"):
+            for family in (4, 6):
+                rules = proxy_node.iptables(table, family)
+                assert "KNIT-SERVICES" not in rules and "KNIT-SEP-" not in rules
+        assert "KNIT-MASQ-0123456789ab" in proxy_node.iptables(), "the CNI plugin's chain stays"
+    finally:
+        proxy_node.ns.run("iptables", "-t", "nat", "-X", "KNIT-MASQ-0123456789ab", check=False)
+        proxy_node.start()
+
+
+def test_cleanup_kube_proxy_removes_its_leftovers(proxy_node: ProxyNode) -> None:
+    leftovers = (
+        "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-ABC - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n"
+        ":KUBE-KUBELET-CANARY - [0:0]\n"
+        '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES\n'
+        "-A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m tcp --dport 443 -j KUBE-SVC-ABC\n"
+        "-A KUBE-SVC-ABC -j KUBE-MARK-MASQ\nCOMMIT\n"
+    )
+    proxy_node.ns.run("iptables-restore", "--noflush", stdin=leftovers)
+    proxy_node.restart("--cleanup-kube-proxy")
+    rules = proxy_node.iptables()
+    assert "KUBE-SERVICES" not in rules and "KUBE-SVC-ABC" not in rules
+    assert "KUBE-KUBELET-CANARY" in rules, "kubelet's chains are not kube-proxy's"
+    assert "KNIT-SERVICES" in rules
+    proxy_node.ns.run("iptables", "-t", "nat", "-X", "KUBE-KUBELET-CANARY")

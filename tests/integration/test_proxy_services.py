@@ -1,0 +1,464 @@
+"""Service behaviours through knit-proxyd's iptables mode, each shown by real packets.
+
+One node namespace runs the daemon against the real API server; backend and client pods are
+attached to it through the CNI plugin; an outside namespace plays an external client. An
+endpoint is "remote" when its EndpointSlice names another node (the pod is still reachable
+from here, so only the proxy's choice decides where traffic goes).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.integration.proxy_env import (
+    REMOTE_NODE,
+    SERVICES,
+    SLICES,
+    UPLINK_NODE,
+    UPLINK_OUTSIDE,
+    Kube,
+    ProxyNode,
+    endpoint,
+    eventually,
+    service_object,
+    slice_object,
+)
+
+GATEWAY = "10.244.1.1"
+HTTP = {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}
+SLICE_HTTP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
+
+
+def create_service(
+    kube: Kube, name: str, ports: list[dict[str, Any]] | None = None, **spec: Any
+) -> dict[str, Any]:
+    return kube.create(SERVICES, service_object(name, ports or [HTTP], **spec))
+
+
+def backends_seen(client: Any, host: str, port: int, tries: int, proto: str = "tcp") -> set[str]:
+    return {client.exchange(host, port, proto)[1] for _ in range(tries)}
+
+
+def refused(ns: Any, host: str, port: int) -> bool:
+    """True when the connection is refused at once (an ICMP reject), not timed out."""
+    result = ns.run(
+        "python3",
+        "-c",
+        "import socket,sys\n"
+        f"s=socket.socket(); s.settimeout(3)\n"
+        f"try:\n s.connect(({host!r},{port})); print('open')\n"
+        "except ConnectionRefusedError: print('refused')\n"
+        "except OSError as e: print('timeout' if isinstance(e, TimeoutError) else e)\n",
+        check=False,
+    )
+    return result.stdout.strip() == "refused"
+
+
+@pytest.fixture(scope="module")
+def pods(proxy_node: ProxyNode) -> dict[str, Any]:
+    ports = ((8080, "tcp"), (8080, "udp"), (9090, "tcp"))
+    return {
+        "a": proxy_node.add_pod("backend-a", *ports),
+        "b": proxy_node.add_pod("backend-b", *ports),
+        "client": proxy_node.add_pod("client"),
+    }
+
+
+def test_cluster_ip_tcp_and_udp_spread_and_keep_the_pod_source(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(
+        kube, "spread", [HTTP, {"name": "dns", "port": 53, "targetPort": 8080, "protocol": "UDP"}]
+    )
+    kube.create(
+        SLICES,
+        slice_object(
+            "spread",
+            [
+                endpoint(pods["a"].address(), proxy_node.name),
+                endpoint(pods["b"].address(), REMOTE_NODE),
+            ],
+            [*SLICE_HTTP, {"name": "dns", "port": 8080, "protocol": "UDP"}],
+        ),
+    )
+    ip = svc["spec"]["clusterIP"]
+    client = pods["client"].ns
+    source, _ = eventually(lambda: client.exchange(ip, 80))
+    assert source == pods["client"].address(), "a pod client keeps its source address"
+    assert backends_seen(client, ip, 80, 16) == {"backend-a", "backend-b"}
+    assert eventually(lambda: client.exchange(ip, 53, "udp"))[1] in {"backend-a", "backend-b"}
+
+
+def test_sctp_service_rules_reach_the_kernel(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    # This kernel has no SCTP sockets, so only the rules can be checked here.
+    svc = create_service(kube, "sctp", [{"name": "s", "port": 7777, "protocol": "SCTP"}])
+    kube.create(
+        SLICES,
+        slice_object(
+            "sctp",
+            [endpoint(pods["a"].address(), proxy_node.name)],
+            [{"name": "s", "port": 7777, "protocol": "SCTP"}],
+        ),
+    )
+    ip = svc["spec"]["clusterIP"]
+    eventually(lambda: f"-d {ip}/32 -p sctp" in proxy_node.iptables())
+    dnat = f"DNAT --to-destination {pods['a'].address()}:7777"
+    assert any("-p sctp" in line and dnat in line for line in proxy_node.iptables().splitlines())
+
+
+def test_named_ports_use_the_slice_port_of_the_same_name(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(
+        kube,
+        "named",
+        [HTTP, {"name": "admin", "port": 81, "targetPort": "admin-port", "protocol": "TCP"}],
+    )
+    kube.create(
+        SLICES,
+        slice_object(
+            "named",
+            [endpoint(pods["a"].address(), proxy_node.name)],
+            [*SLICE_HTTP, {"name": "admin", "port": 9090, "protocol": "TCP"}],
+        ),
+    )
+    ip = svc["spec"]["clusterIP"]
+    client = pods["client"].ns
+    assert eventually(lambda: client.exchange(ip, 81))[1] == "backend-a"
+    assert client.exchange(ip, 80)[1] == "backend-a"
+
+
+def test_no_endpoints_is_rejected_at_once(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(kube, "empty", type="NodePort")
+    ip = svc["spec"]["clusterIP"]
+    node_port = svc["spec"]["ports"][0]["nodePort"]
+    assert eventually(lambda: refused(pods["client"].ns, ip, 80))
+    assert eventually(lambda: refused(proxy_node.outside, UPLINK_NODE, node_port))
+
+
+def test_node_port_from_outside_is_masqueraded_and_nodeport_addresses_restrict_it(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(kube, "np", type="NodePort")
+    kube.create(
+        SLICES, slice_object("np", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP)
+    )
+    node_port = svc["spec"]["ports"][0]["nodePort"]
+    outside = proxy_node.outside
+    source, backend = eventually(lambda: outside.exchange(UPLINK_NODE, node_port))
+    assert backend == "backend-a"
+    assert source == GATEWAY, "eTP Cluster traffic from outside is masqueraded"
+    assert pods["client"].ns.exchange(GATEWAY, node_port)[1] == "backend-a"
+    try:
+        proxy_node.restart("--nodeport-addresses", "198.18.0.0/24")
+        assert eventually(lambda: outside.exchange(UPLINK_NODE, node_port))[1] == "backend-a"
+        assert not pods["client"].ns.reaches(GATEWAY, node_port), "not on the bridge address"
+    finally:
+        proxy_node.restart()
+
+
+def test_external_ips_and_load_balancer_vips(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    create_service(
+        kube,
+        "lb",
+        type="LoadBalancer",
+        externalIPs=["203.0.113.10"],
+        loadBalancerSourceRanges=["198.18.0.0/24"],
+    )
+    create_service(
+        kube, "lb-denied", type="LoadBalancer", loadBalancerSourceRanges=["192.0.2.0/24"]
+    )
+    create_service(kube, "lb-proxy", type="LoadBalancer")
+    for name in ("lb", "lb-denied", "lb-proxy"):
+        kube.create(
+            SLICES, slice_object(name, [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP)
+        )
+    kube.patch(
+        f"{SERVICES}/lb/status",
+        {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.20", "ipMode": "VIP"}]}}},
+    )
+    kube.patch(
+        f"{SERVICES}/lb-denied/status",
+        {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.21"}]}}},
+    )
+    kube.patch(
+        f"{SERVICES}/lb-proxy/status",
+        {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.22", "ipMode": "Proxy"}]}}},
+    )
+    outside = proxy_node.outside
+    assert eventually(lambda: outside.exchange("203.0.113.10", 80))[1] == "backend-a"
+    assert eventually(lambda: outside.exchange("203.0.113.20", 80))[1] == "backend-a"
+    eventually(lambda: "203.0.113.21" in proxy_node.iptables("filter"))
+    assert not outside.reaches("203.0.113.21", 80), "source outside loadBalancerSourceRanges"
+    assert "203.0.113.22" not in proxy_node.iptables(), "ipMode Proxy gets no rule"
+
+
+def test_external_traffic_policy_local(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(kube, "local", type="LoadBalancer", externalTrafficPolicy="Local")
+    kube.create(
+        SLICES, slice_object("local", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP)
+    )
+    node_port = svc["spec"]["ports"][0]["nodePort"]
+    health_port = svc["spec"]["healthCheckNodePort"]
+    outside = proxy_node.outside
+    source, backend = eventually(lambda: outside.exchange(UPLINK_NODE, node_port))
+    assert (source, backend) == (UPLINK_OUTSIDE, "backend-a"), "source kept, local endpoint"
+    status, body = eventually(lambda: proxy_node.http(f"http://127.0.0.1:{health_port}/"))
+    assert status == 200 and '"localEndpoints": 1' in body and '"name": "local"' in body
+
+    kube.patch(
+        f"{SLICES}/local-ipv4",
+        {"endpoints": [endpoint(pods["b"].address(), REMOTE_NODE)]},
+    )
+    eventually(lambda: proxy_node.http(f"http://127.0.0.1:{health_port}/")[0] == 503)
+    assert not outside.reaches(UPLINK_NODE, node_port), "no local endpoint: dropped"
+    assert not refused(outside, UPLINK_NODE, node_port), "a drop, not a reject"
+    assert pods["client"].ns.exchange(GATEWAY, node_port)[1] == "backend-b", (
+        "pod traffic still reaches cluster-wide endpoints"
+    )
+
+
+def test_internal_traffic_policy_local(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(kube, "itp", internalTrafficPolicy="Local")
+    kube.create(
+        SLICES,
+        slice_object(
+            "itp",
+            [
+                endpoint(pods["a"].address(), proxy_node.name),
+                endpoint(pods["b"].address(), REMOTE_NODE),
+            ],
+            SLICE_HTTP,
+        ),
+    )
+    ip = svc["spec"]["clusterIP"]
+    client = pods["client"].ns
+    eventually(lambda: client.exchange(ip, 80))
+    assert backends_seen(client, ip, 80, 10) == {"backend-a"}
+    kube.patch(f"{SLICES}/itp-ipv4", {"endpoints": [endpoint(pods["b"].address(), REMOTE_NODE)]})
+    eventually(lambda: not client.reaches(ip, 80))
+    assert not refused(client, ip, 80), "no local endpoint: dropped, not rejected"
+
+
+def test_client_ip_affinity_sticks_until_its_timeout(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(
+        kube,
+        "sticky",
+        sessionAffinity="ClientIP",
+        sessionAffinityConfig={"clientIP": {"timeoutSeconds": 5}},
+    )
+    kube.create(
+        SLICES,
+        slice_object(
+            "sticky",
+            [
+                endpoint(pods["a"].address(), proxy_node.name),
+                endpoint(pods["b"].address(), proxy_node.name),
+            ],
+            SLICE_HTTP,
+        ),
+    )
+    ip = svc["spec"]["clusterIP"]
+    client = pods["client"].ns
+    first = eventually(lambda: client.exchange(ip, 80))[1]
+    assert backends_seen(client, ip, 80, 12) == {first}
+    assert "--rcheck --seconds 5 --reap" in proxy_node.iptables()
+
+
+def test_terminating_endpoints_are_a_fallback(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(kube, "term")
+    kube.create(
+        SLICES,
+        slice_object(
+            "term",
+            [
+                endpoint(
+                    pods["a"].address(),
+                    proxy_node.name,
+                    ready=False,
+                    serving=True,
+                    terminating=True,
+                ),
+                endpoint(
+                    pods["b"].address(),
+                    proxy_node.name,
+                    ready=False,
+                    serving=False,
+                    terminating=True,
+                ),
+            ],
+            SLICE_HTTP,
+        ),
+    )
+    ip = svc["spec"]["clusterIP"]
+    client = pods["client"].ns
+    eventually(lambda: client.exchange(ip, 80))
+    assert backends_seen(client, ip, 80, 10) == {"backend-a"}, "never a non-serving endpoint"
+    kube.patch(
+        f"{SLICES}/term-ipv4",
+        {
+            "endpoints": [
+                endpoint(
+                    pods["a"].address(),
+                    proxy_node.name,
+                    ready=False,
+                    serving=True,
+                    terminating=True,
+                ),
+                endpoint(pods["b"].address(), proxy_node.name),
+            ]
+        },
+    )
+    eventually(lambda: backends_seen(client, ip, 80, 6) == {"backend-b"})
+
+
+def test_topology_hints_keep_traffic_in_the_zone(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(kube, "zoned")
+    a = endpoint(pods["a"].address(), proxy_node.name)
+    b = endpoint(pods["b"].address(), REMOTE_NODE)
+    a["hints"] = {"forZones": [{"name": "zone-a"}]}
+    b["hints"] = {"forZones": [{"name": "zone-b"}]}
+    kube.create(SLICES, slice_object("zoned", [a, b], SLICE_HTTP))
+    ip = svc["spec"]["clusterIP"]
+    client = pods["client"].ns
+    eventually(lambda: client.exchange(ip, 80))
+    assert backends_seen(client, ip, 80, 10) == {"backend-a"}
+
+
+def test_hairpin_and_off_cluster_sources_are_masqueraded(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(kube, "hairpin")
+    kube.create(
+        SLICES,
+        slice_object("hairpin", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP),
+    )
+    ip = svc["spec"]["clusterIP"]
+    source, backend = eventually(lambda: pods["a"].ns.exchange(ip, 80))
+    assert (source, backend) == (GATEWAY, "backend-a"), "a pod reaching itself is masqueraded"
+    source, _ = proxy_node.outside.exchange(ip, 80)
+    assert source == GATEWAY, "cluster IP traffic from outside the cluster CIDR is masqueraded"
+    assert pods["client"].ns.exchange(ip, 80)[0] == pods["client"].address()
+
+
+def test_masquerade_all(proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube) -> None:
+    svc = create_service(kube, "masq-all")
+    kube.create(
+        SLICES,
+        slice_object("masq-all", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP),
+    )
+    ip = svc["spec"]["clusterIP"]
+    try:
+        proxy_node.restart("--masquerade-all")
+        assert eventually(lambda: pods["client"].ns.exchange(ip, 80))[0] == GATEWAY
+    finally:
+        proxy_node.restart()
+    assert eventually(lambda: pods["client"].ns.exchange(ip, 80))[0] == pods["client"].address()
+
+
+def test_dual_stack_service_answers_on_both_families(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(
+        kube, "dual", ipFamilyPolicy="RequireDualStack", ipFamilies=["IPv4", "IPv6"]
+    )
+    kube.create(
+        SLICES, slice_object("dual", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP)
+    )
+    kube.create(
+        SLICES,
+        slice_object(
+            "dual",
+            [endpoint(pods["b"].address(6), proxy_node.name)],
+            SLICE_HTTP,
+            address_type="IPv6",
+        ),
+    )
+    ip4, ip6 = svc["spec"]["clusterIPs"]
+    client = pods["client"].ns
+    assert eventually(lambda: client.exchange(ip4, 80))[1] == "backend-a"
+    source6, backend6 = eventually(lambda: client.exchange(ip6, 80))
+    assert (source6, backend6) == (pods["client"].address(6), "backend-b")
+
+
+def test_udp_flow_moves_when_its_endpoint_goes_away(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_service(
+        kube, "udp", [{"name": "dns", "port": 53, "targetPort": 8080, "protocol": "UDP"}]
+    )
+    dns = [{"name": "dns", "port": 8080, "protocol": "UDP"}]
+    kube.create(SLICES, slice_object("udp", [endpoint(pods["a"].address(), proxy_node.name)], dns))
+    ip = svc["spec"]["clusterIP"]
+    client = pods["client"].ns
+    assert eventually(lambda: client.exchange(ip, 53, "udp", 40000))[1] == "backend-a"
+    kube.patch(
+        f"{SLICES}/udp-ipv4", {"endpoints": [endpoint(pods["b"].address(), proxy_node.name)]}
+    )
+    # backend-a still answers, so only the conntrack cleanup can move this flow
+    assert eventually(lambda: client.exchange(ip, 53, "udp", 40000)[1] == "backend-b")
+
+
+def test_ignored_headless_and_external_name_services_get_no_rules(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    other = create_service(
+        kube, "other-proxy", labels={"service.kubernetes.io/service-proxy-name": "x"}
+    )
+    create_service(kube, "headless", clusterIP="None")
+    create_service(kube, "extname", type="ExternalName", externalName="example.com", ports=None)
+    for name in ("other-proxy", "headless"):
+        kube.create(
+            SLICES, slice_object(name, [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP)
+        )
+    marker = create_service(kube, "marker")
+    eventually(lambda: marker["spec"]["clusterIP"] in proxy_node.iptables("filter"))
+    rules = proxy_node.iptables() + proxy_node.iptables("filter")
+    assert other["spec"]["clusterIP"] not in rules
+    assert "default/headless" not in rules and "default/extname" not in rules
+
+
+def test_metrics_health_and_proxy_mode(proxy_node: ProxyNode) -> None:
+    assert proxy_node.http("http://127.0.0.1:10249/proxyMode") == (200, "iptables")
+    for name in (
+        "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+        "kubeproxy_sync_full_proxy_rules_duration_seconds_count",
+        "kubeproxy_sync_partial_proxy_rules_duration_seconds_count",
+        "kubeproxy_network_programming_duration_seconds_count",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+        "kubeproxy_sync_proxy_rules_service_changes_pending",
+        'kubeproxy_sync_proxy_rules_iptables_total{ip_family="IPv4",table="nat"}',
+        "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+    ):
+        assert name in proxy_node.http("http://127.0.0.1:10249/metrics")[1], name
+    status, body = proxy_node.http("http://127.0.0.1:10256/healthz")
+    assert status == 200 and '"lastUpdated"' in body and '"currentTime"' in body
+    assert proxy_node.http("http://127.0.0.1:10256/livez")[0] == 200
+
+
+def test_sync_after_a_change_is_partial(proxy_node: ProxyNode, kube: Kube) -> None:
+    before = proxy_node.metric("kubeproxy_sync_partial_proxy_rules_duration_seconds_count")
+    moment = time.time()
+    create_service(kube, "partial")
+    eventually(lambda: proxy_node.synced_after(moment))
+    assert proxy_node.metric("kubeproxy_sync_partial_proxy_rules_duration_seconds_count") > before
