@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from proxyd.tracker import ClusterState
 log = logging.getLogger("knit-proxyd")
 
 FAMILIES = (4, 6)
+KUBE_PROXY_NFT_TABLE = "kube-proxy"
 SYSCTLS_FOR_BRIDGED_PODS = (
     "net/bridge/bridge-nf-call-iptables",
     "net/bridge/bridge-nf-call-ip6tables",
@@ -40,6 +42,19 @@ def _write_sysctl(name: str, value: str) -> None:
             path.write_text(value)
     except OSError as err:
         log.warning("cannot set %s=%s: %s", name.replace("/", "."), value, err)
+
+
+def remove_kube_proxy_nft_tables() -> int:
+    """Delete the tables kube-proxy's nftables mode owns; returns how many existed."""
+    removed = 0
+    for family in ("ip", "ip6"):
+        proc = subprocess.run(
+            ["nft", "delete", "table", family, KUBE_PROXY_NFT_TABLE],
+            capture_output=True,
+            check=False,
+        )
+        removed += proc.returncode == 0
+    return removed
 
 
 def _api_client(config: Config) -> client.ApiClient:
@@ -191,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if config.cleanup_kube_proxy:
         removed = sum(Iptables(family).remove_owned(owned_by_kube_proxy) for family in FAMILIES)
-        log.info("removed %d chains kube-proxy left behind", removed)
+        tables = remove_kube_proxy_nft_tables()
+        log.info("removed %d chains and %d nftables tables kube-proxy left", removed, tables)
     daemon = Daemon(config)
     signal.signal(signal.SIGTERM, daemon.shutdown)
     signal.signal(signal.SIGINT, daemon.shutdown)

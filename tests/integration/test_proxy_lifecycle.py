@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deploy.lab.controlplane import NetnsForward
-from tests.conftest import ECHO, ROOT
+from deploy.lab.controlplane import ControlPlane, NetnsForward
+from tests.conftest import ECHO, ROOT, Netns, unique_name
+from tests.integration.cni_env import Node
 from tests.integration.proxy_env import (
     SERVICES,
     SLICES,
@@ -18,7 +21,9 @@ from tests.integration.proxy_env import (
     ProxyNode,
     endpoint,
     eventually,
+    node_object,
     service_object,
+    setup_node,
     slice_object,
 )
 
@@ -113,9 +118,42 @@ def test_cleanup_kube_proxy_removes_its_leftovers(proxy_node: ProxyNode) -> None
         "-A KUBE-SVC-ABC -j KUBE-MARK-MASQ\nCOMMIT\n"
     )
     proxy_node.ns.run("iptables-restore", "--noflush", stdin=leftovers)
+    proxy_node.ns.run("nft", "add table ip kube-proxy; add chain ip kube-proxy services")
     proxy_node.restart("--cleanup-kube-proxy")
+    assert "kube-proxy" not in proxy_node.ns.run("nft", "list", "tables").stdout
     rules = proxy_node.iptables()
     assert "KUBE-SERVICES" not in rules and "KUBE-SVC-ABC" not in rules
     assert "KUBE-KUBELET-CANARY" in rules, "kubelet's chains are not kube-proxy's"
     assert "KNIT-SERVICES" in rules
     proxy_node.ns.run("iptables", "-t", "nat", "-X", "KUBE-KUBELET-CANARY")
+
+
+def test_the_node_iptables_flavour_is_followed(
+    control_plane: ControlPlane,
+    make_netns: Callable[[str], Netns],
+    tmp_path: Path,
+    kube: Kube,
+) -> None:
+    """A node whose rules live in legacy xtables gets the proxy's rules there too."""
+    node_ns = make_netns("legacy-node")
+    for _ in range(3):
+        node_ns.run("iptables-legacy", "-A", "INPUT", "-j", "ACCEPT")
+    forward = NetnsForward(node_ns.name, control_plane.port)
+    try:
+        name = unique_name("legacy-node")
+        kube.create("/api/v1/nodes", node_object(name))
+        proxy = setup_node(
+            Node(node_ns, tmp_path / "ipam", make_netns),
+            make_netns("legacy-outside"),
+            name,
+            control_plane.write_kubeconfig(tmp_path / "kubeconfig", forward.listen_port),
+            tmp_path / "proxyd.log",
+        )
+        proxy.start()
+        try:
+            assert "KNIT-SERVICES" in node_ns.run("iptables-legacy-save", "-t", "nat").stdout
+            assert "KNIT-SERVICES" not in node_ns.run("iptables-nft-save", "-t", "nat").stdout
+        finally:
+            proxy.stop()
+    finally:
+        forward.stop()

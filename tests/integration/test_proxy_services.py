@@ -156,6 +156,7 @@ def test_node_port_from_outside_is_masqueraded_and_nodeport_addresses_restrict_i
     assert backend == "backend-a"
     assert source == GATEWAY, "eTP Cluster traffic from outside is masqueraded"
     assert pods["client"].ns.exchange(GATEWAY, node_port)[1] == "backend-a"
+    assert proxy_node.ns.exchange("127.0.0.1", node_port)[1] == "backend-a", "localhost NodePort"
     try:
         proxy_node.restart("--nodeport-addresses", "198.18.0.0/24")
         assert eventually(lambda: outside.exchange(UPLINK_NODE, node_port))[1] == "backend-a"

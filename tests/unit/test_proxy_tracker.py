@@ -1,0 +1,84 @@
+"""The cluster state the watches feed: change tracking, relists, bad objects (pure)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from proxyd.tracker import ClusterState
+
+
+def svc(name: str, port: Any = 80, **spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "ns", "name": name, "resourceVersion": "1"},
+        "spec": {"clusterIPs": ["10.96.0.10"], "ports": [{"name": "p", "port": port}], **spec},
+    }
+
+
+def eps(name: str, service: str, ip: str = "10.244.1.5") -> dict[str, Any]:
+    return {
+        "metadata": {
+            "namespace": "ns",
+            "name": name,
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "p", "port": 8080}],
+        "endpoints": [{"addresses": [ip]}],
+    }
+
+
+def test_nothing_is_ready_until_both_lists_arrived() -> None:
+    state = ClusterState("node-a")
+    state.replace_services([svc("a")])
+    assert not state.ready()
+    state.replace_slices([])
+    assert state.ready()
+
+
+def test_changes_are_taken_once_and_no_op_updates_are_ignored() -> None:
+    state = ClusterState("node-a")
+    state.replace_services([svc("a")])
+    state.replace_slices([eps("a-1", "a")])
+    changes = state.take()
+    assert set(changes.services) == {("ns", "a")}
+    (view,) = changes.services.values()
+    assert [e.ip for e in view.endpoints[view.ports[0]]] == ["10.244.1.5"]
+    state.service_event("MODIFIED", svc("a"))
+    assert state.take().services == {}
+
+
+def test_a_relist_deletes_what_disappeared() -> None:
+    state = ClusterState("node-a")
+    state.replace_services([svc("a"), svc("b")])
+    state.take()
+    state.replace_services([svc("a")])
+    changes = state.take()
+    assert set(changes.services) == {("ns", "b")}
+    assert changes.services[("ns", "b")].ports == []
+
+
+def test_bad_objects_are_logged_and_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    state = ClusterState("node-a")
+    with caplog.at_level(logging.WARNING):
+        state.replace_services([svc("bad", port=0), svc("good")])
+        state.replace_slices(
+            [{**eps("bad-1", "good"), "addressType": "IPv6"}, eps("good-1", "good")]
+        )
+    assert "skipping Service ns/bad" in caplog.text
+    assert "skipping EndpointSlice ns/bad-1" in caplog.text
+    changes = state.take()
+    assert ("ns", "bad") not in changes.services
+    (view,) = [changes.services[("ns", "good")]]
+    assert [e.ip for e in view.endpoints[view.ports[0]]] == ["10.244.1.5"]
+
+
+def test_a_slice_moving_to_another_service_changes_both() -> None:
+    state = ClusterState("node-a")
+    state.replace_services([svc("a"), svc("b")])
+    state.replace_slices([eps("s", "a")])
+    state.take()
+    state.slice_event("MODIFIED", eps("s", "b"))
+    assert set(state.take().services) == {("ns", "a"), ("ns", "b")}
