@@ -13,7 +13,13 @@ from proxyd.addresses import local_addresses, nodeport_addresses
 from proxyd.iptables.chains import owned_by_knit
 from proxyd.iptables.kernel import Iptables, RestoreError
 from proxyd.iptables.render import TABLES, RenderContext, ServiceRules, render_base, render_service
-from proxyd.iptables.restore import RuleSet, Script, full_script, partial_script
+from proxyd.iptables.restore import (
+    RuleSet,
+    Script,
+    batched_full_scripts,
+    full_script,
+    partial_script,
+)
 from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from proxyd.tracker import Changes, ServiceKey, ServiceView
@@ -21,6 +27,10 @@ from proxyd.tracker import Changes, ServiceKey, ServiceView
 log = logging.getLogger(__name__)
 
 FULL_SYNC_PERIOD = 3600.0
+NFT_CHAINS_PER_RESTORE = 1000
+"""iptables-nft's restore slows with the square of the chains it creates at once (see
+restore.batched_full_scripts); iptables-legacy replaces the whole table on every restore, so
+there a full sync stays one transaction."""
 
 Fresh = dict[ServicePortName, tuple[ServicePort, tuple[Endpoint, ...]]]
 """Changed service ports as they are now, with their endpoints."""
@@ -134,7 +144,10 @@ class IptablesProxier:
                 existing = {t: kernel.chains(t, owned_by_knit) for t in TABLES}
             else:
                 existing = {t: set(old.chains(t)) for t in TABLES}
-            script = full_script(new, existing)
+            if kernel.flavour == "nft":
+                scripts = batched_full_scripts(new, existing, NFT_CHAINS_PER_RESTORE)
+            else:
+                scripts = [full_script(new, existing)]
             counts = {t: new.rule_count(t) for t in TABLES}
         else:
             assert old is not None
@@ -150,8 +163,8 @@ class IptablesProxier:
                 new.services[name] = rendered
                 for t in TABLES:
                     counts[t] += _rule_count(rendered, t)
-            script = partial_script(old, new, changed)
-        self._apply(family, script, full, base.hooks)
+            scripts = [partial_script(old, new, changed)]
+        self._apply(family, scripts, full, base.hooks)
         self._written[family] = new
         self._counts[family] = counts
         for table in TABLES:
@@ -159,7 +172,7 @@ class IptablesProxier:
                 counts[table]
             )
             self.metrics.iptables_last.labels(table=table, ip_family=f"IPv{family}").set(
-                len(script.rules[table])
+                sum(len(script.rules[table]) for script in scripts)
             )
         udp = self._all_ports() if full else list(fresh.values())
         self._clear_udp(family, new, [port for port, _ in udp if port.protocol == "UDP"])
@@ -168,12 +181,17 @@ class IptablesProxier:
         return [(p, view.endpoints[p]) for view in self._views.values() for p in view.ports]
 
     def _apply(
-        self, family: int, script: Script, full: bool, hooks: tuple[tuple[str, str, str], ...]
+        self,
+        family: int,
+        scripts: list[Script],
+        full: bool,
+        hooks: tuple[tuple[str, str, str], ...],
     ) -> None:
         kernel = self.kernel[family]
         try:
-            if not script.empty():
-                kernel.restore(script.text())
+            for script in scripts:
+                if not script.empty():
+                    kernel.restore(script.text())
             if full:
                 kernel.ensure_hooks(hooks)
         except RestoreError:

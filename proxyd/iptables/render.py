@@ -22,6 +22,14 @@ TABLES = (NAT, FILTER)
 Rules = tuple[str, ...]
 SharedKey = tuple[str, str]
 """(table, chain) of a chain every service adds rules to."""
+SHARED_CHAINS: tuple[SharedKey, ...] = (
+    (NAT, ch.SERVICES),
+    (NAT, ch.NODEPORTS),
+    (FILTER, ch.SERVICES),
+    (FILTER, ch.EXTERNAL_SERVICES),
+    (FILTER, ch.NODEPORTS),
+    (FILTER, ch.PROXY_FIREWALL),
+)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from proxyd.iptables.render import TABLES, BaseRules, Rules, ServiceRules, SharedKey
+from proxyd.iptables.render import (
+    SHARED_CHAINS,
+    TABLES,
+    BaseRules,
+    Rules,
+    ServiceRules,
+    SharedKey,
+)
 from proxyd.model import ServicePortName
 
 
@@ -93,6 +100,47 @@ def full_script(ruleset: RuleSet, existing: dict[str, set[str]]) -> Script:
         for chain in sorted(existing.get(table, set()) - wanted.keys()):
             script.remove_chain(table, chain)
     return script
+
+
+def batched_full_scripts(
+    ruleset: RuleSet, existing: dict[str, set[str]], chains_per_script: int
+) -> list[Script]:
+    """A full sync in several transactions, for iptables-nft, whose restore time grows with the
+    square of the chains one transaction creates (1,000 services of 10 endpoints: 5 s at once,
+    0.1 s per 100).
+
+    First the base chains, with shared chains that do not exist yet created empty; then the
+    services' own chains, all chains of a service in one transaction; last the shared chains,
+    rewritten whole, and the removal of stale chains. Each service is switched atomically and
+    the dispatch to it never points at a missing chain.
+    """
+    scripts = [Script()]
+    for (table, chain), tail in ruleset.base.chains.items():
+        if (table, chain) not in SHARED_CHAINS:
+            scripts[0].rewrite(table, chain, tail)
+        elif chain not in existing.get(table, set()):
+            scripts[0].rewrite(table, chain, ())
+    current = Script()
+    count = 0
+    for rules in ruleset.services.values():
+        if count and count + len(rules.chains) > chains_per_script:
+            scripts.append(current)
+            current, count = Script(), 0
+        for chain, own in rules.chains.items():
+            current.rewrite("nat", chain, own)
+        count += len(rules.chains)
+    if count:
+        scripts.append(current)
+    last = Script()
+    for table in TABLES:
+        wanted = ruleset.chains(table)
+        for tbl, chain in SHARED_CHAINS:
+            if tbl == table and chain in wanted:
+                last.rewrite(table, chain, wanted[chain])
+        for chain in sorted(existing.get(table, set()) - wanted.keys()):
+            last.remove_chain(table, chain)
+    scripts.append(last)
+    return scripts
 
 
 def _shared_delta(script: Script, key: SharedKey, old: Rules, new: Rules) -> None:

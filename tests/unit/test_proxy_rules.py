@@ -6,7 +6,7 @@ import dataclasses
 
 from proxyd.iptables.chains import ServiceChains, owned_by_knit, owned_by_kube_proxy
 from proxyd.iptables.render import RenderContext, render_base, render_service
-from proxyd.iptables.restore import RuleSet, full_script, partial_script
+from proxyd.iptables.restore import RuleSet, batched_full_scripts, full_script, partial_script
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 
 NODE = NodeInfo("node-a", addresses=("192.0.2.10",))
@@ -113,3 +113,24 @@ def test_ownership_never_claims_the_cni_plugins_chains() -> None:
     assert owned_by_knit("KNIT-SEP-ABC") and owned_by_knit("KNIT-EXTERNAL-SERVICES")
     assert not owned_by_knit("KNIT-MASQ-0123456789")
     assert owned_by_kube_proxy("KUBE-SVC-X") and not owned_by_kube_proxy("KUBE-KUBELET-CANARY")
+
+
+def test_batched_full_sync_switches_each_service_whole_and_dispatch_last() -> None:
+    base = render_base(CTX)
+    ruleset = RuleSet(base)
+    for i in range(5):
+        name = ServicePortName("ns", f"web-{i}", "http", "TCP")
+        port = ServicePort(name=name, cluster_ips=(f"10.96.0.{i + 1}",), port=80)
+        ruleset.services[name] = render_service(port, READY, CTX)
+    scripts = batched_full_scripts(ruleset, {"nat": {"KNIT-SERVICES", "KNIT-SVC-STALE"}}, 4)
+    assert len(scripts) == 7, "base, one script per service (3 chains each), shared chains"
+    first, *middle, last = (script.text() for script in scripts)
+    assert ":KNIT-MARK-MASQ" in first and ":KNIT-NODEPORTS" in first
+    nat_first = first.split("*filter")[0]
+    assert ":KNIT-SERVICES" not in nat_first, "an existing dispatch chain is not flushed early"
+    for text in middle:
+        assert "KNIT-SERVICES" not in text and text.count(":KNIT-SVC-") == 1
+    assert ":KNIT-SERVICES" in last and "-X KNIT-SVC-STALE" in last
+    single = full_script(ruleset, {}).text()
+    written = [line for s in scripts for line in s.text().splitlines() if line.startswith("-A")]
+    assert sorted(written) == sorted(line for line in single.splitlines() if line.startswith("-A"))
