@@ -7,7 +7,7 @@ BUILD := $(ROOT)/build
 APT_PACKAGES := iproute2 iptables nftables conntrack ipset iputils-ping procps python3 \
 	python3-venv curl ca-certificates unzip git openssl
 
-.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni lab lab-down \
+.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy lab lab-down \
 	controlplane controlplane-down clean
 
 setup: system-deps venv
@@ -69,6 +69,10 @@ controlplane-down:
 
 bench-cni: setup cni go-tools
 	$(PY) bench/cni_bench.py
+
+# knit-proxyd at 1,000 and 10,000 services (~5 min); e.g. ARGS="--sizes 1000 --quick"
+bench-proxy: setup cni go-tools
+	cd $(ROOT) && $(PY) -m bench.proxy_bench $(ARGS)
 
 clean:
 	rm -rf $(BUILD)
