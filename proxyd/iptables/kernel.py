@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from cni.firewall import detect_iptables_flavour
 from proxyd.iptables.render import TABLES
@@ -15,6 +16,13 @@ JUMP = re.compile(r"(?:^| )-j (\S+)")
 
 class RestoreError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    chains: set[str]
+    jumps: set[tuple[str, str]]
+    """(built-in chain, target) of every jump in a built-in chain."""
 
 
 class Iptables:
@@ -45,25 +53,20 @@ class Iptables:
             raise RestoreError(f"{self.save_binary} -t {table} failed: {proc.stderr.strip()}")
         return proc.stdout
 
-    def chains(self, table: str, owned: Callable[[str], bool]) -> set[str]:
-        return {
-            line[1:].split(" ", 1)[0]
-            for line in self.save(table).splitlines()
-            if line.startswith(":") and owned(line[1:].split(" ", 1)[0])
-        }
-
-    def _rule_exists(self, table: str, chain: str, rule: str) -> bool:
-        argv = [self.binary, "-w", "5", "-t", table, "-C", chain, *split_rule(rule)]
-        return subprocess.run(argv, capture_output=True, check=False).returncode == 0
-
-    def ensure_hooks(self, hooks: tuple[tuple[str, str, str], ...]) -> None:
-        """Insert the missing jumps from built-in chains, keeping their order at the head."""
-        for table, chain, rule in reversed(hooks):
-            if not self._rule_exists(table, chain, rule):
-                argv = [self.binary, "-w", "5", "-t", table, "-I", chain, "1", *split_rule(rule)]
-                proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-                if proc.returncode != 0:
-                    raise RestoreError(f"inserting {chain} hook failed: {proc.stderr.strip()}")
+    def snapshot(self, table: str, owned: Callable[[str], bool]) -> TableSnapshot:
+        """The owned chains of the table and the jumps from its built-in chains."""
+        chains: set[str] = set()
+        jumps: set[tuple[str, str]] = set()
+        for line in self.save(table).splitlines():
+            if line.startswith(":"):
+                name = line[1:].split(" ", 1)[0]
+                if owned(name):
+                    chains.add(name)
+            elif line.startswith("-A ") and (match := JUMP.search(line)) is not None:
+                chain = line.split(" ", 2)[1]
+                if chain in BUILTIN_CHAINS:
+                    jumps.add((chain, match.group(1)))
+        return TableSnapshot(chains, jumps)
 
     def remove_owned(self, owned: Callable[[str], bool]) -> int:
         """Remove every jump into owned chains from built-in chains, then the chains.
@@ -97,14 +100,3 @@ class Iptables:
         if lines:
             self.restore("\n".join(lines) + "\n")
         return removed
-
-
-def split_rule(rule: str) -> list[str]:
-    """Split a rule into argv, keeping double-quoted comments whole."""
-    parts: list[str] = []
-    for index, chunk in enumerate(rule.split('"')):
-        if index % 2:
-            parts.append(chunk)
-        else:
-            parts.extend(chunk.split())
-    return parts

@@ -12,7 +12,14 @@ from proxyd import conntrack
 from proxyd.addresses import local_addresses, nodeport_addresses
 from proxyd.iptables.chains import owned_by_knit
 from proxyd.iptables.kernel import Iptables, RestoreError
-from proxyd.iptables.render import TABLES, RenderContext, ServiceRules, render_base, render_service
+from proxyd.iptables.render import (
+    TABLES,
+    RenderContext,
+    ServiceRules,
+    hook_target,
+    render_base,
+    render_service,
+)
 from proxyd.iptables.restore import (
     RuleSet,
     Script,
@@ -78,6 +85,7 @@ class IptablesProxier:
         self._views: dict[ServiceKey, ServiceView] = {}
         self._written: dict[int, RuleSet | None] = dict.fromkeys(families)
         self._counts: dict[int, dict[str, int]] = {f: dict.fromkeys(TABLES, 0) for f in families}
+        self._health_check_ports: dict[ServicePortName, ServicePort] = {}
         self._node: NodeInfo | None = None
         self._last_full = 0.0
 
@@ -109,6 +117,11 @@ class IptablesProxier:
             for port in view.ports:
                 fresh[port.name] = (port, view.endpoints[port])
         changed_names.update(fresh)
+        for name in changed_names:
+            self._health_check_ports.pop(name, None)
+        for name, (port, _) in fresh.items():
+            if port.health_check_node_port:
+                self._health_check_ports[name] = port
         node = changes.node
         full = (
             node != self._node
@@ -140,14 +153,15 @@ class IptablesProxier:
             new = RuleSet(base)
             for port, endpoints in self._all_ports():
                 new.services[port.name] = render_service(port, endpoints, ctx)
-            if old is None:
-                existing = {t: kernel.chains(t, owned_by_knit) for t in TABLES}
-            else:
-                existing = {t: set(old.chains(t)) for t in TABLES}
+            snapshots = {t: kernel.snapshot(t, owned_by_knit) for t in TABLES}
+            existing = {t: snapshots[t].chains for t in TABLES}
             if kernel.flavour == "nft":
                 scripts = batched_full_scripts(new, existing, NFT_CHAINS_PER_RESTORE)
             else:
                 scripts = [full_script(new, existing)]
+            for table, chain, rule in reversed(base.hooks):
+                if (chain, hook_target(rule)) not in snapshots[table].jumps:
+                    scripts[-1].insert(table, chain, rule)
             counts = {t: new.rule_count(t) for t in TABLES}
         else:
             assert old is not None
@@ -164,7 +178,7 @@ class IptablesProxier:
                 for t in TABLES:
                     counts[t] += _rule_count(rendered, t)
             scripts = [partial_script(old, new, changed)]
-        self._apply(family, scripts, full, base.hooks)
+        self._apply(family, scripts, full)
         self._written[family] = new
         self._counts[family] = counts
         for table in TABLES:
@@ -180,20 +194,12 @@ class IptablesProxier:
     def _all_ports(self) -> list[tuple[ServicePort, tuple[Endpoint, ...]]]:
         return [(p, view.endpoints[p]) for view in self._views.values() for p in view.ports]
 
-    def _apply(
-        self,
-        family: int,
-        scripts: list[Script],
-        full: bool,
-        hooks: tuple[tuple[str, str, str], ...],
-    ) -> None:
+    def _apply(self, family: int, scripts: list[Script], full: bool) -> None:
         kernel = self.kernel[family]
         try:
             for script in scripts:
                 if not script.empty():
                     kernel.restore(script.text())
-            if full:
-                kernel.ensure_hooks(hooks)
         except RestoreError:
             self._written[family] = None
             self.metrics.restore_failures.inc()
@@ -219,20 +225,12 @@ class IptablesProxier:
 
     def _health_checks(self) -> dict[int, tuple[str, str, int]]:
         wanted: dict[int, tuple[str, str, int]] = {}
-        local_by_name: dict[ServicePortName, int] = {}
-        for family in self.families:
-            ruleset = self._written[family]
-            if ruleset is None:
-                continue
-            for name, rules in ruleset.services.items():
-                local_by_name[name] = max(local_by_name.get(name, 0), rules.local_endpoints)
-        for port, _ in self._all_ports():
-            if port.health_check_node_port:
-                wanted[port.health_check_node_port] = (
-                    port.name.namespace,
-                    port.name.name,
-                    local_by_name.get(port.name, 0),
-                )
+        for name, port in self._health_check_ports.items():
+            local = 0
+            for ruleset in self._written.values():
+                rules = ruleset.services.get(name) if ruleset is not None else None
+                local = max(local, rules.local_endpoints if rules else 0)
+            wanted[port.health_check_node_port] = (name.namespace, name.name, local)
         return wanted
 
     def no_local_endpoints(self) -> tuple[int, int]:

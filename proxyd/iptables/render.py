@@ -45,7 +45,8 @@ class RenderContext:
     localhost_nodeports: bool = True
 
     def of_family(self, address: str) -> bool:
-        return ipaddress.ip_network(address, strict=False).version == self.family
+        """For addresses and CIDRs the model already validated."""
+        return (":" in address) == (self.family == 6)
 
     @property
     def mark(self) -> str:
@@ -85,17 +86,22 @@ class BaseRules:
     """(table, built-in chain, rule) jumps into the proxy's chains."""
 
 
+def hook_target(rule: str) -> str:
+    """The chain a hook rule jumps to (its last word)."""
+    return rule.rsplit(" ", 1)[1]
+
+
 def comment(text: str) -> str:
     return f'-m comment --comment "{text}"'
 
 
 def _endpoint_rules(
-    port: ServicePort, chains: ch.ServiceChains, endpoints: tuple[Endpoint, ...]
+    port: ServicePort, endpoints: tuple[Endpoint, ...], seps: dict[Endpoint, str]
 ) -> list[str]:
     rules: list[str] = []
     if port.affinity_timeout:
         for endpoint in endpoints:
-            sep = chains.endpoint(endpoint)
+            sep = seps[endpoint]
             rules.append(
                 f"{comment(f'{port.name} -> {endpoint}')} -m recent --name {sep} --rcheck"
                 f" --seconds {port.affinity_timeout} --reap -j {sep}"
@@ -105,16 +111,12 @@ def _endpoint_rules(
         statistic = ""
         if index < count - 1:
             statistic = f" -m statistic --mode random --probability {1.0 / (count - index):.10f}"
-        rules.append(
-            f"{comment(f'{port.name} -> {endpoint}')}{statistic} -j {chains.endpoint(endpoint)}"
-        )
+        rules.append(f"{comment(f'{port.name} -> {endpoint}')}{statistic} -j {seps[endpoint]}")
     return rules
 
 
-def _endpoint_chain(port: ServicePort, endpoint: Endpoint, proto: str) -> Rules:
-    affinity = ""
-    if port.affinity_timeout:
-        affinity = f" -m recent --name {ch.ServiceChains(port.name).endpoint(endpoint)} --set"
+def _endpoint_chain(port: ServicePort, endpoint: Endpoint, sep: str, proto: str) -> Rules:
+    affinity = f" -m recent --name {sep} --set" if port.affinity_timeout else ""
     return (
         f"{comment(str(port.name))} -s {endpoint.ip} -j {ch.MARK_MASQ}",
         f"{comment(str(port.name))}{affinity} {proto} -j DNAT --to-destination {endpoint}",
@@ -243,15 +245,13 @@ def render_service(
             for lb_ip in lb_ips:
                 rules.append(f"{match} -s {lb_ip} -j {chains.external}")
 
+    seps = {endpoint: chains.endpoint(endpoint) for endpoint in categorized.reachable}
     if uses_cluster_chain:
-        own.setdefault(chains.cluster, []).extend(
-            _endpoint_rules(port, chains, categorized.cluster)
-        )
+        own.setdefault(chains.cluster, []).extend(_endpoint_rules(port, categorized.cluster, seps))
     if uses_local_chain:
-        own.setdefault(chains.local, []).extend(_endpoint_rules(port, chains, categorized.local))
-    if has_endpoints:
-        for endpoint in categorized.reachable:
-            own[chains.endpoint(endpoint)] = list(_endpoint_chain(port, endpoint, proto))
+        own.setdefault(chains.local, []).extend(_endpoint_rules(port, categorized.local, seps))
+    for endpoint, sep in seps.items():
+        own[sep] = list(_endpoint_chain(port, endpoint, sep, proto))
 
     return ServiceRules(
         chains={chain: tuple(rules) for chain, rules in own.items()},

@@ -63,6 +63,9 @@ class Script:
         self.declared[table].append(f":{chain} - [0:0]")
         self.rules[table].extend(f"-A {chain} {rule}" for rule in rules)
 
+    def insert(self, table: str, chain: str, rule: str) -> None:
+        self.rules[table].append(f"-I {chain} 1 {rule}")
+
     def remove_chain(self, table: str, chain: str) -> None:
         self.declared[table].append(f":{chain} - [0:0]")
         self.removed[table].append(f"-X {chain}")
@@ -148,7 +151,9 @@ def _shared_delta(script: Script, key: SharedKey, old: Rules, new: Rules) -> Non
     new_set = set(new)
     old_set = set(old)
     script.deletions[table].extend(f"-D {chain} {rule}" for rule in old if rule not in new_set)
-    script.rules[table].extend(f"-I {chain} 1 {rule}" for rule in new if rule not in old_set)
+    for rule in new:
+        if rule not in old_set:
+            script.insert(table, chain, rule)
 
 
 def partial_script(old: RuleSet, new: RuleSet, changed: Iterable[ServicePortName]) -> Script:
