@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,8 +115,8 @@ class Netns:
         subprocess.run(["ip", "netns", "del", self.name], check=False)
 
 
-@pytest.fixture
-def make_netns() -> Iterator[Any]:
+def netns_factory() -> Iterator[Callable[[str], Netns]]:
+    """Makes namespaces (unique names, lo up) and removes them all when closed."""
     if os.geteuid() != 0:
         pytest.skip("network namespace tests need root")
     created: list[Netns] = []
@@ -128,9 +128,16 @@ def make_netns() -> Iterator[Any]:
         ns.run("ip", "link", "set", "lo", "up")
         return ns
 
-    yield make
-    for ns in reversed(created):
-        ns.remove()
+    try:
+        yield make
+    finally:
+        for ns in reversed(created):
+            ns.remove()
+
+
+@pytest.fixture
+def make_netns() -> Iterator[Callable[[str], Netns]]:
+    yield from netns_factory()
 
 
 @pytest.fixture(scope="session")

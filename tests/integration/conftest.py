@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
 from kubernetes.client import ApiClient
 
 from deploy.lab.controlplane import ControlPlane, NetnsForward
-from tests.conftest import Netns, unique_name
+from tests.conftest import Netns, netns_factory, unique_name
 from tests.integration.cni_env import Node
 from tests.integration.proxy_env import Kube, ProxyNode, node_object, setup_node
 
@@ -20,18 +19,7 @@ def node(make_netns, tmp_path) -> Node:
 @pytest.fixture(scope="module")
 def module_netns() -> Iterator[Callable[[str], Netns]]:
     """Namespaces that live for a whole test module (a node shared by its tests)."""
-    created: list[Netns] = []
-
-    def make(prefix: str = "knit") -> Netns:
-        ns = Netns(unique_name(prefix))
-        subprocess.run(["ip", "netns", "add", ns.name], check=True)
-        created.append(ns)
-        ns.run("ip", "link", "set", "lo", "up")
-        return ns
-
-    yield make
-    for ns in reversed(created):
-        ns.remove()
+    yield from netns_factory()
 
 
 @pytest.fixture(scope="module")
