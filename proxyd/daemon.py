@@ -15,6 +15,8 @@ from types import FrameType
 from kubernetes import client
 from kubernetes import config as kubeconfig
 
+from cni import sysctl
+from cni.errors import CniError
 from proxyd import watch
 from proxyd.config import Config, ConfigError, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
@@ -36,12 +38,10 @@ SYSCTLS_FOR_BRIDGED_PODS = (
 
 
 def _write_sysctl(name: str, value: str) -> None:
-    path = Path("/proc/sys") / name
     try:
-        if path.read_text().strip() != value:
-            path.write_text(value)
-    except OSError as err:
-        log.warning("cannot set %s=%s: %s", name.replace("/", "."), value, err)
+        sysctl.write(name, value)
+    except CniError as err:
+        log.warning("%s", err.msg)
 
 
 def remove_kube_proxy_nft_tables() -> int:

@@ -86,7 +86,9 @@ class IptablesProxier:
         self._written: dict[int, RuleSet | None] = dict.fromkeys(families)
         self._counts: dict[int, dict[str, int]] = {f: dict.fromkeys(TABLES, 0) for f in families}
         self._health_check_ports: dict[ServicePortName, ServicePort] = {}
-        self._node: NodeInfo | None = None
+        self._placement: tuple[str, str, tuple[str, ...]] | None = None
+        self._no_local_internal: set[tuple[int, ServicePortName]] = set()
+        self._no_local_external: set[tuple[int, ServicePortName]] = set()
         self._last_full = 0.0
 
     def _context(self, family: int, node: NodeInfo) -> RenderContext:
@@ -124,11 +126,11 @@ class IptablesProxier:
                 self._health_check_ports[name] = port
         node = changes.node
         full = (
-            node != self._node
+            (node.name, node.zone, node.addresses) != self._placement
             or any(self._written[f] is None for f in self.families)
             or time.monotonic() - self._last_full > FULL_SYNC_PERIOD
         )
-        self._node = node
+        self._placement = (node.name, node.zone, node.addresses)
         for family in self.families:
             self._sync_family(family, node, full, changed_names, fresh)
         if full:
@@ -188,6 +190,10 @@ class IptablesProxier:
             self.metrics.iptables_last.labels(table=table, ip_family=f"IPv{family}").set(
                 sum(len(script.rules[table]) for script in scripts)
             )
+        if full:
+            tracked = self._no_local_internal | self._no_local_external
+            changed = {name for f, name in tracked if f == family} | set(new.services)
+        self._track_no_local(family, new, changed)
         udp = self._all_ports() if full else list(fresh.values())
         self._clear_udp(family, new, [port for port, _ in udp if port.protocol == "UDP"])
 
@@ -233,16 +239,20 @@ class IptablesProxier:
             wanted[port.health_check_node_port] = (name.namespace, name.name, local)
         return wanted
 
+    def _track_no_local(self, family: int, ruleset: RuleSet, names: set[ServicePortName]) -> None:
+        for name in names:
+            key = (family, name)
+            self._no_local_internal.discard(key)
+            self._no_local_external.discard(key)
+            rules = ruleset.services.get(name)
+            if rules is not None and rules.no_local_internal:
+                self._no_local_internal.add(key)
+            if rules is not None and rules.no_local_external:
+                self._no_local_external.add(key)
+
     def no_local_endpoints(self) -> tuple[int, int]:
         """(internal, external) counts of Local-policy service ports without local endpoints."""
-        internal = external = 0
-        for family in self.families:
-            ruleset = self._written[family]
-            if ruleset is None:
-                continue
-            internal += sum(r.no_local_internal for r in ruleset.services.values())
-            external += sum(r.no_local_external for r in ruleset.services.values())
-        return internal, external
+        return len(self._no_local_internal), len(self._no_local_external)
 
     def cleanup(self) -> int:
         """Remove everything this proxy installed; returns the number of chains removed."""

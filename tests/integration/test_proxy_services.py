@@ -8,6 +8,7 @@ from here, so only the proxy's choice decides where traffic goes).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -38,6 +39,29 @@ def create_service(
     return kube.create(SERVICES, service_object(name, ports or [HTTP], **spec))
 
 
+def create_backed(
+    kube: Kube,
+    name: str,
+    ports: list[dict[str, Any]] | None = None,
+    *,
+    endpoints: list[dict[str, Any]],
+    slice_ports: list[dict[str, Any]] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A Service and its IPv4 EndpointSlice."""
+    service = create_service(kube, name, ports, **spec)
+    kube.create(SLICES, slice_object(name, endpoints, slice_ports or SLICE_HTTP))
+    return service
+
+
+def firewall_drops(proxy_node: ProxyNode, lb_ip: str) -> int:
+    """Packets the KNIT-PROXY-FIREWALL drop rule for lb_ip has counted."""
+    listing = proxy_node.ns.run(
+        "iptables", "-t", "filter", "-L", "KNIT-PROXY-FIREWALL", "-v", "-n", "-x"
+    )
+    return sum(int(line.split()[0]) for line in listing.stdout.splitlines() if lb_ip in line)
+
+
 def backends_seen(client: Any, host: str, port: int, tries: int, proto: str = "tcp") -> set[str]:
     return {client.exchange(host, port, proto)[1] for _ in range(tries)}
 
@@ -45,7 +69,7 @@ def backends_seen(client: Any, host: str, port: int, tries: int, proto: str = "t
 def refused(ns: Any, host: str, port: int) -> bool:
     """True when the connection is refused at once (an ICMP reject), not timed out."""
     result = ns.run(
-        "python3",
+        sys.executable,
         "-c",
         "import socket,sys\n"
         f"s=socket.socket(); s.settimeout(3)\n"
@@ -146,9 +170,8 @@ def test_no_endpoints_is_rejected_at_once(
 def test_node_port_from_outside_is_masqueraded_and_nodeport_addresses_restrict_it(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
-    svc = create_service(kube, "np", type="NodePort")
-    kube.create(
-        SLICES, slice_object("np", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP)
+    svc = create_backed(
+        kube, "np", type="NodePort", endpoints=[endpoint(pods["a"].address(), proxy_node.name)]
     )
     node_port = svc["spec"]["ports"][0]["nodePort"]
     outside = proxy_node.outside
@@ -200,15 +223,19 @@ def test_external_ips_and_load_balancer_vips(
     assert eventually(lambda: outside.exchange("203.0.113.20", 80))[1] == "backend-a"
     eventually(lambda: "203.0.113.21" in proxy_node.iptables("filter"))
     assert not outside.reaches("203.0.113.21", 80), "source outside loadBalancerSourceRanges"
+    assert firewall_drops(proxy_node, "203.0.113.21") > 0, "dropped by the firewall rule"
     assert "203.0.113.22" not in proxy_node.iptables(), "ipMode Proxy gets no rule"
 
 
 def test_external_traffic_policy_local(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
-    svc = create_service(kube, "local", type="LoadBalancer", externalTrafficPolicy="Local")
-    kube.create(
-        SLICES, slice_object("local", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP)
+    svc = create_backed(
+        kube,
+        "local",
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        endpoints=[endpoint(pods["a"].address(), proxy_node.name)],
     )
     node_port = svc["spec"]["ports"][0]["nodePort"]
     health_port = svc["spec"]["healthCheckNodePort"]
@@ -233,17 +260,14 @@ def test_external_traffic_policy_local(
 def test_internal_traffic_policy_local(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
-    svc = create_service(kube, "itp", internalTrafficPolicy="Local")
-    kube.create(
-        SLICES,
-        slice_object(
-            "itp",
-            [
-                endpoint(pods["a"].address(), proxy_node.name),
-                endpoint(pods["b"].address(), REMOTE_NODE),
-            ],
-            SLICE_HTTP,
-        ),
+    svc = create_backed(
+        kube,
+        "itp",
+        internalTrafficPolicy="Local",
+        endpoints=[
+            endpoint(pods["a"].address(), proxy_node.name),
+            endpoint(pods["b"].address(), REMOTE_NODE),
+        ],
     )
     ip = svc["spec"]["clusterIP"]
     client = pods["client"].ns
@@ -257,22 +281,15 @@ def test_internal_traffic_policy_local(
 def test_client_ip_affinity_sticks_until_its_timeout(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
-    svc = create_service(
+    svc = create_backed(
         kube,
         "sticky",
         sessionAffinity="ClientIP",
         sessionAffinityConfig={"clientIP": {"timeoutSeconds": 5}},
-    )
-    kube.create(
-        SLICES,
-        slice_object(
-            "sticky",
-            [
-                endpoint(pods["a"].address(), proxy_node.name),
-                endpoint(pods["b"].address(), proxy_node.name),
-            ],
-            SLICE_HTTP,
-        ),
+        endpoints=[
+            endpoint(pods["a"].address(), proxy_node.name),
+            endpoint(pods["b"].address(), proxy_node.name),
+        ],
     )
     ip = svc["spec"]["clusterIP"]
     client = pods["client"].ns
@@ -284,29 +301,25 @@ def test_client_ip_affinity_sticks_until_its_timeout(
 def test_terminating_endpoints_are_a_fallback(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
-    svc = create_service(kube, "term")
-    kube.create(
-        SLICES,
-        slice_object(
-            "term",
-            [
-                endpoint(
-                    pods["a"].address(),
-                    proxy_node.name,
-                    ready=False,
-                    serving=True,
-                    terminating=True,
-                ),
-                endpoint(
-                    pods["b"].address(),
-                    proxy_node.name,
-                    ready=False,
-                    serving=False,
-                    terminating=True,
-                ),
-            ],
-            SLICE_HTTP,
-        ),
+    svc = create_backed(
+        kube,
+        "term",
+        endpoints=[
+            endpoint(
+                pods["a"].address(),
+                proxy_node.name,
+                ready=False,
+                serving=True,
+                terminating=True,
+            ),
+            endpoint(
+                pods["b"].address(),
+                proxy_node.name,
+                ready=False,
+                serving=False,
+                terminating=True,
+            ),
+        ],
     )
     ip = svc["spec"]["clusterIP"]
     client = pods["client"].ns
@@ -348,11 +361,7 @@ def test_topology_hints_keep_traffic_in_the_zone(
 def test_hairpin_and_off_cluster_sources_are_masqueraded(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
-    svc = create_service(kube, "hairpin")
-    kube.create(
-        SLICES,
-        slice_object("hairpin", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP),
-    )
+    svc = create_backed(kube, "hairpin", endpoints=[endpoint(pods["a"].address(), proxy_node.name)])
     ip = svc["spec"]["clusterIP"]
     source, backend = eventually(lambda: pods["a"].ns.exchange(ip, 80))
     assert (source, backend) == (GATEWAY, "backend-a"), "a pod reaching itself is masqueraded"
@@ -362,10 +371,8 @@ def test_hairpin_and_off_cluster_sources_are_masqueraded(
 
 
 def test_masquerade_all(proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube) -> None:
-    svc = create_service(kube, "masq-all")
-    kube.create(
-        SLICES,
-        slice_object("masq-all", [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP),
+    svc = create_backed(
+        kube, "masq-all", endpoints=[endpoint(pods["a"].address(), proxy_node.name)]
     )
     ip = svc["spec"]["clusterIP"]
     try:
