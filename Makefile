@@ -10,7 +10,7 @@ APT_PACKAGES := iproute2 iptables nftables conntrack ipset iputils-ping procps p
 	python3-venv python3-dev gcc libc6-dev curl ca-certificates unzip git openssl
 
 .PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy lab lab-down \
-	controlplane controlplane-down clean
+	controlplane controlplane-down clean image kind-up kind-down
 
 setup: system-deps venv
 
@@ -36,13 +36,14 @@ cni: $(BUILD)/cni/knit
 $(BUILD)/cni/knit: venv Makefile
 	mkdir -p $(BUILD)/cni
 	purelib=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	printf '#!%s -IS\nimport sys\nsys.path[:0] = ["%s", "%s"]\nfrom cni.plugin import main\nmain()\n' \
-		"$(PY)" "$(ROOT)" "$$purelib" > $@.tmp
+	printf '#!%s -IS\nimport sys\nsys.path[:0] = ["%s", "%s"]\nfrom cni.client import main\nmain(%s)\n' \
+		"$(PY)" "$(ROOT)" "$$purelib" "$(if $(CNI_SOCKET),\"$(CNI_SOCKET)\",None)" > $@.tmp
 	chmod 755 $@.tmp
 	mv $@.tmp $@
 
-# libcni driver, the reference plugins (bridge, host-local, portmap, loopback) and the
-# control plane (etcd, kube-apiserver), pinned.
+# libcni driver, the reference plugins (bridge, host-local, portmap, loopback), the control
+# plane (etcd, kube-apiserver) and kubectl, and the linters for the deployment files
+# (actionlint, kindconfig, dockerfilelint), pinned.
 go-tools:
 	tests/go/build.sh $(BUILD)
 
@@ -57,10 +58,10 @@ test: setup cni go-tools lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 lab: setup cni go-tools
-	$(PY) deploy/lab/lab.py up
+	cd $(ROOT) && $(PY) -m deploy.lab.lab up
 
 lab-down:
-	$(PY) deploy/lab/lab.py down
+	cd $(ROOT) && $(PY) -m deploy.lab.lab down
 
 # etcd + kube-apiserver on host loopback, left running; kubeconfig and logs in .controlplane/
 controlplane: setup go-tools
@@ -78,3 +79,25 @@ bench-proxy: setup cni go-tools
 
 clean:
 	rm -rf $(BUILD)
+
+# ---------------------------------------------------------------- kind (needs docker and kind)
+# The cluster's name fixes the DaemonSet's API server address (knit-control-plane) and the
+# image tag is the one deploy/kubernetes names; KNIT_MANIFESTS may be an overlay of
+# deploy/kubernetes (the kind-e2e workflow selects the proxy mode with one).
+KNIT_IMAGE := knit:dev
+KIND_CLUSTER := knit
+KNIT_MANIFESTS ?= deploy/kubernetes
+KIND_KUBECTL := kubectl --context kind-$(KIND_CLUSTER)
+
+image:
+	docker build -t $(KNIT_IMAGE) .
+
+kind-up: image
+	kind create cluster --config deploy/kind/cluster.yaml --name $(KIND_CLUSTER)
+	kind load docker-image $(KNIT_IMAGE) --name $(KIND_CLUSTER)
+	$(KIND_KUBECTL) apply -k $(KNIT_MANIFESTS)
+	$(KIND_KUBECTL) -n kube-system rollout status daemonset/knit --timeout=5m
+	$(KIND_KUBECTL) -n kube-system rollout status deployment/coredns --timeout=5m
+
+kind-down:
+	kind delete cluster --name $(KIND_CLUSTER)

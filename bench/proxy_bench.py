@@ -55,20 +55,13 @@ from typing import Any, TypeVar
 from kubernetes import client, config
 
 from deploy.lab.controlplane import ControlPlane, NetnsForward, start
+from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from proxyd.iptables.chains import ServiceChains
 from proxyd.iptables.render import RenderContext, render_base, render_service
 from proxyd.iptables.restore import RuleSet, partial_script
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from tests.conftest import ROOT, Netns, unique_name
-from tests.integration.proxy_env import (
-    SERVICES,
-    SLICES,
-    Kube,
-    endpoint,
-    node_object,
-    service_object,
-    slice_object,
-)
+from tests.integration.proxy_env import node_object
 
 NODE = "bench-node"
 REMOTE_NODE = "node-elsewhere"

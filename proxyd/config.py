@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from proxyd.nodenet.plan import ROUTING_MODES
+
 MODES = ("iptables",)
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -38,6 +40,12 @@ class Config:
     cleanup: bool = False
     cleanup_kube_proxy: bool = False
     verbosity: int = 0
+    cni_conf_dir: str = "/etc/cni/net.d"
+    cni_bin_dir: str = "/opt/cni/bin"
+    cni_data_dir: str = "/var/lib/cni/networks"
+    cni_socket: str = "/run/knit/cni.sock"
+    cni_bundle: str = "/opt/knit/cni-bundle"
+    routing: str = "auto"
 
 
 def parse_duration(text: str | float) -> float:
@@ -154,6 +162,23 @@ def parser() -> argparse.ArgumentParser:
         help="remove kube-proxy's leftover KUBE-* rules at start-up",
     )
     p.add_argument("-v", "--v", type=int, dest="verbosity", help="log verbosity (0-4)")
+    node = p.add_argument_group("node networking (knit's own; kube-proxy has none)")
+    node.add_argument("--cni-conf-dir", help="where 10-knit.conflist goes (/etc/cni/net.d)")
+    node.add_argument("--cni-bin-dir", help="where the plugin is installed (/opt/cni/bin)")
+    node.add_argument("--cni-data-dir", help="host-local's dataDir (/var/lib/cni/networks)")
+    node.add_argument(
+        "--cni-socket", help="the plugin's fast-path socket (/run/knit/cni.sock; '' for none)"
+    )
+    node.add_argument(
+        "--cni-bundle",
+        help="the plugin bundle to install into --cni-bin-dir (/opt/knit/cni-bundle; '' for none)",
+    )
+    node.add_argument(
+        "--routing",
+        choices=ROUTING_MODES,
+        help="routes to other nodes' pods: direct via their InternalIP, vxlan, auto "
+        "(direct to neighbours on the same segment, vxlan to the rest; default) or none",
+    )
     return p
 
 

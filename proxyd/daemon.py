@@ -15,7 +15,7 @@ from types import FrameType
 from kubernetes import client
 from kubernetes import config as kubeconfig
 
-from cni import sysctl
+from cni import install, server, sysctl
 from cni.errors import CniError
 from proxyd import watch
 from proxyd.config import Config, ConfigError, load
@@ -24,6 +24,9 @@ from proxyd.iptables.chains import owned_by_kube_proxy
 from proxyd.iptables.kernel import Iptables
 from proxyd.iptables.proxier import IptablesProxier, ProxyOptions
 from proxyd.metrics import Metrics
+from proxyd.nodenet import conflist, gc
+from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
+from proxyd.nodenet.routes import RouteTable
 from proxyd.runner import BoundedFrequencyRunner
 from proxyd.tracker import ClusterState
 
@@ -35,6 +38,7 @@ SYSCTLS_FOR_BRIDGED_PODS = (
     "net/bridge/bridge-nf-call-iptables",
     "net/bridge/bridge-nf-call-ip6tables",
 )
+SYSCTLS_FOR_ROUTING = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
 
 
 def _write_sysctl(name: str, value: str) -> None:
@@ -82,6 +86,28 @@ def _options(config: Config) -> ProxyOptions:
     )
 
 
+def _node_network(config: Config) -> NodeNetwork:
+    options = NodeNetworkOptions(
+        node_name=_node_name(config),
+        routing=config.routing,
+        conf_dir=Path(config.cni_conf_dir),
+        data_dir=config.cni_data_dir,
+        cluster_cidrs=config.cluster_cidr,
+    )
+    return NodeNetwork(options, [Iptables(family) for family in FAMILIES])
+
+
+def cleanup(config: Config) -> None:
+    """Remove the rules, routes and overlay device knit-proxyd installed."""
+    from pyroute2 import IPRoute
+
+    chains = IptablesProxier(_options(config), FAMILIES, Metrics()).cleanup()
+    chains += sum(egress.remove() for egress in _node_network(config).egress)
+    with IPRoute() as ipr:
+        RouteTable(ipr).remove_all()
+    log.info("cleanup: removed %d chains and knit's routes", chains)
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -90,6 +116,7 @@ class Daemon:
         self.health_servers = ServiceHealthServers(self.health)
         self.proxier = IptablesProxier(_options(config), FAMILIES, self.metrics)
         self.state = ClusterState(_node_name(config), on_change=self._queued)
+        self.node_network = _node_network(config)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
         self.stop = threading.Event()
 
@@ -141,11 +168,8 @@ class Daemon:
         )
 
     def run(self) -> None:
-        if self.config.localhost_nodeports:
-            _write_sysctl("net/ipv4/conf/all/route_localnet", "1")
-        if Path("/proc/sys/net/bridge").exists():
-            for name in SYSCTLS_FOR_BRIDGED_PODS:
-                _write_sysctl(name, "1")
+        self._set_sysctls()
+        cni_server = self._prepare_cni()
         api = _api_client(self.config)
         serve_metrics(self.config.metrics_bind_address, self.metrics, self.proxier.mode)
         serve_health(self.config.healthz_bind_address, self.health, self.metrics)
@@ -164,25 +188,57 @@ class Daemon:
                 self.state.slice_event,
                 self.stop,
             ),
-            watch.Reflector(
-                api,
-                watch.node(self.state.node.name),
-                self._replace_node,
-                self.state.node_event,
-                self.stop,
-            ),
+            watch.Reflector(api, watch.nodes(), self._replace_nodes, self._node_event, self.stop),
         ]
         for reflector in reflectors:
             reflector.start()
+        self.node_network.start(self.stop)
         log.info(
             "knit-proxyd (%s mode) running on node %s", self.proxier.mode, self.state.node.name
         )
         self.runner.loop()
         self.health_servers.close()
+        if cni_server is not None:
+            cni_server.close()
 
-    def _replace_node(self, items: list[dict]) -> None:
-        if items:
-            self.state.node_event("ADDED", items[0])
+    def _set_sysctls(self) -> None:
+        if self.config.localhost_nodeports:
+            _write_sysctl("net/ipv4/conf/all/route_localnet", "1")
+        if Path("/proc/sys/net/bridge").exists():
+            for name in SYSCTLS_FOR_BRIDGED_PODS:
+                _write_sysctl(name, "1")
+        if self.config.routing != "none":
+            for name in SYSCTLS_FOR_ROUTING:
+                _write_sysctl(name, "1")
+
+    def _prepare_cni(self) -> server.CniServer | None:
+        """Install the plugin, release what pods gone since the last run held, then serve
+        the plugin's fast path: in that order, so no call meets a half-ready node."""
+        bin_dir = Path(self.config.cni_bin_dir)
+        bundle = Path(self.config.cni_bundle) if self.config.cni_bundle else None
+        if bundle is not None and bundle.is_dir():
+            installed = install.install(bundle, bin_dir, self.config.cni_socket or None)
+            log.info("CNI plugin installed into %s (%s)", bin_dir, installed.name)
+        elif bundle is not None:
+            log.warning("no CNI plugin bundle at %s: not installing the plugin", bundle)
+        try:
+            gc.collect(conflist.read(Path(self.config.cni_conf_dir)), bin_dir)
+        except CniError as err:
+            log.warning("start-up IPAM garbage collection failed: %s", err.msg)
+        if not self.config.cni_socket:
+            return None
+        return server.serve(self.config.cni_socket)
+
+    def _replace_nodes(self, items: list[dict]) -> None:
+        self.node_network.replace(items)
+        own = [item for item in items if item["metadata"]["name"] == self.state.node.name]
+        if own:
+            self.state.node_event("ADDED", own[0])
+
+    def _node_event(self, kind: str, obj: dict) -> None:
+        self.node_network.event(kind, obj)
+        if obj["metadata"]["name"] == self.state.node.name:
+            self.state.node_event(kind, obj)
 
     def shutdown(self, signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: stopping (rules stay in place)", signum)
@@ -201,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if config.cleanup:
-        removed = IptablesProxier(_options(config), FAMILIES, Metrics()).cleanup()
-        log.info("cleanup: removed %d chains", removed)
+        cleanup(config)
         return 0
     if config.cleanup_kube_proxy:
         removed = sum(Iptables(family).remove_owned(owned_by_kube_proxy) for family in FAMILIES)

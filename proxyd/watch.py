@@ -48,8 +48,8 @@ def endpoint_slices() -> Resource:
     )
 
 
-def node(name: str) -> Resource:
-    return Resource("Node", "/api/v1/nodes", field_selector=f"metadata.name={name}")
+def nodes() -> Resource:
+    return Resource("Node", "/api/v1/nodes")
 
 
 class Gone(Exception):

@@ -465,13 +465,31 @@ class NetnsForward:
 # ---------------------------------------------------------------- CLI
 
 
+def forward_until_signalled(netns: str, target_port: int) -> None:
+    """Run a NetnsForward until SIGTERM or SIGINT (the lab's per-node API access)."""
+    done = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: done.set())
+    forward = NetnsForward(netns, target_port)
+    done.wait()
+    forward.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("action", choices=["up", "down"])
-    parser.add_argument("--dir", type=Path, required=True, help="state dir (certs, data, logs)")
-    parser.add_argument("--bin-dir", type=Path, default=BIN_DIR)
-    parser.add_argument("--service-cidrs", default=",".join(SERVICE_CIDRS))
+    actions = parser.add_subparsers(dest="action", required=True)
+    for action in ("up", "down"):
+        sub = actions.add_parser(action)
+        sub.add_argument("--dir", type=Path, required=True, help="state dir (certs, data, logs)")
+        sub.add_argument("--bin-dir", type=Path, default=BIN_DIR)
+        sub.add_argument("--service-cidrs", default=",".join(SERVICE_CIDRS))
+    forward = actions.add_parser("forward", help="relay 127.0.0.1:6443 in NETNS to the apiserver")
+    forward.add_argument("--netns", required=True)
+    forward.add_argument("--target-port", type=int, required=True)
     options = parser.parse_args()
+    if options.action == "forward":
+        forward_until_signalled(options.netns, options.target_port)
+        return
     state_dir = options.dir.resolve()
     down(state_dir)
     if options.action == "down":

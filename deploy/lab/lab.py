@@ -1,203 +1,135 @@
-"""A local multi-node lab in network namespaces: no Docker, no cluster.
+"""The local lab: a three-node cluster in network namespaces, no Docker, no cloud.
 
-`up`: an underlay namespace with a bridge, two node namespaces on it, each with its own
-/etc/cni/net.d, /opt/cni/bin and /var/lib/cni under the lab folder; pods attached through
-the CNI plugin driven by libcni (as containerd would), routes between the nodes' pod
-subnets, and a demonstration with real traffic. `down`: removes all of it.
+`up` starts a real etcd and kube-apiserver, two underlay segments joined by a router, three
+nodes (node1 and node2 on lan1, routed directly; node3 on lan2, reached over VXLAN) each
+running knit-proxyd (which installs the plugin, writes the CNI config and routes pod
+traffic), a web backend on every node attached through the CNI plugin by libcni, a client pod,
+an outside host, and a NodePort Service over the backends. It then shows, in plain words,
+that the traffic flows, and leaves everything running. `down` removes all of it.
+Everything a node keeps on its disk lives under the lab's folder (default .lab/).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from deploy.lab import controlplane
+from deploy.lab.cluster import ECHO, PYTHON, Cluster, LabPod, remove_all
+
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "build" / "tools" / "cnidriver"
-PLUGINS = {
-    "knit": ROOT / "build" / "cni" / "knit",
-    "portmap": ROOT / "build" / "refcni" / "portmap",
+KUBECTL = ROOT / "build" / "controlplane" / "kubectl"
+NODES = {
+    "node1": ("lan1", 11, ("10.244.1.0/24", "fd10:244:0:1::/64")),
+    "node2": ("lan1", 12, ("10.244.2.0/24", "fd10:244:0:2::/64")),
+    "node3": ("lan2", 13, ("10.244.3.0/24", "fd10:244:0:3::/64")),
 }
-ECHO = ROOT / "tests" / "echo.py"
-UNDERLAY_SUBNET = "10.77.0.0/24"
 
 
-@dataclass(frozen=True)
-class LabNode:
-    name: str
-    underlay_ip: str
-    pod_cidr: str
-
-
-def sh(*argv: str, check: bool = True) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, check=check).stdout
-
-
-def in_ns(ns: str, *argv: str, check: bool = True) -> str:
-    return sh("ip", "netns", "exec", ns, *argv, check=check)
+def build_bundle(output: Path) -> Path:
+    subprocess.run(
+        [PYTHON, "-m", "cni.bundle", "--output", str(output)],
+        cwd=ROOT,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return output
 
 
 class Lab:
     def __init__(self, prefix: str, folder: Path) -> None:
         self.prefix = prefix
         self.folder = folder
-        self.underlay = f"{prefix}-underlay"
-        self.nodes = [
-            LabNode(f"{prefix}-node{i}", f"10.77.0.1{i}", f"10.244.{i}.0/24") for i in (1, 2)
-        ]
 
-    def node_dir(self, node: LabNode) -> Path:
-        return self.folder / node.name
+    @property
+    def plane_dir(self) -> Path:
+        return self.folder / "controlplane"
 
-    def add_namespace(self, name: str) -> None:
-        sh("ip", "netns", "add", name)
-        with (self.folder / "namespaces").open("a") as record:
-            record.write(name + "\n")
-        in_ns(name, "ip", "link", "set", "lo", "up")
-
-    def up(self) -> None:
+    def up(self) -> bool:
         self.folder.mkdir(parents=True)
-        self.add_namespace(self.underlay)
-        in_ns(self.underlay, "ip", "link", "add", "underlay", "type", "bridge")
-        in_ns(self.underlay, "ip", "link", "set", "underlay", "up")
-        for index, node in enumerate(self.nodes):
-            self.add_node(node, index)
-        for node in self.nodes:
-            for other in self.nodes:
-                if other is not node:
-                    in_ns(node.name, "ip", "route", "add", other.pod_cidr, "via", other.underlay_ip)
-        pods = {
-            node.name: [self.add_pod(node, f"web-{i}") for i in range(2)] for node in self.nodes
+        print("starting etcd and kube-apiserver ...", flush=True)
+        plane = controlplane.start(self.plane_dir, detach=True)
+        print("building the CNI plugin bundle the node daemons install ...", flush=True)
+        bundle = build_bundle(self.folder / "cni-bundle")
+        cluster = Cluster(self.prefix, self.folder, plane, bundle)
+        segments = {
+            "lan1": cluster.add_segment("lan1", "10.77.1.0/24", "fd77:1::/64"),
+            "lan2": cluster.add_segment("lan2", "10.77.2.0/24", "fd77:2::/64"),
         }
-        if not self.demonstrate(pods):
-            raise SystemExit("the lab is up, but a check failed (see above)")
+        for name, (segment, index, pod_cidrs) in NODES.items():
+            print(f"starting {name} and its knit-proxyd ...", flush=True)
+            cluster.add_node(name, segments[segment], index, pod_cidrs)
+        outside = cluster.add_host("outside", segments["lan2"], 99)
+        web = [cluster.add_pod(node, f"web-{node.name}") for node in cluster.nodes.values()]
+        client = cluster.add_pod(cluster.nodes["node1"], "client")
+        service = cluster.publish("web", web, type="NodePort")
+        return self.demonstrate(cluster, web, client, outside, service)
 
-    def add_node(self, node: LabNode, index: int) -> None:
-        self.add_namespace(node.name)
-        port = f"port{index}"
-        in_ns(
-            self.underlay,
-            "ip",
-            "link",
-            "add",
-            port,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            node.name,
-        )
-        in_ns(self.underlay, "ip", "link", "set", port, "master", "underlay", "up")
-        in_ns(node.name, "ip", "addr", "add", f"{node.underlay_ip}/24", "dev", "eth0")
-        in_ns(node.name, "ip", "link", "set", "eth0", "up")
-        base = self.node_dir(node)
-        for sub in ("etc/cni/net.d", "opt/cni/bin", "var/lib/cni/networks", "var/lib/cni/cache"):
-            (base / sub).mkdir(parents=True)
-        for name, source in PLUGINS.items():
-            shutil.copy2(source, base / "opt/cni/bin" / name)
-        conflist = {
-            "cniVersion": "1.1.0",
-            "name": "knit",
-            "plugins": [
-                {
-                    "type": "knit",
-                    "bridge": "knit0",
-                    "isDefaultGateway": True,
-                    "hairpinMode": True,
-                    "ipam": {
-                        "type": "host-local",
-                        "ranges": [[{"subnet": node.pod_cidr}]],
-                        "dataDir": str(base / "var/lib/cni/networks"),
-                    },
-                },
-                {"type": "portmap", "capabilities": {"portMappings": True}},
-            ],
-        }
-        (base / "etc/cni/net.d/10-knit.conflist").write_text(json.dumps(conflist, indent=2))
-
-    def add_pod(self, node: LabNode, name: str) -> tuple[str, str]:
-        pod_ns = f"{node.name}-{name}"
-        self.add_namespace(pod_ns)
-        base = self.node_dir(node)
-        result = json.loads(
-            in_ns(
-                node.name,
-                str(DRIVER),
-                "add",
-                "--conflist",
-                str(base / "etc/cni/net.d/10-knit.conflist"),
-                "--cni-path",
-                str(base / "opt/cni/bin"),
-                "--cache-dir",
-                str(base / "var/lib/cni/cache"),
-                "--netns",
-                f"/var/run/netns/{pod_ns}",
-                "--container-id",
-                pod_ns,
-                "--ifname",
-                "eth0",
-                "--args",
-                f"IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}",
-            )
-        )
-        address = result["ips"][0]["address"].split("/")[0]
-        subprocess.Popen(
-            ["ip", "netns", "exec", pod_ns, sys.executable, str(ECHO), "serve", "0.0.0.0", "80"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        return pod_ns, address
-
-    def demonstrate(self, pods: dict[str, list[tuple[str, str]]]) -> bool:
-        (_, a_ip), (b_ns, b_ip) = pods[self.nodes[0].name]
-        (c_ns, c_ip), _ = pods[self.nodes[1].name]
-        print("knit lab is up: 2 nodes, 2 pods each, attached by the knit CNI plugin via libcni")
-        for node in self.nodes:
+    def demonstrate(
+        self, cluster: Cluster, web: list[LabPod], client: LabPod, outside: str, service: dict
+    ) -> bool:
+        print("\nknit lab is up: a real API server, 3 nodes running knit-proxyd, 4 pods")
+        for node in cluster.nodes.values():
             print(
-                f"  {node.name}: underlay {node.underlay_ip}, pods {node.pod_cidr}, "
-                f"files under {self.node_dir(node)}"
+                f"  {node.name} ({node.ns}): {node.segment.name} {node.addresses[0]}, "
+                f"pods {', '.join(node.pod_cidrs)}, files under {node.folder}"
             )
-        checks = [("same node", b_ns, b_ip, a_ip), ("across nodes", c_ns, c_ip, a_ip)]
-        all_ok = True
-        for label, client_ns, client_ip, server_ip in checks:
-            seen = self.request(client_ns, server_ip)
-            all_ok = all_ok and seen == client_ip
-            verdict = "OK" if seen == client_ip else "FAILED"
-            print(
-                f"  pod-to-pod {label}: {client_ns} ({client_ip}) -> {server_ip}:80, "
-                f"server saw {seen}: {verdict}"
-            )
-        print("poke at it:")
-        print(f"  ip netns exec {c_ns} {sys.executable} {ECHO} request {a_ip} 80")
-        print(
-            f"  ip netns exec {self.nodes[0].name} ip route; "
-            f"ip netns exec {self.nodes[0].name} iptables-save -t nat"
+        cluster_ip = service["spec"]["clusterIP"]
+        node_port = service["spec"]["ports"][0]["nodePort"]
+        node2 = cluster.nodes["node2"]
+        checks = [
+            (
+                f"pod-to-pod across nodes, direct route: client on node1 -> {web[1].name}",
+                cluster.request(client.ns, web[1].address()),
+                (client.address(), web[1].address()),
+            ),
+            (
+                f"pod-to-pod across segments, over VXLAN: client on node1 -> {web[2].name}",
+                cluster.request(client.ns, web[2].address()),
+                (client.address(), web[2].address()),
+            ),
+            (
+                f"pod-to-pod over IPv6: client -> {web[2].name} at {web[2].address(6)}",
+                cluster.request(client.ns, web[2].address(6)),
+                (client.address(6), web[2].address(6)),
+            ),
+        ]
+        ok = True
+        for label, got, want in checks:
+            ok &= self.report(label, got == want, f"server saw {got[0] or 'nothing'}")
+        answered = {cluster.request(client.ns, cluster_ip)[1] for _ in range(12)}
+        ok &= self.report(
+            f"pod-to-Service: client -> ClusterIP {cluster_ip}:80",
+            answered <= {pod.address() for pod in web} and len(answered) > 1,
+            f"answered by {', '.join(sorted(answered))}",
         )
+        seen, by = cluster.request(outside, node2.addresses[0], node_port)
+        ok &= self.report(
+            f"external-to-NodePort: outside host -> {node2.addresses[0]}:{node_port}",
+            by in {pod.address() for pod in web},
+            f"answered by {by or 'nobody'}, which saw {seen or 'nothing'}",
+        )
+        kubectl = KUBECTL if KUBECTL.exists() else "kubectl"
+        print("\npoke at it:")
+        print(f"  export KUBECONFIG={cluster.control_plane.kubeconfig}")
+        print(f"  {kubectl} get nodes,services,endpointslices -o wide")
+        print(f"  ip netns exec {client.ns} {PYTHON} {ECHO} request {cluster_ip} 80")
+        print(f"  ip netns exec {outside} {PYTHON} {ECHO} request {node2.addresses[0]} {node_port}")
+        print(f"  ip netns exec {cluster.nodes['node1'].ns} ip route")
+        print(f"  ip netns exec {cluster.nodes['node1'].ns} iptables-save -t nat | grep KNIT")
+        print(f"  less {cluster.nodes['node1'].log}")
         print("remove it: make lab-down")
-        return all_ok
+        return ok
 
-    def request(self, ns: str, ip: str) -> str:
-        for _ in range(20):
-            out = in_ns(ns, sys.executable, str(ECHO), "request", ip, "80", check=False).split()
-            if out:
-                return out[0]
-        return ""
+    @staticmethod
+    def report(label: str, passed: bool, detail: str) -> bool:
+        print(f"  {label}: {detail}: {'OK' if passed else 'FAILED'}")
+        return passed
 
     def down(self) -> None:
-        record = self.folder / "namespaces"
-        names = record.read_text().split() if record.exists() else []
-        for name in reversed(names):
-            for pid in sh("ip", "netns", "pids", name, check=False).split():
-                subprocess.run(["kill", "-9", pid], check=False)
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        controlplane.down(self.plane_dir)
+        remove_all(self.folder)
 
 
 def main() -> None:
@@ -206,18 +138,17 @@ def main() -> None:
     parser.add_argument("--prefix", default="knit-lab")
     parser.add_argument("--folder", type=Path, default=ROOT / ".lab")
     options = parser.parse_args()
-    lab = Lab(options.prefix, options.folder)
-    if options.action == "down":
-        lab.down()
-        return
+    lab = Lab(options.prefix, options.folder.resolve())
     lab.down()
+    if options.action == "down":
+        return
     try:
-        lab.up()
-    except SystemExit:
-        raise
+        passed = lab.up()
     except BaseException:
         lab.down()
         raise
+    if not passed:
+        raise SystemExit("the lab is up, but a check failed (see above)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,31 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from kubernetes.client import ApiClient
 
 from deploy.lab.controlplane import ControlPlane, NetnsForward
-from tests.conftest import Netns, netns_factory, unique_name
+from deploy.lab.kube import Kube
+from tests.conftest import ROOT, Netns, netns_factory, unique_name
 from tests.integration.cni_env import Node
-from tests.integration.proxy_env import Kube, ProxyNode, node_object, setup_node
+from tests.integration.proxy_env import ProxyNode, node_object, setup_node
+
+
+@pytest.fixture(scope="session")
+def cni_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin's self-contained bundle, built once from this interpreter."""
+    output = tmp_path_factory.mktemp("bundle") / "cni-bundle"
+    subprocess.run(
+        [sys.executable, "-m", "cni.bundle", "--output", str(output)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    return output
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ through the CNI plugin, an outside host, and the Kubernetes objects tests create
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -14,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-
-from kubernetes.client import ApiClient
 
 from tests.conftest import ROOT, Netns
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, bridge_conf
@@ -41,92 +37,6 @@ def eventually(check: Callable[[], T], timeout: float = 15, interval: float = 0.
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s (last error: {last!r})")
         time.sleep(interval)
-
-
-class Kube:
-    """The objects a test creates through the real client, deleted again at teardown."""
-
-    def __init__(self, api: ApiClient) -> None:
-        self.api = api
-        self.created: list[str] = []
-
-    def call(self, method: str, path: str, body: Any = None, content_type: str = "") -> Any:
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type or "application/json"
-        method, url, headers, body, _ = self.api.param_serialize(
-            method=method,
-            resource_path=path,
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        response = self.api.call_api(method, url, header_params=headers, body=body)
-        data = response.read()
-        if response.status >= 300:
-            raise RuntimeError(f"{method} {path}: HTTP {response.status} {data[:400]!r}")
-        return json.loads(data) if data else None
-
-    def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
-        created = self.call("POST", collection, obj)
-        self.created.append(f"{collection}/{created['metadata']['name']}")
-        return created
-
-    def patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return self.call("PATCH", path, patch, "application/merge-patch+json")
-
-    def delete(self, path: str) -> None:
-        self.call("DELETE", path)
-        if path in self.created:
-            self.created.remove(path)
-
-    def cleanup(self) -> None:
-        for path in reversed(self.created):
-            with contextlib.suppress(RuntimeError):
-                self.call("DELETE", path)
-        self.created.clear()
-
-
-SERVICES = "/api/v1/namespaces/default/services"
-SLICES = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
-
-
-def service_object(name: str, ports: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
-    labels = spec.pop("labels", {})
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"ports": ports, **spec},
-    }
-
-
-def endpoint(ip: str, node: str, **conditions: bool) -> dict[str, Any]:
-    entry: dict[str, Any] = {"addresses": [ip], "nodeName": node}
-    if conditions:
-        entry["conditions"] = conditions
-    return entry
-
-
-def slice_object(
-    service: str,
-    endpoints: list[dict[str, Any]],
-    ports: list[dict[str, Any]],
-    *,
-    name: str = "",
-    address_type: str = "IPv4",
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": name or f"{service}-{address_type.lower()}",
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": address_type,
-        "ports": ports,
-        "endpoints": endpoints,
-    }
 
 
 @dataclass
@@ -160,6 +70,9 @@ class ProxyNode:
             "100ms",
             "--v",
             "4",
+            *node_paths(self.log_path.parent, self.node.data_dir),
+            "--routing",
+            "none",
             *extra,
         ]
         log = self.log_path.open("ab")
@@ -224,6 +137,22 @@ class ProxyNode:
         for port, proto in ports:
             pod.ns.serve("::", port, proto, container_id)
         return pod
+
+
+def node_paths(folder: Path, data_dir: Path, socket: str = "") -> list[str]:
+    """The daemon's flags for what a real node keeps on its disk, all under folder."""
+    return [
+        "--cni-conf-dir",
+        str(folder / "net.d"),
+        "--cni-bin-dir",
+        str(folder / "bin"),
+        "--cni-data-dir",
+        str(data_dir),
+        "--cni-socket",
+        socket,
+        "--cni-bundle",
+        "",
+    ]
 
 
 def setup_node(

@@ -13,20 +13,10 @@ from typing import Any
 import pytest
 
 from deploy.lab.controlplane import ControlPlane, NetnsForward
+from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from tests.conftest import ECHO, ROOT, Netns, unique_name
 from tests.integration.cni_env import Node
-from tests.integration.proxy_env import (
-    SERVICES,
-    SLICES,
-    Kube,
-    ProxyNode,
-    endpoint,
-    eventually,
-    node_object,
-    service_object,
-    setup_node,
-    slice_object,
-)
+from tests.integration.proxy_env import ProxyNode, eventually, node_object, setup_node
 
 HTTP = [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
 SLICE_HTTP = [{"name": "http", "port": 8080, "protocol": "TCP"}]

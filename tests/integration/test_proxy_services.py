@@ -14,18 +14,13 @@ from typing import Any
 
 import pytest
 
+from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from tests.integration.proxy_env import (
     REMOTE_NODE,
-    SERVICES,
-    SLICES,
     UPLINK_NODE,
     UPLINK_OUTSIDE,
-    Kube,
     ProxyNode,
-    endpoint,
     eventually,
-    service_object,
-    slice_object,
 )
 
 GATEWAY = "10.244.1.1"

@@ -1,0 +1,414 @@
+"""A cluster in network namespaces, shared by `make lab` and the tests.
+
+A router namespace holds one bridge per underlay segment (an L2 network with an IPv4 and an
+IPv6 subnet) and routes between segments. A node is a namespace with one leg on a segment,
+its own copies of what a real node keeps on disk (etc/cni/net.d, opt/cni/bin, var/lib/cni,
+run/knit) under the cluster's folder, a Node object in the API server, a relay to the API
+server at 127.0.0.1:6443, and knit-proxyd, which installs the plugin from the bundle, writes
+the CNI config and routes to the other nodes. A pod is a namespace attached by libcni (as a
+runtime does) with the node's own config and plugin directory.
+
+Everything made is recorded in the folder (namespaces, processes), so `down` can remove it
+from another process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deploy.lab.controlplane import ControlPlane
+from deploy.lab.kube import NODES, SERVICES, SLICES, Kube, api_client, endpoint, slice_object
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "build" / "tools" / "cnidriver"
+PORTMAP = ROOT / "build" / "refcni" / "portmap"
+ECHO = ROOT / "tests" / "echo.py"
+PYTHON = sys.executable
+CLUSTER_CIDRS = ("10.244.0.0/16", "fd10:244::/56")
+ROUTER = "router"
+
+
+def sh(*argv: str, check: bool = True, timeout: float = 60) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def in_ns(ns: str, *argv: str, check: bool = True, timeout: float = 60) -> str:
+    return sh("ip", "netns", "exec", ns, *argv, check=check, timeout=timeout)
+
+
+def wait_for(what: str, check: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = check()
+        except Exception as err:
+            result, last = None, err
+        else:
+            last = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f}s (last error: {last!r})")
+        time.sleep(0.2)
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    subnet4: ipaddress.IPv4Network
+    subnet6: ipaddress.IPv6Network
+
+    def host(self, index: int) -> tuple[str, str]:
+        return str(self.subnet4[index]), str(self.subnet6[index])
+
+    @property
+    def gateways(self) -> tuple[str, str]:
+        return self.host(1)
+
+
+@dataclass
+class LabNode:
+    name: str
+    ns: str
+    segment: Segment
+    addresses: tuple[str, str]
+    pod_cidrs: tuple[str, ...]
+    folder: Path
+    daemon: int = 0
+    forward: int = 0
+
+    @property
+    def conflist(self) -> Path:
+        return self.folder / "etc/cni/net.d/10-knit.conflist"
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.folder / "opt/cni/bin"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.folder / "var/lib/cni/networks"
+
+    @property
+    def socket(self) -> Path:
+        return self.folder / "run/knit/cni.sock"
+
+    @property
+    def log(self) -> Path:
+        return self.folder / "knit-proxyd.log"
+
+
+@dataclass(frozen=True)
+class LabPod:
+    name: str
+    ns: str
+    node: LabNode
+    addresses: tuple[str, ...] = field(default=())
+
+    def address(self, family: int = 4) -> str:
+        return next(a for a in self.addresses if ipaddress.ip_address(a).version == family)
+
+
+class Cluster:
+    def __init__(
+        self,
+        prefix: str,
+        folder: Path,
+        control_plane: ControlPlane,
+        bundle: Path,
+        routing: str = "auto",
+    ) -> None:
+        self.prefix = prefix
+        self.folder = folder
+        self.control_plane = control_plane
+        self.bundle = bundle
+        self.routing = routing
+        self.kube = Kube(api_client(control_plane.kubeconfig))
+        self.router = f"{prefix}-{ROUTER}"
+        self.nodes: dict[str, LabNode] = {}
+        self.segments: list[Segment] = []
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _record(self, kind: str, value: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / kind).open("a") as record:
+            record.write(value + "\n")
+
+    def add_namespace(self, name: str) -> str:
+        sh("ip", "netns", "add", name)
+        self._record("namespaces", name)
+        in_ns(name, "ip", "link", "set", "lo", "up")
+        return name
+
+    def _spawn(self, argv: list[str], log: Path) -> int:
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
+        self._record("pids", str(proc.pid))
+        return proc.pid
+
+    # ------------------------------------------------------------ underlay
+
+    def add_segment(self, name: str, subnet4: str, subnet6: str) -> Segment:
+        segment = Segment(name, ipaddress.IPv4Network(subnet4), ipaddress.IPv6Network(subnet6))
+        if not self.segments:
+            self.add_namespace(self.router)
+            in_ns(self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            in_ns(self.router, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
+        self.segments.append(segment)
+        in_ns(self.router, "ip", "link", "add", name, "type", "bridge")
+        in_ns(self.router, "ip", "link", "set", name, "up")
+        gw4, gw6 = segment.gateways
+        in_ns(self.router, "ip", "addr", "add", f"{gw4}/{segment.subnet4.prefixlen}", "dev", name)
+        in_ns(
+            self.router,
+            "ip",
+            "addr",
+            "add",
+            f"{gw6}/{segment.subnet6.prefixlen}",
+            "dev",
+            name,
+            "nodad",
+        )
+        return segment
+
+    def attach(self, ns: str, segment: Segment, index: int, port: str) -> tuple[str, str]:
+        """A leg from ns onto the segment's bridge (as eth0) with host number index."""
+        in_ns(
+            self.router, "ip", "link", "add", port, "type", "veth", "peer", "name", "eth0",
+            "netns", ns,
+        )  # fmt: skip
+        in_ns(self.router, "ip", "link", "set", port, "master", segment.name, "up")
+        address4, address6 = segment.host(index)
+        in_ns(ns, "ip", "addr", "add", f"{address4}/{segment.subnet4.prefixlen}", "dev", "eth0")
+        in_ns(
+            ns, "ip", "addr", "add", f"{address6}/{segment.subnet6.prefixlen}", "dev", "eth0",
+            "nodad",
+        )  # fmt: skip
+        in_ns(ns, "ip", "link", "set", "eth0", "up")
+        gw4, gw6 = segment.gateways
+        in_ns(ns, "ip", "route", "add", "default", "via", gw4)
+        in_ns(ns, "ip", "-6", "route", "add", "default", "via", gw6)
+        return address4, address6
+
+    def add_host(self, name: str, segment: Segment, index: int) -> str:
+        """A plain machine on a segment (an outside client)."""
+        ns = self.add_namespace(f"{self.prefix}-{name}")
+        self.attach(ns, segment, index, f"{name}-port")
+        return ns
+
+    # ------------------------------------------------------------ nodes
+
+    def add_node(
+        self, name: str, segment: Segment, index: int, pod_cidrs: tuple[str, ...]
+    ) -> LabNode:
+        ns = self.add_namespace(f"{self.prefix}-{name}")
+        addresses = self.attach(ns, segment, index, f"{name}-port")
+        node = LabNode(name, ns, segment, addresses, pod_cidrs, self.folder / name)
+        for sub in ("etc/cni/net.d", "opt/cni/bin", "var/lib/cni/networks", "run/knit"):
+            (node.folder / sub).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(PORTMAP, node.bin_dir / "portmap")
+        self.kube.create(NODES, node_object(node))
+        self.nodes[name] = node
+        self.start_daemon(node)
+        return node
+
+    def start_daemon(self, node: LabNode, *extra: str) -> None:
+        if not node.forward:
+            node.forward = self._spawn(
+                [
+                    PYTHON, "-m", "deploy.lab.controlplane", "forward",
+                    "--netns", node.ns, "--target-port", str(self.control_plane.port),
+                ],
+                node.folder / "forward.log",
+            )  # fmt: skip
+        kubeconfig = self.control_plane.write_kubeconfig(node.folder / "kubeconfig", 6443)
+        node.daemon = self._spawn(
+            [
+                "ip", "netns", "exec", node.ns, PYTHON, "-m", "proxyd",
+                "--kubeconfig", str(kubeconfig),
+                "--hostname-override", node.name,
+                "--cluster-cidr", ",".join(CLUSTER_CIDRS),
+                "--min-sync-period", "200ms",
+                "--metrics-bind-address", "127.0.0.1:10249",
+                "--cni-conf-dir", str(node.conflist.parent),
+                "--cni-bin-dir", str(node.bin_dir),
+                "--cni-data-dir", str(node.data_dir),
+                "--cni-socket", str(node.socket),
+                "--cni-bundle", str(self.bundle),
+                "--routing", self.routing,
+                *extra,
+            ],
+            node.log,
+        )  # fmt: skip
+        wait_for(f"knit-proxyd on {node.name} serving the CNI socket", node.socket.exists)
+
+    def stop_daemon(self, node: LabNode) -> None:
+        _terminate(node.daemon)
+        node.daemon = 0
+
+    def remove_node(self, node: LabNode) -> None:
+        """The node leaves: its Node object goes, its machine goes away."""
+        self.kube.delete(f"{NODES}/{node.name}")
+        self.stop_daemon(node)
+        _terminate(node.forward)
+        _remove_namespace(node.ns)
+        del self.nodes[node.name]
+
+    # ------------------------------------------------------------ pods
+
+    def add_pod(self, node: LabNode, name: str, port: int = 80) -> LabPod:
+        """A pod attached by libcni with the node's config, serving echo.py on port."""
+        ns = self.add_namespace(f"{self.prefix}-{name}")
+        wait_for(f"the CNI config on {node.name}", node.conflist.exists)
+        result = json.loads(self.cni(node, "add", ns, name))
+        addresses = tuple(ip["address"].split("/")[0] for ip in result["ips"])
+        self.serve(ns, port, node.folder / f"{name}.log")
+        return LabPod(name, ns, node, addresses)
+
+    def serve(self, ns: str, port: int, log: Path) -> None:
+        """echo.py answering on port (both families) inside ns."""
+        self._spawn(["ip", "netns", "exec", ns, PYTHON, str(ECHO), "serve", "::", str(port)], log)
+        wait_for(f"a server on {ns}:{port}", lambda: f":{port} " in in_ns(ns, "ss", "-ltnH"))
+
+    def vanish(self, pod: LabPod) -> None:
+        """The pod's namespace (and so its veth) goes away without a CNI DEL, as in a reboot."""
+        _remove_namespace(pod.ns)
+
+    def cni(self, node: LabNode, verb: str, ns: str, name: str) -> str:
+        """Run verb (add, check, del) for a pod through libcni, as a runtime on node would."""
+        return in_ns(
+            node.ns, str(DRIVER), verb,
+            "--conflist", str(node.conflist),
+            "--cni-path", str(node.bin_dir),
+            "--cache-dir", str(node.folder / "var/lib/cni/cache"),
+            "--netns", f"/var/run/netns/{ns}",
+            "--container-id", ns,
+            "--ifname", "eth0",
+            "--args", f"IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}",
+        )  # fmt: skip
+
+    def publish(self, name: str, pods: list[LabPod], port: int = 80, **spec: Any) -> dict:
+        """A dual-stack Service over pods with its EndpointSlices (the controller's job)."""
+        service = self.kube.create(
+            SERVICES,
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": name},
+                "spec": {
+                    "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+                    "ipFamilyPolicy": "PreferDualStack",
+                    **spec,
+                },
+            },
+        )
+        ports = [{"name": "http", "port": port, "protocol": "TCP"}]
+        for family, address_type in ((4, "IPv4"), (6, "IPv6")):
+            endpoints = [endpoint(pod.address(family), pod.node.name, ready=True) for pod in pods]
+            self.kube.create(
+                SLICES, slice_object(name, endpoints, ports, address_type=address_type)
+            )
+        return service
+
+    # ------------------------------------------------------------ traffic
+
+    def request(self, ns: str, host: str, port: int = 80, wait: float = 20.0) -> tuple[str, str]:
+        """(client as the server saw it, server label), retried until an answer comes or wait
+        seconds passed; ("", "") when nothing answered."""
+        deadline = time.monotonic() + wait
+        while True:
+            out = in_ns(ns, PYTHON, str(ECHO), "request", host, str(port), check=False, timeout=15)
+            client, _, label = out.strip().partition(" ")
+            if client or time.monotonic() > deadline:
+                return client, label
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------ teardown
+
+    def down(self) -> None:
+        self.kube.cleanup()
+        remove_all(self.folder)
+
+
+def node_object(node: LabNode) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": node.name},
+        "spec": {"podCIDR": node.pod_cidrs[0], "podCIDRs": list(node.pod_cidrs)}
+        if node.pod_cidrs
+        else {},
+        "status": {
+            "addresses": [{"type": "InternalIP", "address": a} for a in node.addresses]
+            + [{"type": "Hostname", "address": node.name}]
+        },
+    }
+
+
+def _gone(pid: int) -> bool:
+    """Whether the process group pid has ended (reaping pid if it is our child)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _terminate(pid: int) -> None:
+    if not pid:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            deadline += 10
+        time.sleep(0.02)
+
+
+def _remove_namespace(name: str) -> None:
+    for pid in sh("ip", "netns", "pids", name, check=False).split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+def remove_all(folder: Path) -> None:
+    """Stop every recorded process, delete every recorded namespace, remove the folder."""
+    pids = folder / "pids"
+    for pid in reversed(pids.read_text().split() if pids.exists() else []):
+        _terminate(int(pid))
+    record = folder / "namespaces"
+    for name in reversed(record.read_text().split() if record.exists() else []):
+        _remove_namespace(name)
+    shutil.rmtree(folder, ignore_errors=True)

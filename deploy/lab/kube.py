@@ -1,0 +1,101 @@
+"""Kubernetes objects created through the real client as raw JSON, and removed again."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from kubernetes.client import ApiClient
+from kubernetes.config import new_client_from_config
+
+SERVICES = "/api/v1/namespaces/default/services"
+SLICES = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
+NODES = "/api/v1/nodes"
+
+
+def api_client(kubeconfig: Path) -> ApiClient:
+    return new_client_from_config(config_file=str(kubeconfig))
+
+
+class Kube:
+    """The objects a test creates through the real client, deleted again at teardown."""
+
+    def __init__(self, api: ApiClient) -> None:
+        self.api = api
+        self.created: list[str] = []
+
+    def call(self, method: str, path: str, body: Any = None, content_type: str = "") -> Any:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        method, url, headers, body, _ = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(method, url, header_params=headers, body=body)
+        data = response.read()
+        if response.status >= 300:
+            raise RuntimeError(f"{method} {path}: HTTP {response.status} {data[:400]!r}")
+        return json.loads(data) if data else None
+
+    def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        created = self.call("POST", collection, obj)
+        self.created.append(f"{collection}/{created['metadata']['name']}")
+        return created
+
+    def patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self.call("PATCH", path, patch, "application/merge-patch+json")
+
+    def delete(self, path: str) -> None:
+        self.call("DELETE", path)
+        if path in self.created:
+            self.created.remove(path)
+
+    def cleanup(self) -> None:
+        for path in reversed(self.created):
+            with contextlib.suppress(RuntimeError):
+                self.call("DELETE", path)
+        self.created.clear()
+
+
+def service_object(name: str, ports: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+    labels = spec.pop("labels", {})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"ports": ports, **spec},
+    }
+
+
+def endpoint(ip: str, node: str, **conditions: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"addresses": [ip], "nodeName": node}
+    if conditions:
+        entry["conditions"] = conditions
+    return entry
+
+
+def slice_object(
+    service: str,
+    endpoints: list[dict[str, Any]],
+    ports: list[dict[str, Any]],
+    *,
+    name: str = "",
+    address_type: str = "IPv4",
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name or f"{service}-{address_type.lower()}",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": address_type,
+        "ports": ports,
+        "endpoints": endpoints,
+    }

@@ -1,0 +1,1 @@
+"""Node networking: the CNI config, routes to the other nodes' pods, egress masquerade."""

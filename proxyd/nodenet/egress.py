@@ -1,0 +1,55 @@
+"""Egress masquerade: pod traffic leaving the cluster's pod CIDRs gets the node's address.
+
+One chain per family in the nat table, rendered (pure) from this node's pod CIDRs and the
+cluster's, and loaded with the proxy's own iptables layer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from proxyd.iptables.kernel import Iptables
+
+EGRESS_CHAIN = "KNIT-POD-EGRESS"
+
+
+def _in_family(cidrs: tuple[str, ...] | list[str], family: int) -> list[str]:
+    return [c for c in cidrs if ipaddress.ip_network(c, strict=False).version == family]
+
+
+def render(family: int, pod_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ...]) -> list[str]:
+    """The chain's rules: leave traffic to cluster CIDRs alone, masquerade the rest."""
+    rules = []
+    exempt = sorted(set(_in_family(cluster_cidrs, family)))
+    for source in _in_family(pod_cidrs, family):
+        rules += [f"-A {EGRESS_CHAIN} -s {source} -d {dst} -j RETURN" for dst in exempt]
+        rules.append(f"-A {EGRESS_CHAIN} -s {source} -j MASQUERADE --random-fully")
+    return rules
+
+
+def restore_script(rules: list[str], hooked: bool) -> str:
+    lines = ["*nat", f":{EGRESS_CHAIN} - [0:0]", *rules]
+    if not hooked:
+        lines.append(f"-A POSTROUTING -j {EGRESS_CHAIN}")
+    return "\n".join([*lines, "COMMIT", ""])
+
+
+class Egress:
+    """Keeps the egress chain of one family as last rendered, rewriting it only on change."""
+
+    def __init__(self, iptables: Iptables) -> None:
+        self.iptables = iptables
+        self.loaded: list[str] | None = None
+
+    def apply(self, pod_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ...]) -> None:
+        rules = render(self.iptables.family, pod_cidrs, cluster_cidrs)
+        if rules == self.loaded:
+            return
+        snapshot = self.iptables.snapshot("nat", lambda chain: chain == EGRESS_CHAIN)
+        hooked = ("POSTROUTING", EGRESS_CHAIN) in snapshot.jumps
+        self.iptables.restore(restore_script(rules, hooked))
+        self.loaded = rules
+
+    def remove(self) -> int:
+        self.loaded = None
+        return self.iptables.remove_owned(lambda chain: chain == EGRESS_CHAIN)

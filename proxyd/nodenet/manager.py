@@ -1,0 +1,124 @@
+"""Keeps the node's networking in line with the Nodes the API server lists.
+
+Fed by a list+watch of all Nodes; a worker thread applies the latest picture after each
+change: the CNI config from this node's podCIDRs, the routes to the other nodes' pod CIDRs,
+and the egress masquerade. A failed apply is retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pyroute2 import IPRoute
+
+from proxyd.iptables.kernel import Iptables
+from proxyd.model import InvalidObject
+from proxyd.nodenet import conflist
+from proxyd.nodenet.egress import Egress
+from proxyd.nodenet.plan import NodeNet, parse_node_net, plan_routes, pod_mtu
+from proxyd.nodenet.routes import RouteTable, on_link, uplink_mtu
+
+log = logging.getLogger(__name__)
+
+RETRY_SECONDS = 5.0
+DEFAULT_MTU = 1500
+
+
+@dataclass(frozen=True)
+class NodeNetworkOptions:
+    node_name: str
+    routing: str
+    conf_dir: Path
+    data_dir: str
+    cluster_cidrs: tuple[str, ...]
+
+
+class NodeNetwork:
+    def __init__(self, options: NodeNetworkOptions, iptables: list[Iptables]) -> None:
+        self.options = options
+        self.egress = [Egress(table) for table in iptables]
+        self.nodes: dict[str, NodeNet] = {}
+        self.lock = threading.Lock()
+        self.changed = threading.Event()
+
+    def replace(self, items: list[dict[str, Any]]) -> None:
+        nodes = {}
+        for obj in items:
+            try:
+                node = parse_node_net(obj)
+            except InvalidObject as err:
+                log.warning("ignoring node: %s", err)
+                continue
+            nodes[node.name] = node
+        with self.lock:
+            self.nodes = nodes
+        self.changed.set()
+
+    def event(self, kind: str, obj: dict[str, Any]) -> None:
+        try:
+            node = parse_node_net(obj)
+        except InvalidObject as err:
+            log.warning("ignoring node: %s", err)
+            return
+        with self.lock:
+            if kind == "DELETED":
+                self.nodes.pop(node.name, None)
+            else:
+                self.nodes[node.name] = node
+        self.changed.set()
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            if not self.changed.wait(timeout=1.0):
+                continue
+            self.changed.clear()
+            try:
+                self.apply()
+            except Exception:
+                log.exception("node networking failed; retrying in %.0fs", RETRY_SECONDS)
+                stop.wait(RETRY_SECONDS)
+                self.changed.set()
+
+    def start(self, stop: threading.Event) -> threading.Thread:
+        thread = threading.Thread(target=self.run, args=(stop,), name="node-network", daemon=True)
+        thread.start()
+        return thread
+
+    def apply(self) -> None:
+        with self.lock:
+            nodes = list(self.nodes.values())
+        local = next((n for n in nodes if n.name == self.options.node_name), None)
+        if local is None:
+            log.info("node %s is not registered yet", self.options.node_name)
+            return
+        routing = self.options.routing
+        with IPRoute() as ipr:
+            mtu = pod_mtu(self._uplink_mtu(ipr, local), routing, local)
+            if local.pod_cidrs:
+                conf = conflist.render(local.pod_cidrs, self.options.data_dir, mtu)
+                if conflist.write_if_changed(self.options.conf_dir, conf):
+                    log.info("wrote the CNI config for %s", ", ".join(local.pod_cidrs))
+            else:
+                log.info("node %s has no podCIDR yet: no CNI config", local.name)
+            if routing != "none":
+                plan = plan_routes(local, nodes, routing, lambda ip: on_link(ipr, ip))
+                for reason in plan.skipped:
+                    log.warning("cannot route %s", reason)
+                RouteTable(ipr).apply(local, plan, mtu)
+        cluster = self.options.cluster_cidrs + tuple(c for n in nodes for c in n.pod_cidrs)
+        for egress in self.egress:
+            egress.apply(local.pod_cidrs, cluster)
+
+    @staticmethod
+    def _uplink_mtu(ipr: IPRoute, local: NodeNet) -> int:
+        if not local.internal_ips:
+            return DEFAULT_MTU
+        try:
+            return uplink_mtu(ipr, local.internal_ips[0])
+        except LookupError as err:
+            log.warning("%s; assuming MTU %d", err, DEFAULT_MTU)
+            return DEFAULT_MTU

@@ -1,0 +1,175 @@
+"""Thin: puts a RoutePlan into the kernel through netlink, removing what it no longer holds.
+
+Routes carry their own protocol number, so the ones of deleted nodes are found and removed
+without any saved state; the overlay device is created when a peer needs it and removed
+when none does.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from proxyd.nodenet.plan import NodeNet, OverlayPeer, PodRoute, RoutePlan, vtep_address, vtep_mac
+
+log = logging.getLogger(__name__)
+
+ROUTE_PROTOCOL = 107
+"""rtm_protocol of knit's routes (unassigned in iproute2's rt_protos)."""
+VXLAN_DEVICE = "knit.vxlan"
+VXLAN_VNI = 1
+VXLAN_PORT = 8472
+NUD_PERMANENT = 0x80
+NTF_SELF = 0x02
+RTNH_F_ONLINK = 4
+AF = {4: 2, 6: 10}
+
+
+@dataclass(frozen=True)
+class Overlay:
+    device: str = VXLAN_DEVICE
+    vni: int = VXLAN_VNI
+    port: int = VXLAN_PORT
+
+
+def _family(address: str) -> int:
+    return ipaddress.ip_network(address, strict=False).version
+
+
+def on_link(ipr: IPRoute, address: str) -> bool:
+    """Whether the kernel reaches address without a gateway (same L2 segment)."""
+    try:
+        found = ipr.route("get", dst=address)
+    except NetlinkError:
+        return False
+    return bool(found) and found[0].get("RTA_GATEWAY") is None
+
+
+def uplink_mtu(ipr: IPRoute, address: str) -> int:
+    """The MTU of the link holding address (the node's InternalIP)."""
+    for entry in ipr.get_addr():
+        if entry.get("IFA_ADDRESS") == address:
+            return int(ipr.get_links(entry["index"])[0].get("IFLA_MTU"))
+    raise LookupError(f"no local interface holds {address}")
+
+
+class RouteTable:
+    def __init__(self, ipr: IPRoute, overlay: Overlay = Overlay()) -> None:
+        self.ipr = ipr
+        self.overlay = overlay
+
+    def apply(self, local: NodeNet, plan: RoutePlan, mtu: int) -> None:
+        overlay_index = self._sync_device(local, plan, mtu)
+        if overlay_index is not None:
+            self._sync_peers(overlay_index, plan.peers)
+        self._sync_routes(plan.routes, overlay_index)
+
+    def remove_all(self) -> None:
+        self._sync_routes((), None)
+        self._delete_device()
+
+    def installed(self) -> dict[str, tuple[str, int]]:
+        """Our routes in the kernel: destination -> (next hop, output interface)."""
+        found: dict[str, tuple[str, int]] = {}
+        for family in (4, 6):
+            for route in self.ipr.route("dump", family=AF[family], proto=ROUTE_PROTOCOL):
+                dst = f"{route.get('RTA_DST')}/{route['dst_len']}"
+                found[str(ipaddress.ip_network(dst))] = (
+                    route.get("RTA_GATEWAY") or "",
+                    route.get("RTA_OIF") or 0,
+                )
+        return found
+
+    def _sync_routes(self, routes: tuple[PodRoute, ...], overlay_index: int | None) -> None:
+        current = self.installed()
+        for cidr in set(current) - {route.cidr for route in routes}:
+            self.ipr.route("del", dst=cidr, proto=ROUTE_PROTOCOL)
+            log.info("route to %s removed", cidr)
+        for route in routes:
+            have = current.get(route.cidr)
+            in_place = have is not None and have[0] == route.via
+            if in_place and (not route.overlay or have[1] == overlay_index):
+                continue
+            spec: dict[str, object] = {"dst": route.cidr, "gateway": route.via}
+            if route.overlay:
+                spec.update(oif=overlay_index, flags=RTNH_F_ONLINK)
+            self.ipr.route("replace", proto=ROUTE_PROTOCOL, **spec)
+            log.info("route to %s via %s%s", route.cidr, route.via, " (vxlan)" * route.overlay)
+
+    def _device_index(self) -> int | None:
+        found = self.ipr.link_lookup(ifname=self.overlay.device)
+        return found[0] if found else None
+
+    def _sync_device(self, local: NodeNet, plan: RoutePlan, mtu: int) -> int | None:
+        if not plan.peers:
+            self._delete_device()
+            return None
+        underlay = local.internal_ips[0]
+        index = self._device_index()
+        if index is None:
+            self.ipr.link(
+                "add",
+                ifname=self.overlay.device,
+                kind="vxlan",
+                vxlan_id=self.overlay.vni,
+                vxlan_port=self.overlay.port,
+                vxlan_local=underlay,
+                vxlan_learning=0,
+                address=vtep_mac(underlay),
+                mtu=mtu,
+            )
+            index = self.ipr.link_lookup(ifname=self.overlay.device)[0]
+            log.info("overlay device %s created (VNI %d)", self.overlay.device, self.overlay.vni)
+        self.ipr.link("set", index=index, state="up", mtu=mtu)
+        for cidr in local.pod_cidrs:
+            if _family(cidr) != 4:
+                continue  # an IPv6 subnet's first address is its router anycast address
+            try:
+                self.ipr.addr("add", index=index, address=vtep_address(cidr), prefixlen=32)
+            except NetlinkError as err:
+                if err.code != 17:  # EEXIST
+                    raise
+        return index
+
+    def _delete_device(self) -> None:
+        index = self._device_index()
+        if index is not None:
+            self.ipr.link("del", index=index)
+            log.info("overlay device %s removed", self.overlay.device)
+
+    def _sync_peers(self, index: int, peers: tuple[OverlayPeer, ...]) -> None:
+        fdb = {peer.mac: peer.underlay_ip for peer in peers}
+        neighbours = {vtep: peer.mac for peer in peers for vtep in peer.vtep_addresses}
+        for entry in self.ipr.fdb("dump", ifindex=index):
+            mac = entry.get("NDA_LLADDR")
+            if entry.get("NDA_DST") and fdb.get(mac) != entry.get("NDA_DST"):
+                self.ipr.fdb(
+                    "del", ifindex=index, lladdr=mac, dst=entry.get("NDA_DST"), flags=NTF_SELF
+                )
+        for family in (4, 6):
+            for entry in self.ipr.neigh("dump", ifindex=index, family=AF[family]):
+                dst = entry.get("NDA_DST")
+                if dst and neighbours.get(dst) != entry.get("NDA_LLADDR"):
+                    self.ipr.neigh("del", ifindex=index, dst=dst, family=AF[family])
+        for mac, underlay in fdb.items():
+            self.ipr.fdb(
+                "replace",
+                ifindex=index,
+                lladdr=mac,
+                dst=underlay,
+                flags=NTF_SELF,
+                state=NUD_PERMANENT,
+            )
+        for vtep, mac in neighbours.items():
+            self.ipr.neigh(
+                "replace",
+                ifindex=index,
+                dst=vtep,
+                lladdr=mac,
+                state=NUD_PERMANENT,
+                family=AF[_family(vtep)],
+            )

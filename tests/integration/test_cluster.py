@@ -1,0 +1,203 @@
+"""A cluster of node namespaces running knit-proxyd: pod routes across nodes (directly on one
+segment, over VXLAN between segments), Services whose backends are elsewhere, NodePorts from
+outside, egress masquerade, nodes joining and leaving, the CNI config, GC after a reboot.
+
+Two underlay segments joined by a router: nodes a and b share lan1 (routed directly), node c
+is on lan2 (reached over VXLAN). The daemons install the plugin from a bundle and pods are
+attached through libcni with each node's own config and plugin directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy.lab.cluster import Cluster, LabNode, in_ns, wait_for
+from deploy.lab.controlplane import ControlPlane
+from deploy.lab.kube import NODES
+from proxyd.nodenet.plan import vtep_address
+from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE
+from tests.conftest import unique_name
+
+POD_CIDRS = {
+    "a": ("10.244.1.0/24", "fd10:244:0:1::/64"),
+    "b": ("10.244.2.0/24", "fd10:244:0:2::/64"),
+    "c": ("10.244.3.0/24", "fd10:244:0:3::/64"),
+    "d": ("10.244.4.0/24", "fd10:244:0:4::/64"),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    control_plane: ControlPlane, cni_bundle: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    prefix = unique_name("kc")
+    lab = Cluster(prefix, tmp_path_factory.mktemp("cluster") / "lab", control_plane, cni_bundle)
+    try:
+        lan1 = lab.add_segment("lan1", "10.77.1.0/24", "fd77:1::/64")
+        lan2 = lab.add_segment("lan2", "10.77.2.0/24", "fd77:2::/64")
+        lab.add_node("a", lan1, 11, POD_CIDRS["a"])
+        lab.add_node("b", lan1, 12, POD_CIDRS["b"])
+        lab.add_node("c", lan2, 13, POD_CIDRS["c"])
+        lab.add_host("outside", lan2, 99)
+        yield lab
+    finally:
+        lab.down()
+
+
+def knit_routes(node: LabNode, family: int = 4) -> dict[str, str]:
+    """Destination -> "via X dev Y" of the node's routes with knit's protocol number."""
+    out = in_ns(node.ns, "ip", "-j", f"-{family}", "route", "show", "proto", str(ROUTE_PROTOCOL))
+    return {r["dst"]: f"via {r['gateway']} dev {r['dev']}" for r in json.loads(out or "[]")}
+
+
+def routed(node: LabNode, expected: dict[str, str], family: int = 4) -> bool:
+    return knit_routes(node, family) == expected
+
+
+def test_the_daemon_writes_the_cni_config_and_installs_the_plugin(cluster: Cluster) -> None:
+    for node in cluster.nodes.values():
+        conflist = json.loads(wait_for("conflist", node.conflist.read_text))
+        knit, portmap = conflist["plugins"]
+        assert conflist["name"] == "knit" and knit["type"] == "knit"
+        assert [r[0]["subnet"] for r in knit["ipam"]["ranges"]] == list(node.pod_cidrs)
+        assert knit["ipam"]["dataDir"] == str(node.data_dir)
+        assert knit["mtu"] == 1500 - 50  # auto routing may use VXLAN over IPv4
+        assert portmap == {"type": "portmap", "capabilities": {"portMappings": True}}
+        assert os.access(node.bin_dir / "knit", os.X_OK)
+        assert not [p for p in node.conflist.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_routes_go_direct_on_a_segment_and_over_vxlan_between_segments(cluster: Cluster) -> None:
+    a, b, c = (cluster.nodes[n] for n in "abc")
+    vtep_c = "10.244.3.0"
+    expected = {
+        POD_CIDRS["b"][0]: f"via {b.addresses[0]} dev eth0",
+        POD_CIDRS["c"][0]: f"via {vtep_c} dev {VXLAN_DEVICE}",
+    }
+    wait_for("a's IPv4 routes", lambda: routed(a, expected))
+    wait_for(
+        "a's IPv6 routes",
+        lambda: routed(
+            a,
+            {
+                POD_CIDRS["b"][1]: f"via {b.addresses[1]} dev eth0",
+                POD_CIDRS["c"][1]: f"via fd10:244:0:3:: dev {VXLAN_DEVICE}",
+            },
+            6,
+        ),
+    )
+    assert set(knit_routes(c)) == {POD_CIDRS["a"][0], POD_CIDRS["b"][0]}
+    assert all(VXLAN_DEVICE in route for route in knit_routes(c).values())
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_pod_to_pod_across_nodes_keeps_the_pod_address(cluster: Cluster, family: int) -> None:
+    a, b, c = (cluster.nodes[n] for n in "abc")
+    client = cluster.add_pod(a, unique_name("client"))
+    for node in (a, b, c):
+        server = cluster.add_pod(node, unique_name(f"web-{node.name}"))
+        seen, label = cluster.request(client.ns, server.address(family))
+        assert (seen, label) == (client.address(family), server.address(family)), node.name
+
+
+def test_clusterip_with_backends_on_other_nodes(cluster: Cluster) -> None:
+    a, b, c = (cluster.nodes[n] for n in "abc")
+    backends = [cluster.add_pod(node, unique_name(f"be-{node.name}")) for node in (b, c)]
+    service = cluster.publish(unique_name("svc"), backends)
+    client = cluster.add_pod(a, unique_name("client"))
+    for cluster_ip in service["spec"]["clusterIPs"]:
+        answered = set()
+        deadline = time.monotonic() + 30
+        while len(answered) < 2 and time.monotonic() < deadline:
+            seen, label = cluster.request(client.ns, cluster_ip, wait=0)
+            if label:
+                assert seen == client.address(6 if ":" in cluster_ip else 4)
+                answered.add(label)
+        assert answered == {b.address(6 if ":" in cluster_ip else 4) for b in backends}
+
+
+def test_nodeport_from_an_outside_host(cluster: Cluster) -> None:
+    b, c = cluster.nodes["b"], cluster.nodes["c"]
+    backend = cluster.add_pod(c, unique_name("np"))
+    service = cluster.publish(unique_name("np"), [backend], type="NodePort")
+    node_port = service["spec"]["ports"][0]["nodePort"]
+    outside = f"{cluster.prefix}-outside"
+    # b holds no backend: the connection goes on to c, masqueraded (eTP Cluster) to the address
+    # b sends from over the overlay, its VTEP address
+    seen, label = cluster.request(outside, b.addresses[0], node_port)
+    assert (seen, label) == (vtep_address(POD_CIDRS["b"][0]), backend.address(4))
+
+
+def test_egress_is_masqueraded_and_pod_traffic_is_not(cluster: Cluster) -> None:
+    a = cluster.nodes["a"]
+    outside = f"{cluster.prefix}-outside"
+    cluster.serve(outside, 8080, a.folder / "outside-echo.log")
+    pod = cluster.add_pod(a, unique_name("egress"))
+    for family, outside_ip in ((4, "10.77.2.99"), (6, "fd77:2::63")):
+        seen, _ = cluster.request(pod.ns, outside_ip, 8080)
+        assert seen == a.addresses[0 if family == 4 else 1]
+
+
+def test_a_node_joining_and_leaving_moves_the_routes(cluster: Cluster) -> None:
+    a = cluster.nodes["a"]
+    lan1 = a.segment
+    before = knit_routes(a)
+    d = cluster.add_node("d", lan1, 14, ())
+    assert not d.conflist.exists()
+    cluster.kube.patch(
+        f"{NODES}/d", {"spec": {"podCIDR": POD_CIDRS["d"][0], "podCIDRs": list(POD_CIDRS["d"])}}
+    )
+    wait_for("d's CNI config once it has a podCIDR", d.conflist.exists)
+    d.pod_cidrs = POD_CIDRS["d"]
+    wait_for(
+        "a's route to d",
+        lambda: knit_routes(a).get(POD_CIDRS["d"][0]) == f"via {d.addresses[0]} dev eth0",
+    )
+    pod_d = cluster.add_pod(d, unique_name("on-d"))
+    client = cluster.add_pod(a, unique_name("to-d"))
+    assert cluster.request(client.ns, pod_d.address()) == (client.address(), pod_d.address())
+    cluster.remove_node(d)
+    wait_for("a's route to d removed", lambda: knit_routes(a) == before)
+
+
+def test_conflist_is_rewritten_only_when_it_changes(cluster: Cluster) -> None:
+    b = cluster.nodes["b"]
+    inode = b.conflist.stat().st_ino
+    cluster.stop_daemon(b)
+    cluster.start_daemon(b)
+    time.sleep(1)
+    assert b.conflist.stat().st_ino == inode
+    cluster.stop_daemon(b)
+    cluster.start_daemon(b, "--routing", "direct")
+    wait_for("a rewritten config", lambda: b.conflist.stat().st_ino != inode)
+    assert json.loads(b.conflist.read_text())["plugins"][0]["mtu"] == 1500
+    cluster.stop_daemon(b)
+    cluster.start_daemon(b)
+    wait_for(
+        "the auto config back",
+        lambda: json.loads(b.conflist.read_text())["plugins"][0]["mtu"] == 1450,
+    )
+
+
+def test_gc_after_a_reboot_releases_the_addresses_of_vanished_pods(cluster: Cluster) -> None:
+    b = cluster.nodes["b"]
+    survivor = cluster.add_pod(b, unique_name("survivor"))
+    lost = cluster.add_pod(b, unique_name("lost"))
+    store = b.data_dir / "knit"
+    assert (store / lost.address()).exists()
+    cluster.stop_daemon(b)
+    # the reboot: the pod's namespace (and with it its veth) is gone, the dataDir is not
+    cluster.vanish(lost)
+    old = time.time() - 120
+    for path in store.iterdir():
+        os.utime(path, (old, old))
+    cluster.start_daemon(b)
+    assert not (store / lost.address()).exists()
+    assert not (store / lost.address(6)).exists()
+    assert (store / survivor.address()).exists() and (store / survivor.address(6)).exists()
