@@ -350,7 +350,8 @@ class Cluster:
 
     def down(self) -> None:
         self.kube.cleanup()
-        remove_all(self.folder)
+        stop_recorded(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def node_object(node: LabNode) -> dict[str, Any]:
@@ -369,17 +370,17 @@ def node_object(node: LabNode) -> dict[str, Any]:
 
 
 def _gone(pid: int) -> bool:
-    """Whether the process group pid has ended (reaping pid if it is our child)."""
+    """Whether process pid has ended (reaping it if it is our child)."""
     try:
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return True
     except ChildProcessError:
         pass
     try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, IndexError):
         return True
-    return False
+    return state == "Z"  # ended; its parent (init, once the lab exited) reaps it later
 
 
 def _terminate(pid: int) -> None:
@@ -403,12 +404,11 @@ def _remove_namespace(name: str) -> None:
     subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
 
 
-def remove_all(folder: Path) -> None:
-    """Stop every recorded process, delete every recorded namespace, remove the folder."""
+def stop_recorded(folder: Path) -> None:
+    """Stop every process and delete every namespace recorded in folder."""
     pids = folder / "pids"
     for pid in reversed(pids.read_text().split() if pids.exists() else []):
         _terminate(int(pid))
     record = folder / "namespaces"
     for name in reversed(record.read_text().split() if record.exists() else []):
         _remove_namespace(name)
-    shutil.rmtree(folder, ignore_errors=True)

@@ -12,11 +12,12 @@ Everything a node keeps on its disk lives under the lab's folder (default .lab/)
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 from pathlib import Path
 
 from deploy.lab import controlplane
-from deploy.lab.cluster import ECHO, PYTHON, Cluster, LabPod, remove_all
+from deploy.lab.cluster import ECHO, PYTHON, Cluster, LabPod, stop_recorded
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = ROOT / "build" / "controlplane" / "kubectl"
@@ -128,8 +129,9 @@ class Lab:
         return passed
 
     def down(self) -> None:
+        stop_recorded(self.folder)  # the daemons first: their watches would hold up the apiserver
         controlplane.down(self.plane_dir)
-        remove_all(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def main() -> None:

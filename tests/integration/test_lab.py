@@ -7,21 +7,36 @@ import sys
 
 from tests.conftest import ROOT, unique_name
 
+SHOWN = (
+    "pod-to-pod across nodes, direct route",
+    "pod-to-pod across segments, over VXLAN",
+    "pod-to-pod over IPv6",
+    "pod-to-Service",
+    "external-to-NodePort",
+)
+
 
 def test_lab_up_shows_traffic_and_down_removes_everything(tmp_path):
     prefix = unique_name("kl")
     folder = tmp_path / "lab"
-    lab = [sys.executable, str(ROOT / "deploy/lab/lab.py")]
+    lab = [sys.executable, "-m", "deploy.lab.lab"]
     args = ["--prefix", prefix, "--folder", str(folder)]
     try:
-        up = subprocess.run([*lab, "up", *args], capture_output=True, text=True, timeout=300)
+        up = subprocess.run(
+            [*lab, "up", *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+        )
         assert up.returncode == 0, up.stdout + up.stderr
-        assert "pod-to-pod same node" in up.stdout and "pod-to-pod across nodes" in up.stdout
-        assert "FAILED" not in up.stdout
-        assert (folder / f"{prefix}-node1/etc/cni/net.d/10-knit.conflist").exists()
+        for line in SHOWN:
+            assert f"{line}" in up.stdout
+        assert up.stdout.count(": OK") == len(SHOWN) and "FAILED" not in up.stdout
+        for node in ("node1", "node2", "node3"):
+            assert (folder / node / "etc/cni/net.d/10-knit.conflist").exists()
+            assert (folder / node / "opt/cni/bin/knit").exists()
+            assert (folder / node / "run/knit/cni.sock").exists()
     finally:
-        subprocess.run([*lab, "down", *args], check=True, timeout=120)
-    assert (
-        prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    )
+        subprocess.run([*lab, "down", *args], check=True, timeout=120, cwd=ROOT)
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in namespaces
+    processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(folder) not in processes
     assert not folder.exists()
