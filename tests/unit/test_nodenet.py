@@ -1,0 +1,109 @@
+"""Node networking's pure parts: route plans, the conflist, the egress chain."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from proxyd.model import InvalidObject
+from proxyd.nodenet import conflist
+from proxyd.nodenet.egress import EGRESS_CHAIN, render, restore_script
+from proxyd.nodenet.plan import NodeNet, parse_node_net, plan_routes, pod_mtu, vtep_mac
+
+A = NodeNet("a", ("10.244.1.0/24", "fd10:244:0:1::/64"), ("10.77.1.11", "fd77:1::b"))
+B = NodeNet("b", ("10.244.2.0/24", "fd10:244:0:2::/64"), ("10.77.1.12", "fd77:1::c"))
+C = NodeNet("c", ("10.244.3.0/24",), ("10.77.2.13",))
+NEIGHBOURS = {"10.77.1.12", "fd77:1::c"}
+
+
+def on_link(ip: str) -> bool:
+    return ip in NEIGHBOURS
+
+
+def test_auto_routes_neighbours_directly_and_the_rest_over_vxlan() -> None:
+    plan = plan_routes(A, [A, B, C], "auto", on_link)
+    routes = {(r.cidr, r.via, r.overlay) for r in plan.routes}
+    assert routes == {
+        ("10.244.2.0/24", "10.77.1.12", False),
+        ("fd10:244:0:2::/64", "fd77:1::c", False),
+        ("10.244.3.0/24", "10.244.3.0", True),
+    }
+    (peer,) = plan.peers
+    assert (peer.underlay_ip, peer.mac, peer.vtep_addresses) == (
+        "10.77.2.13",
+        vtep_mac("10.77.2.13"),
+        ("10.244.3.0",),
+    )
+
+
+def test_vxlan_mode_tunnels_every_peer_and_carries_ipv6_over_the_ipv4_underlay() -> None:
+    plan = plan_routes(A, [A, B], "vxlan", on_link)
+    assert {(r.cidr, r.via) for r in plan.routes} == {
+        ("10.244.2.0/24", "10.244.2.0"),
+        ("fd10:244:0:2::/64", "fd10:244:0:2::"),
+    }
+    assert all(r.overlay for r in plan.routes) and plan.peers[0].underlay_ip == "10.77.1.12"
+
+
+def test_direct_mode_skips_what_it_cannot_route_and_none_routes_nothing() -> None:
+    lonely = NodeNet("d", ("fd10:244:0:4::/64",), ("10.77.1.14",))
+    plan = plan_routes(A, [A, lonely], "direct", on_link)
+    assert plan.routes == () and "no InternalIP of its family" in plan.skipped[0]
+    assert plan_routes(A, [A, B, C], "none", on_link).routes == ()
+
+
+def test_nodes_without_a_pod_cidr_get_no_route_and_macs_are_stable_and_local() -> None:
+    assert plan_routes(A, [A, NodeNet("e", (), ("10.77.1.15",))], "auto", on_link).routes == ()
+    mac = vtep_mac("10.77.2.13")
+    assert mac == vtep_mac("10.77.2.13") != vtep_mac("10.77.2.14")
+    assert int(mac[:2], 16) & 0b11 == 0b10  # locally administered, unicast
+
+
+def test_pod_mtu_leaves_room_for_vxlan_only_when_the_overlay_may_be_used() -> None:
+    assert pod_mtu(1500, "auto", A) == 1450
+    assert pod_mtu(1500, "vxlan", NodeNet("v6", (), ("fd77::1",))) == 1430
+    assert pod_mtu(1500, "direct", A) == 1500
+
+
+def test_parse_node_reads_pod_cidrs_and_internal_ips_and_refuses_bad_cidrs() -> None:
+    obj = {
+        "metadata": {"name": "a"},
+        "spec": {"podCIDR": "10.244.1.0/24"},
+        "status": {
+            "addresses": [
+                {"type": "Hostname", "address": "a"},
+                {"type": "InternalIP", "address": "10.77.1.11"},
+            ]
+        },
+    }
+    assert parse_node_net(obj) == NodeNet("a", ("10.244.1.0/24",), ("10.77.1.11",))
+    with pytest.raises(InvalidObject):
+        parse_node_net({"metadata": {"name": "x"}, "spec": {"podCIDRs": ["10.244.1.1/24"]}})
+
+
+def test_conflist_is_written_by_rename_and_only_when_it_changes(tmp_path: Path) -> None:
+    conf = conflist.render(A.pod_cidrs, "/var/lib/cni/networks", 1450)
+    assert conflist.write_if_changed(tmp_path, conf)
+    path = tmp_path / conflist.CONFLIST_NAME
+    inode = path.stat().st_ino
+    assert not conflist.write_if_changed(tmp_path, conf)
+    assert path.stat().st_ino == inode
+    assert conflist.write_if_changed(tmp_path, conflist.render(A.pod_cidrs, "/data", 1450))
+    assert path.stat().st_ino != inode and [p.name for p in tmp_path.iterdir()] == [path.name]
+    plugin = conflist.read(tmp_path)
+    assert plugin is not None and plugin["name"] == "knit" and plugin["ipam"]["dataDir"] == "/data"
+    assert json.loads(path.read_text())["plugins"][1]["type"] == "portmap"
+
+
+def test_egress_masquerades_what_leaves_the_cluster_cidrs() -> None:
+    rules = render(4, A.pod_cidrs, ("10.244.0.0/16", "fd10:244::/56", "10.244.2.0/24"))
+    assert rules == [
+        f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -d 10.244.0.0/16 -j RETURN",
+        f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -d 10.244.2.0/24 -j RETURN",
+        f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -j MASQUERADE --random-fully",
+    ]
+    assert render(6, ("10.244.1.0/24",), ()) == []
+    assert f"-A POSTROUTING -j {EGRESS_CHAIN}" in restore_script(rules, hooked=False)
+    assert "POSTROUTING" not in restore_script(rules, hooked=True)
