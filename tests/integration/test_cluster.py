@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from deploy.lab.cluster import Cluster, LabNode, in_ns, wait_for
 from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import NODES
+from proxyd.nodenet.egress import EGRESS_CHAIN
 from proxyd.nodenet.plan import vtep_address
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE
 from tests.conftest import unique_name
@@ -164,6 +166,20 @@ def test_a_node_joining_and_leaving_moves_the_routes(cluster: Cluster) -> None:
     assert cluster.request(client.ns, pod_d.address()) == (client.address(), pod_d.address())
     cluster.remove_node(d)
     wait_for("a's route to d removed", lambda: knit_routes(a) == before)
+
+
+def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
+    c = cluster.nodes["c"]
+    assert knit_routes(c) and f"-j {EGRESS_CHAIN}" in in_ns(c.ns, "iptables-save", "-t", "nat")
+    cluster.stop_daemon(c)
+    try:
+        in_ns(c.ns, sys.executable, "-m", "proxyd", "--cleanup", "--cluster-cidr", "10.0.0.0/8")
+        assert knit_routes(c) == {} and knit_routes(c, 6) == {}
+        assert VXLAN_DEVICE not in in_ns(c.ns, "ip", "link")
+        assert EGRESS_CHAIN not in in_ns(c.ns, "iptables-save", "-t", "nat")
+    finally:
+        cluster.start_daemon(c)
+    wait_for("c's routes back", lambda: len(knit_routes(c)) == 2)
 
 
 def test_conflist_is_rewritten_only_when_it_changes(cluster: Cluster) -> None:
