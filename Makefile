@@ -7,7 +7,7 @@ BUILD := $(ROOT)/build
 # gcc, libc6-dev and python3-dev: python-iptables is published only as source with a small C
 # extension, so pip compiles it.
 APT_PACKAGES := iproute2 iptables nftables conntrack ipset iputils-ping procps python3 \
-	python3-venv python3-dev gcc libc6-dev curl ca-certificates unzip git openssl
+	python3-venv python3-dev gcc libc6-dev curl ca-certificates unzip git openssl shellcheck
 
 .PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down

@@ -298,6 +298,8 @@ def _apiserver_args(
         f"--service-cluster-ip-range={','.join(service_cidrs)}",
         f"--service-node-port-range={node_port_range}",
         "--authorization-mode=RBAC",
+        # as kubeadm (and so kind) sets it: node agents such as knit's DaemonSet are privileged
+        "--allow-privileged=true",
         f"--client-ca-file={pki / 'ca.crt'}",
         f"--tls-cert-file={pki / 'apiserver.crt'}",
         f"--tls-private-key-file={pki / 'apiserver.key'}",

@@ -3,13 +3,18 @@
 #   OUTDIR/tools/cnidriver                          (libcni driver, ./cmd/cnidriver)
 #   OUTDIR/refcni/{bridge,host-local,portmap,loopback}  (reference CNI plugins,
 #                                                    pinned by go.mod/go.sum)
-#   OUTDIR/controlplane/{etcd,kube-apiserver}       (a real control plane, pinned by
-#                                                    controlplane/go.mod/go.sum)
+#   OUTDIR/controlplane/{etcd,kube-apiserver,kubectl}  (a real control plane and its client,
+#                                                    pinned by controlplane/go.mod/go.sum)
+#   OUTDIR/tools/kubeproxyconfig                    (kube-proxy's own config loading and
+#                                                    validation, ./controlplane/cmd/kubeproxyconfig)
+#   OUTDIR/tools/{actionlint,kindconfig,dockerfilelint}  (linters for .github/workflows,
+#                                                    deploy/kind and the Dockerfile, pinned by
+#                                                    lint/go.mod/go.sum)
 #
 # usage: tests/go/build.sh OUTDIR
 #
 # Uses `go` from PATH (or /usr/local/go/bin/go) if it is at least the highest `go`
-# version of the two go.mod files; otherwise downloads that toolchain from the Go module proxy
+# version of the three go.mod files; otherwise downloads that toolchain from the Go module proxy
 # (module golang.org/toolchain), verifies it against the checksum database
 # (through the proxy) and caches it in ${XDG_CACHE_HOME:-$HOME/.cache}/knit/go.
 #
@@ -29,6 +34,7 @@ die() { log "error: $*"; exit 1; }
 
 SRC_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CP_DIR=$SRC_DIR/controlplane
+LINT_DIR=$SRC_DIR/lint
 mkdir -p "$1"
 OUT_DIR=$(cd "$1" && pwd)
 
@@ -37,9 +43,12 @@ REF_PLUGINS=(main/bridge ipam/host-local meta/portmap main/loopback)
 OUTPUTS=("$OUT_DIR/tools/cnidriver")
 for p in "${REF_PLUGINS[@]}"; do OUTPUTS+=("$OUT_DIR/refcni/${p##*/}"); done
 OUTPUTS+=("$OUT_DIR/controlplane/etcd" "$OUT_DIR/controlplane/kube-apiserver")
+OUTPUTS+=("$OUT_DIR/controlplane/kubectl" "$OUT_DIR/tools/kubeproxyconfig")
+LINT_TOOLS=(actionlint kindconfig dockerfilelint)
+for t in "${LINT_TOOLS[@]}"; do OUTPUTS+=("$OUT_DIR/tools/$t"); done
 
 # ---------------------------------------------------------------- up to date?
-# The inputs are every go source, go.mod and go.sum under SRC_DIR: both modules.
+# The inputs are every go source, go.mod and go.sum under SRC_DIR: all three modules.
 up_to_date() {
     [ "${KNIT_FORCE_BUILD:-0}" = 1 ] && return 1
     local o newer
@@ -61,7 +70,7 @@ fi
 version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$2" ]; }
 
 REQ_GO=0
-for mod in "$SRC_DIR/go.mod" "$CP_DIR/go.mod"; do
+for mod in "$SRC_DIR/go.mod" "$CP_DIR/go.mod" "$LINT_DIR/go.mod"; do
     v=$(sed -n 's/^go[[:space:]]\{1,\}\([0-9][0-9a-z.]*\).*/\1/p' "$mod" | head -n1)
     [ -n "$v" ] || die "no go directive in $mod"
     version_ge "$REQ_GO" "$v" || REQ_GO=$v
@@ -200,5 +209,13 @@ kube_ldflags="-s -w -X $vpkg.gitVersion=$kube -X $vpkg.gitMajor=$major"
 kube_ldflags+=" -X $vpkg.gitMinor=$minor -X $vpkg.gitTreeState=clean"
 timed "controlplane/kube-apiserver" "$GO" build -ldflags="$kube_ldflags" \
     -o "$OUT_DIR/controlplane/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver
+timed "controlplane/kubectl" "$GO" build -ldflags="$kube_ldflags" \
+    -o "$OUT_DIR/controlplane/kubectl" k8s.io/kubernetes/cmd/kubectl
+timed "tools/kubeproxyconfig" "$GO" build -ldflags='-s -w' \
+    -o "$OUT_DIR/tools/kubeproxyconfig" ./cmd/kubeproxyconfig
+
+cd "$LINT_DIR"
+timed "tools/{actionlint,kindconfig,dockerfilelint}" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/tools/" \
+    ./cmd/kindconfig ./cmd/dockerfilelint github.com/rhysd/actionlint/cmd/actionlint
 # make the outputs newer than every input even if the go build cache made them old
 touch "${OUTPUTS[@]}"

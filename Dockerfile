@@ -1,0 +1,57 @@
+# knit's image: knit-proxyd, and the CNI plugin bundle it installs on every node.
+#
+#   docker build -t knit:dev .        (`make image`)
+#
+# Base images are pinned to exact releases. To pin the bytes too, append the digest of the tag
+# (e.g. `docker buildx imagetools inspect python:3.11.17-slim-bookworm`, the "Digest:" line) as
+# ARG PYTHON_IMAGE=python:3.11.17-slim-bookworm@sha256:<digest>, and likewise GO_IMAGE; no
+# registry is reachable where this file was written, so no digest could be looked up.
+ARG PYTHON_IMAGE=python:3.11.17-slim-bookworm
+ARG GO_IMAGE=golang:1.26.8-bookworm
+
+# ---------------------------------------------------------------- the reference portmap plugin
+# Built from github.com/containernetworking/plugins at the version tests/go/go.mod pins (go.sum
+# verifies every module), for hostPorts: the node's conflist chains knit with portmap.
+FROM ${GO_IMAGE} AS portmap
+WORKDIR /src
+COPY tests/go/go.mod tests/go/go.sum ./
+ENV CGO_ENABLED=0 GOFLAGS="-mod=readonly -trimpath -buildvcs=false" GOTOOLCHAIN=local
+RUN go build -ldflags="-s -w" -o /portmap \
+        github.com/containernetworking/plugins/plugins/meta/portmap
+
+# ---------------------------------------------------------------- the project and the bundle
+# gcc and the C headers live here only: python-iptables is published as source with a C
+# extension. binutils (with gcc) also lets cni.bundle strip the bundled interpreter.
+FROM ${PYTHON_IMAGE} AS builder
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/knit/venv
+ENV PATH=/opt/knit/venv/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY cni cni
+COPY proxyd proxyd
+RUN pip install .
+COPY --from=portmap /portmap /portmap
+# The plugin as the nodes run it: an interpreter, the cni package and pyroute2, relocatable
+# (kind's node images do not promise a python3).
+RUN python -m cni.bundle --output /opt/knit/cni-bundle --plugin /portmap
+
+# ---------------------------------------------------------------- the image
+# The same base as the builder, so the venv's interpreter links resolve; no compiler.
+# iptables (both flavours, iptables-{nft,legacy}-{save,restore}) and nftables (nft) are what
+# knit-proxyd and the in-daemon plugin execute; links, routes and conntrack go through netlink.
+FROM ${PYTHON_IMAGE}
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        iptables nftables \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=builder /opt/knit/venv /opt/knit/venv
+COPY --from=builder /opt/knit/cni-bundle /opt/knit/cni-bundle
+ENV PATH=/opt/knit/venv/bin:$PATH PYTHONUNBUFFERED=1
+# root: the DaemonSet grants the capabilities (NET_ADMIN, NET_RAW, SYS_ADMIN) to root in the
+# pod, and the host paths knit writes (/etc/cni/net.d, /opt/cni/bin, /var/lib/cni) are root's.
+USER root
+ENTRYPOINT ["knit-proxyd"]
