@@ -1,8 +1,10 @@
-"""ADD, CHECK and DEL per pod through libcni: knit against the reference bridge + host-local.
+"""ADD, CHECK and DEL per pod through libcni: the reference bridge + host-local, knit in-process
+and knit through the node daemon's fast path, side by side.
 
-Both run with the same settings (a gateway bridge, host-local over a /24, one veth per pod)
-in one node namespace, on the same pod namespaces, alternating rounds. Prints the medians,
-the ratio knit/reference (1.0 = as fast, above 1 = slower), and where knit's time goes.
+All three run with the same settings (a gateway bridge each, host-local over a /24, one veth
+per pod) in one node namespace, on the same pod namespaces, alternating rounds. The fast path's
+daemon (cni.server) runs inside the node namespace. Prints the medians, the ratio against the
+reference (1.0 = as fast, above 1 = slower), and where the fast path's time goes.
 
 Run as root: .venv/bin/python bench/cni_bench.py [--pods 20] [--rounds 3]
 """
@@ -12,28 +14,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "build" / "tools" / "cnidriver"
-KNIT_DIR = ROOT / "build" / "cni"
 REFERENCE_DIR = ROOT / "build" / "refcni"
 PREFIX = f"kb{os.getpid()}"
+VERBS = ("add", "check", "del")
+CONTENDERS = ("reference", "knit", "knit-fast")
+SERVER = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from cni.server import serve
+server = serve(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.read()
+server.close()
+"""
+SERVED = re.compile(r"^CNI (?P<verb>[A-Z]+) \S+: exit 0 in (?P<ms>[\d.]+) ms$")
 
 
 def sh(*argv: str, stdin: str | None = None) -> str:
     return subprocess.run(argv, input=stdin, capture_output=True, text=True, check=True).stdout
 
 
+def build_launcher(directory: Path, socket_path: str = "") -> Path:
+    """The Makefile's `knit` launcher, built into directory/cni (with the socket baked in)."""
+    target = directory / "cni" / "knit"
+    make = ["make", "-s", "-C", str(ROOT), "-o", "venv", f"BUILD={directory}"]
+    sh(*make, f"CNI_SOCKET={socket_path}", str(target))
+    return target.parent
+
+
 def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path) -> dict:
     return {
         "cniVersion": "1.1.0",
-        "name": f"bench-{plugin_type}",
+        "name": f"bench-{bridge}",
         "plugins": [
             {
                 "type": plugin_type,
@@ -49,47 +73,85 @@ def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path) -> dict
     }
 
 
-def run_driver(node: str, work: Path, name: str, conf: dict, netns_list: Path) -> dict:
+def run_driver(node: str, work: Path, name: str, conf: dict, cni_path: str) -> dict:
     path = work / f"{name}.conflist"
     path.write_text(json.dumps(conf))
-    out = sh(
-        "ip",
-        "netns",
-        "exec",
-        node,
-        str(DRIVER),
-        "bench",
-        "--conflist",
-        str(path),
-        "--cni-path",
-        f"{KNIT_DIR}:{REFERENCE_DIR}",
-        "--cache-dir",
-        str(work / "cache"),
-        "--netns-list",
-        str(netns_list),
-    )
+    files = ["--conflist", str(path), "--cache-dir", str(work / "cache")]
+    files += ["--netns-list", str(work / "netns")]
+    out = sh("ip", "netns", "exec", node, str(DRIVER), "bench", *files, "--cni-path", cni_path)
     return json.loads(out)
 
 
-def startup_breakdown() -> dict[str, float]:
-    """Median seconds for: the plugin answering VERSION (interpreter + our modules), and
-    importing pyroute2's IPRoute in the same interpreter."""
-    launcher = str(KNIT_DIR / "knit")
+@contextmanager
+def fast_path_server(node: str, socket_path: Path) -> Iterator[dict[str, list[float]]]:
+    """cni.server inside the node namespace; yields the daemon's own time per verb (seconds),
+    filled in from its log when it stops."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", node, sys.executable, "-c", SERVER, str(socket_path)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    served: dict[str, list[float]] = {}
+    try:
+        yield served
+    finally:
+        _, log = proc.communicate("", timeout=30)
+    for line in log.splitlines():
+        if match := SERVED.match(line):
+            served.setdefault(match["verb"].lower(), []).append(float(match["ms"]) / 1000)
+
+
+def startup_breakdown(launcher_dir: Path) -> dict[str, float]:
+    """Median seconds: a bare interpreter (-I -S), the plugin answering VERSION in-process
+    (interpreter + the plugin's modules), and importing pyroute2's IPRoute."""
     env = {"CNI_COMMAND": "VERSION", "PATH": os.environ["PATH"]}
-    version_times, import_times = [], []
+    bare, version, pyroute2 = [], [], []
     for _ in range(10):
         start = time.perf_counter()
-        subprocess.run([launcher], input=b"{}", env=env, capture_output=True, check=True)
-        version_times.append(time.perf_counter() - start)
+        subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], check=True)
+        bare.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        subprocess.run(
+            [launcher_dir / "knit"], input=b"{}", env=env, capture_output=True, check=True
+        )
+        version.append(time.perf_counter() - start)
         code = (
             "import time; t = time.perf_counter(); from pyroute2 import IPRoute; "
             "print(time.perf_counter() - t)"
         )
-        import_times.append(float(sh(sys.executable, "-I", "-c", code)))
+        pyroute2.append(float(sh(sys.executable, "-I", "-c", code)))
     return {
-        "version_call": statistics.median(version_times),
-        "pyroute2_import": statistics.median(import_times),
+        "interpreter": statistics.median(bare),
+        "version_call": statistics.median(version),
+        "pyroute2_import": statistics.median(pyroute2),
     }
+
+
+def report(options: argparse.Namespace, samples: dict, served: dict, breakdown: dict) -> None:
+    ms = {
+        name: {verb: statistics.median(samples[name][verb]) * 1000 for verb in VERBS}
+        for name in CONTENDERS
+    }
+    print(f"{options.pods} pods x {options.rounds} rounds through libcni (median ms per call)")
+    print(f"{'verb':6} {'reference':>10} {'knit':>8} {'ratio':>6} {'knit-fast':>10} {'ratio':>6}")
+    for verb in VERBS:
+        ref = ms["reference"][verb]
+        ours, fast = ms["knit"][verb], ms["knit-fast"][verb]
+        print(f"{verb:6} {ref:10.1f} {ours:8.1f} {ours / ref:6.2f} {fast:10.1f} {fast / ref:6.2f}")
+    print("fast path, median ms: call through libcni = daemon's work + the rest")
+    for verb in VERBS:
+        daemon = statistics.median(served[verb]) * 1000 if served.get(verb) else float("nan")
+        fast = ms["knit-fast"][verb]
+        print(f"  {verb:6} {fast:6.1f} = {daemon:5.1f} + {fast - daemon:5.1f}")
+    print(
+        f"bare interpreter (-I -S): {breakdown['interpreter'] * 1000:.1f} ms; in-process "
+        f"VERSION call (interpreter + plugin modules): {breakdown['version_call'] * 1000:.1f} ms; "
+        f"importing pyroute2: {breakdown['pyroute2_import'] * 1000:.1f} ms"
+    )
 
 
 def main() -> None:
@@ -99,37 +161,34 @@ def main() -> None:
     options = parser.parse_args()
     node = f"{PREFIX}-node"
     pods = [f"{PREFIX}-pod{i}" for i in range(options.pods)]
-    samples: dict[str, dict[str, list[float]]] = {"knit": {}, "reference": {}}
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in CONTENDERS}
     with tempfile.TemporaryDirectory(prefix="knit-bench-") as tmp:
         work = Path(tmp)
+        socket_path = work / "run" / "cni.sock"
+        plain = build_launcher(work / "plain")
+        fast = build_launcher(work / "fast", str(socket_path))
+        (work / "netns").write_text("".join(f"/var/run/netns/{p}\n" for p in pods))
+        contenders = {
+            "reference": (conflist("bridge", "kbr1", "10.251.0.0/24", work / "ipam-ref"), ""),
+            "knit": (conflist("knit", "kbr0", "10.250.0.0/24", work / "ipam-knit"), plain),
+            "knit-fast": (conflist("knit", "kbr2", "10.252.0.0/24", work / "ipam-fast"), fast),
+        }
         try:
             for ns in [node, *pods]:
                 sh("ip", "netns", "add", ns)
-            netns_list = work / "netns"
-            netns_list.write_text("".join(f"/var/run/netns/{p}\n" for p in pods))
-            contenders = {
-                "knit": conflist("knit", "kbr0", "10.250.0.0/24", work / "ipam-knit"),
-                "reference": conflist("bridge", "kbr1", "10.251.0.0/24", work / "ipam-ref"),
-            }
-            for _ in range(options.rounds):
-                for name, conf in contenders.items():
-                    for verb, times in run_driver(node, work, name, conf, netns_list).items():
-                        samples[name].setdefault(verb, []).extend(times)
+            with fast_path_server(node, socket_path) as served:
+                for _ in range(options.rounds):
+                    for name, (conf, plugin_dir) in contenders.items():
+                        cni_path = (
+                            f"{plugin_dir}:{REFERENCE_DIR}" if plugin_dir else str(REFERENCE_DIR)
+                        )
+                        for verb, times in run_driver(node, work, name, conf, cni_path).items():
+                            samples[name].setdefault(verb, []).extend(times)
         finally:
             for ns in [node, *pods]:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-    print(f"{options.pods} pods x {options.rounds} rounds through libcni (median ms per call)")
-    print(f"{'verb':6} {'knit':>8} {'reference':>10} {'ratio':>7}")
-    for verb in ("add", "check", "del"):
-        ours = statistics.median(samples["knit"][verb]) * 1000
-        ref = statistics.median(samples["reference"][verb]) * 1000
-        print(f"{verb:6} {ours:8.1f} {ref:10.1f} {ours / ref:7.2f}")
-    breakdown = startup_breakdown()
-    print(
-        f"knit VERSION call (interpreter + plugin modules): "
-        f"{breakdown['version_call'] * 1000:.1f} ms; importing pyroute2: "
-        f"{breakdown['pyroute2_import'] * 1000:.1f} ms"
-    )
+        breakdown = startup_breakdown(plain)
+    report(options, samples, served, breakdown)
 
 
 if __name__ == "__main__":

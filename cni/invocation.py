@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cni.errors import CniError, Code
@@ -24,6 +24,7 @@ KNOWN_ARGS = frozenset(
     }
 )
 MAX_IFNAME_LENGTH = 15
+CNI_PREFIX = "CNI_"
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Invocation:
     ifname: str
     args: dict[str, str]
     cni_path: tuple[str, ...]
+    # The call's own CNI_* variables, for a delegated plugin: a call served by the node
+    # daemon must not see the daemon's environment.
+    variables: dict[str, str] = field(default_factory=dict)
 
 
 def from_environ(environ: Mapping[str, str]) -> Invocation:
@@ -63,6 +67,7 @@ def from_environ(environ: Mapping[str, str]) -> Invocation:
         ifname=ifname,
         args=parse_cni_args(environ.get("CNI_ARGS", "")),
         cni_path=tuple(p for p in environ.get("CNI_PATH", "").split(":") if p),
+        variables={k: v for k, v in environ.items() if k.startswith(CNI_PREFIX)},
     )
 
 

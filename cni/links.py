@@ -49,7 +49,9 @@ def ignoring(code: int, call: Callable[[], Any]) -> None:
 
 def link_by_name(ipr: IPRoute, name: str) -> Link | None:
     try:
-        msgs = ipr.get_links(ifname=name)
+        # One RTM_GETLINK by name: get_links(ifname=) dumps every link and filters in Python,
+        # which costs ~0.2 ms per link on the node (8 ms with 20 pods).
+        msgs = ipr.link("get", ifname=name)
     except NetlinkError as err:
         if err.code == errno.ENODEV:
             return None

@@ -18,6 +18,7 @@ RUNTIME_KEYS = frozenset(
         "ipam",
         "dns",
         "args",
+        "capabilities",
         "runtimeConfig",
         "prevResult",
         "cni.dev/valid-attachments",

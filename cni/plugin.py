@@ -223,11 +223,14 @@ def cmd_gc(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
         )
 
 
-def main(environ: Mapping[str, str] | None = None) -> None:
-    environ = os.environ if environ is None else environ
+def execute(environ: Mapping[str, str], stdin: bytes) -> tuple[int, bytes]:
+    """One call, from its CNI_* variables and stdin to (exit code, what it prints).
+
+    The executable's in-process path and the node daemon's fast path (cni.server) both come
+    here, so the two give the same answer byte for byte.
+    """
     cni_version = version.LATEST
     try:
-        stdin = sys.stdin.buffer.read()
         try:
             asked = json.loads(stdin).get("cniVersion")
             if asked in version.SUPPORTED_VERSIONS:
@@ -236,16 +239,20 @@ def main(environ: Mapping[str, str] | None = None) -> None:
             pass
         answer = run(from_environ(environ), stdin)
     except CniError as err:
-        _print(err.to_json(cni_version))
-        sys.exit(1)
+        return 1, encode(err.to_json(cni_version))
     except Exception as err:
         failure = CniError(Code.UNEXPECTED, f"{type(err).__name__}: {err}", traceback.format_exc())
-        _print(failure.to_json(cni_version))
-        sys.exit(1)
-    if answer is not None:
-        _print(answer)
+        return 1, encode(failure.to_json(cni_version))
+    return 0, b"" if answer is None else encode(answer)
 
 
-def _print(answer: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(answer) + "\n")
+def main(environ: Mapping[str, str] | None = None) -> None:
+    code, output = execute(os.environ if environ is None else environ, sys.stdin.buffer.read())
+    sys.stdout.buffer.write(output)
     sys.stdout.flush()
+    if code:
+        sys.exit(code)
+
+
+def encode(answer: dict[str, Any]) -> bytes:
+    return (json.dumps(answer) + "\n").encode()

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from cni.errors import CniError, Code
-from cni.invocation import Invocation
+from cni.invocation import CNI_PREFIX, Invocation
 from cni.result import Result
 
 
@@ -30,7 +30,8 @@ class Delegate:
         )
 
     def _call(self, command: str) -> bytes:
-        env = dict(os.environ, CNI_COMMAND=command)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(CNI_PREFIX)}
+        env.update(self.invocation.variables, CNI_COMMAND=command)
         proc = subprocess.run(
             [self._executable()], input=self.stdin, env=env, capture_output=True, check=False
         )

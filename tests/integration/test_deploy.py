@@ -147,9 +147,7 @@ def test_the_dry_run_refuses_a_wrong_field(control_plane, manifests_copy, change
     assert "daemonset.apps/knit created" not in out
 
 
-def test_the_daemonset_runs_on_every_node_privileged_for_sysctls(
-    objects, pod, container
-):
+def test_the_daemonset_runs_on_every_node_privileged_for_sysctls(objects, pod, container):
     daemonset = find(objects, "DaemonSet")
     assert daemonset["metadata"]["namespace"] == "kube-system"
     assert daemonset["spec"]["updateStrategy"] == {

@@ -1,0 +1,298 @@
+"""The CNI fast path: the plugin handing its calls to cni.server in the node namespace gives
+the same answers as the plugin working in-process, and falls back to working in-process when
+no daemon listens."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cni.server import read_request
+from tests.conftest import CNIDRIVER, PLUGIN_DIR, REFERENCE_DIR, ROOT, Netns
+from tests.integration.cni_env import NETWORK, Node, bridge_conf
+
+SERVER = """
+import logging, sys
+logging.basicConfig(filename=sys.argv[2], level=logging.INFO, format="%(message)s")
+from cni.server import serve
+server = serve(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.read()
+server.close()
+"""
+POD_MAC = "0a:58:0a:f4:01:0a"
+POD_IP = "10.244.1.10"
+
+
+def build_launcher(directory: Path, socket_path: Path | None) -> Path:
+    """The Makefile's `knit` launcher in directory/cni, with socket_path baked in."""
+    baked = f"CNI_SOCKET={socket_path}" if socket_path else "CNI_SOCKET="
+    target = directory / "cni" / "knit"
+    subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "-o", "venv", f"BUILD={directory}", baked, str(target)],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
+@dataclass
+class Daemon:
+    socket_path: Path
+    log: Path
+    proc: subprocess.Popen[str]
+
+    def served(self) -> list[str]:
+        """The verbs the daemon has served, in order, from its log."""
+        lines = self.log.read_text().splitlines() if self.log.exists() else []
+        return [line.split()[1] for line in lines if line.startswith("CNI ")]
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def daemon(node: Node, tmp_path: Path) -> Iterator[Daemon]:
+    """cni.server running inside the node namespace."""
+    socket_path, log = tmp_path / "run" / "cni.sock", tmp_path / "daemon.log"
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", node.ns.name, sys.executable, "-c", SERVER, socket_path, log],
+        cwd=ROOT,
+        # A call must never see the daemon's own environment (see the delegation test).
+        env={**os.environ, "CNI_CONTAINERID": "the-daemons-own"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    served = Daemon(socket_path, log, proc)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield served
+    finally:
+        if proc.poll() is None:
+            served.stop()
+
+
+@pytest.fixture
+def launchers(tmp_path: Path, daemon: Daemon) -> dict[str, Path]:
+    return {
+        "in-process": build_launcher(tmp_path / "plain", None),
+        "fast": build_launcher(tmp_path / "fast", daemon.socket_path),
+    }
+
+
+def raw_call(
+    node: Node, launcher: Path, command: str, stdin: bytes, **env: str
+) -> tuple[int, bytes]:
+    full_env = {
+        "PATH": os.environ["PATH"],
+        "CNI_COMMAND": command,
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": f"{PLUGIN_DIR}:{REFERENCE_DIR}",
+        **env,
+    }
+    done = node.ns.run(str(launcher), stdin=stdin, env=full_env, check=False)
+    return done.returncode, done.stdout
+
+
+def libcni(node: Node, tmp_path: Path, launcher: Path) -> Callable[..., str]:
+    """libcni driving a conflist with knit (ipMasq, requested MAC and IP) from launcher's dir."""
+    plugin = {
+        k: v
+        for k, v in bridge_conf(node.data_dir, ipMasq=True).items()
+        if k not in ("cniVersion", "name")
+    }
+    plugin["capabilities"] = {"mac": True, "ips": True}
+    path = tmp_path / "10-knit.conflist"
+    path.write_text(json.dumps({"cniVersion": "1.1.0", "name": NETWORK, "plugins": [plugin]}))
+
+    def drive(verb: str, pod: Netns) -> str:
+        capabilities = json.dumps({"mac": POD_MAC, "ips": [f"{POD_IP}/24"]})
+        files = ["--conflist", str(path), "--cache-dir", str(tmp_path / "cache")]
+        files += ["--cni-path", f"{launcher.parent}:{REFERENCE_DIR}"]
+        attachment = ["--netns", pod.path, "--container-id", "pod"]
+        call = [str(CNIDRIVER), verb, *files, *attachment, "--capability-args", capabilities]
+        return node.ns.run(*call).stdout
+
+    return drive
+
+
+def without_node_macs(result: dict[str, Any]) -> dict[str, Any]:
+    """The bridge's and the host veth's MACs are the kernel's choice at each ADD."""
+    interfaces = [{k: v for k, v in i.items() if k != "mac"} for i in result["interfaces"][:2]]
+    return {**result, "interfaces": interfaces + result["interfaces"][2:]}
+
+
+def test_libcni_gets_the_same_answers_from_both_paths(
+    node, make_netns, tmp_path, launchers, daemon
+):
+    pod = make_netns("pod")
+    answers = {}
+    for name, launcher in launchers.items():
+        drive = libcni(node, tmp_path, launcher)
+        added = json.loads(drive("add", pod))
+        answers[name] = (without_node_macs(added), drive("check", pod), drive("del", pod))
+        assert node.leftovers() == {}
+        assert "eth0" not in pod.ip("link")
+    assert answers["fast"] == answers["in-process"]
+    result = answers["fast"][0]
+    assert result["interfaces"][2]["mac"] == POD_MAC
+    assert result["ips"][0]["address"] == f"{POD_IP}/24"
+    assert daemon.served() == ["ADD", "CHECK", "DEL"], "only the fast path's calls reached it"
+
+
+def test_answers_are_byte_identical(node, make_netns, tmp_path, launchers, daemon):
+    pod = make_netns("pod")
+    conf = bridge_conf(node.data_dir, runtimeConfig={"mac": POD_MAC, "ips": [POD_IP]})
+    stdin = json.dumps(conf).encode()
+    attachment = {"CNI_CONTAINERID": "pod", "CNI_NETNS": pod.path}
+    outputs = {}
+    for name, launcher in launchers.items():
+        code, added = raw_call(node, launcher, "ADD", stdin, **attachment)
+        assert code == 0, added
+        result = json.loads(added)
+        for interface in result["interfaces"][:2]:
+            added = added.replace(interface["mac"].encode(), b"MAC")
+        prev = json.dumps({**conf, "prevResult": result}).encode()
+        outputs[name] = [
+            added,
+            raw_call(node, launcher, "CHECK", prev, **attachment),
+            raw_call(node, launcher, "DEL", prev, **attachment),
+        ]
+    assert outputs["fast"] == outputs["in-process"]
+    assert outputs["fast"][1:] == [(0, b""), (0, b"")]
+    assert node.leftovers() == {}
+    assert daemon.served() == ["ADD", "CHECK", "DEL"]
+
+
+def with_range(conf: dict[str, Any], **options: Any) -> dict[str, Any]:
+    ipam = conf["ipam"]
+    return {**conf, "ipam": {**ipam, "ranges": [[{**ipam["ranges"][0][0], **options}]]}}
+
+
+def test_errors_are_byte_identical(node, make_netns, tmp_path, launchers, daemon):
+    conf = bridge_conf(node.data_dir, ipMasq=True)
+    pod = make_netns("pod")
+    add = {"CNI_CONTAINERID": "bad", "CNI_NETNS": pod.path}
+    cases = [
+        (6, b"{not json", add),
+        (4, json.dumps(conf).encode(), {"CNI_CONTAINERID": "bad"}),
+        (1, json.dumps({**conf, "cniVersion": "0.2.0"}).encode(), add),
+        (7, json.dumps(with_range(conf, subnet="10.244.1.0/33")).encode(), add),
+        (2, json.dumps({**conf, "hairpinmode": True}).encode(), add),
+        (3, json.dumps(conf).encode(), {**add, "CNI_NETNS": "/var/run/netns/no-such-ns"}),
+        (104, json.dumps({**conf, "ipam": {"type": "no-such-ipam"}}).encode(), add),
+    ]
+    for expected, stdin, env in cases:
+        answers = {
+            name: raw_call(node, launcher, "ADD", stdin, **env)
+            for name, launcher in launchers.items()
+        }
+        assert answers["fast"] == answers["in-process"]
+        code, output = answers["fast"]
+        assert code == 1 and json.loads(output)["code"] == expected, output
+    assert daemon.served() == ["ADD"] * len(cases)
+    assert node.leftovers() == {}
+
+
+def test_a_delegated_ipam_plugin_gets_the_calls_own_variables(
+    node, make_netns, tmp_path, launchers, daemon
+):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "ref-host-local").symlink_to(REFERENCE_DIR / "host-local")
+    conf = bridge_conf(node.data_dir)
+    conf["ipam"]["type"] = "ref-host-local"
+    stdin = json.dumps(conf).encode()
+    pod = make_netns("pod")
+    for name, launcher in launchers.items():
+        env = {"CNI_CONTAINERID": name, "CNI_NETNS": pod.path, "CNI_PATH": f"{plugins}"}
+        code, added = raw_call(node, launcher, "ADD", stdin, **env)
+        assert code == 0, added
+        address = json.loads(added)["ips"][0]["address"].split("/")[0]
+        owner = (node.data_dir / NETWORK / address).read_bytes()
+        assert owner == f"{name}\r\neth0".encode(), "the reference host-local saw CNI_CONTAINERID"
+        assert raw_call(node, launcher, "DEL", stdin, **env) == (0, b"")
+        assert node.leftovers() == {}
+    assert daemon.served() == ["ADD", "DEL"]
+
+
+def test_falls_back_to_in_process_without_a_daemon(node, make_netns, tmp_path, daemon):
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as bound_only:
+        bound_only.bind(str(stale))  # a socket file nobody accepts on: ECONNREFUSED
+        for socket_path in (tmp_path / "absent.sock", stale):
+            launcher = build_launcher(tmp_path / socket_path.stem, socket_path)
+            conf = json.dumps(bridge_conf(node.data_dir)).encode()
+            pod = make_netns("pod")
+            env = {"CNI_CONTAINERID": "fallback", "CNI_NETNS": pod.path}
+            code, added = raw_call(node, launcher, "ADD", conf, **env)
+            assert code == 0, added
+            assert "eth0" in pod.ip("link")
+            assert raw_call(node, launcher, "DEL", conf, **env) == (0, b"")
+            assert node.leftovers() == {}
+    assert daemon.served() == []
+
+
+def test_32_concurrent_adds_through_the_daemon(node, make_netns, launchers, daemon):
+    conf = json.dumps(bridge_conf(node.data_dir)).encode()
+    pods = [make_netns("pod") for _ in range(32)]
+
+    def call(command: str, i: int) -> tuple[int, bytes]:
+        env = {"CNI_CONTAINERID": f"c{i}", "CNI_NETNS": pods[i].path}
+        return raw_call(node, launchers["fast"], command, conf, **env)
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        added = list(pool.map(lambda i: call("ADD", i), range(32)))
+    assert all(code == 0 for code, _ in added), [out for code, out in added if code]
+    assert len({json.loads(out)["ips"][0]["address"] for _, out in added}) == 32
+    assert len(node.reservations()) == 32
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        assert all(code == 0 for code, _ in pool.map(lambda i: call("DEL", i), range(32)))
+    assert node.leftovers() == {}
+    assert sorted(daemon.served()) == ["ADD"] * 32 + ["DEL"] * 32
+
+
+def test_a_daemon_gone_mid_call_gives_an_error_and_nothing_is_redone(node, make_netns, tmp_path):
+    """A daemon that takes the call and dies: the plugin must not do the work a second time."""
+    socket_path = tmp_path / "dying.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(socket_path))
+    listener.listen()
+    received = []
+
+    def take_the_call_and_die() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            received.append(read_request(connection))
+
+    thread = threading.Thread(target=take_the_call_and_die)
+    thread.start()
+    launcher = build_launcher(tmp_path / "dying", socket_path)
+    pod = make_netns("pod")
+    stdin = json.dumps(bridge_conf(node.data_dir)).encode()
+    code, output = raw_call(node, launcher, "ADD", stdin, CNI_CONTAINERID="c", CNI_NETNS=pod.path)
+    thread.join()
+    listener.close()
+    assert code == 1
+    error = json.loads(output)
+    assert error["code"] == 199 and error["cniVersion"] == "1.1.0"
+    assert "closed the connection before answering" in error["msg"]
+    environ, forwarded_stdin = received[0]
+    assert environ["CNI_COMMAND"] == "ADD" and forwarded_stdin == stdin
+    assert "PATH" not in environ, "only the CNI_* variables are forwarded"
+    assert "eth0" not in pod.ip("link")
+    assert node.leftovers() == {}

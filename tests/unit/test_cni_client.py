@@ -1,0 +1,272 @@
+"""The fast path's two ends without a kernel network: the plugin's client (cni.client) in a
+real interpreter against a stand-in daemon, and cni.server on a socket in a temporary dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cni import client, plugin, version
+from cni.errors import CniError
+from cni.invocation import from_environ
+from cni.ipam.delegate import Delegate
+from cni.server import encode_response, read_request, serve
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+ADD_ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/x", "CNI_IFNAME": "eth0"}
+CONF = b'{"cniVersion": "1.0.0", "name": "n", "type": "knit"}'
+
+
+def run_client(
+    socket_path: Path | None,
+    env: dict[str, str],
+    stdin: bytes = CONF,
+    prelude: str = "",
+    flags: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[bytes]:
+    """The plugin as the Makefile's launcher runs it: -I -S, its paths, cni.client.main."""
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}]; {prelude}"
+        f"from cni.client import main; main({str(socket_path) if socket_path else None!r})"
+    )
+    return subprocess.run(
+        [sys.executable, "-I", "-S", *flags, "-c", code],
+        input=stdin,
+        env={"PATH": os.environ["PATH"], **env},
+        capture_output=True,
+        timeout=30,
+    )
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Iterator[Callable[[Callable[[socket.socket], None]], Path]]:
+    """A daemon that accepts one call and handles it as the test says."""
+    threads = []
+    listeners = []
+
+    def start(handle: Callable[[socket.socket], None]) -> Path:
+        path = tmp_path / "stand-in.sock"
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(path))
+        listener.listen()
+        listeners.append(listener)
+
+        def accept_one() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                handle(connection)
+
+        thread = threading.Thread(target=accept_one, daemon=True)
+        thread.start()
+        threads.append(thread)
+        return path
+
+    yield start
+    for thread in threads:
+        thread.join(10)
+    for listener in listeners:
+        listener.close()
+
+
+def test_the_daemons_answer_is_printed_with_its_exit_code(stand_in):
+    received = []
+
+    def answer(connection: socket.socket) -> None:
+        received.append(read_request(connection))
+        connection.sendall(encode_response(3, b'{"any": "bytes"}\n'))
+
+    path = stand_in(answer)
+    done = run_client(path, {**ADD_ENV, "OTHER": "x", "CNI_ARGS": "K8S_POD_NAME=p"})
+    assert (done.returncode, done.stdout, done.stderr) == (3, b'{"any": "bytes"}\n', b"")
+    environ, stdin = received[0]
+    assert environ == {**ADD_ENV, "CNI_ARGS": "K8S_POD_NAME=p"}, "only CNI_* is forwarded"
+    assert stdin == CONF
+
+
+def test_a_forwarded_call_imports_only_c_modules(stand_in):
+    def answer(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(encode_response(0, b""))
+
+    path = stand_in(answer)
+    done = run_client(path, ADD_ENV, flags=("-X", "importtime"))
+    assert done.returncode == 0, done.stderr
+    imported = {
+        line.split("|")[-1].strip()
+        for line in done.stderr.decode().splitlines()
+        if line.startswith("import time:") and not line.endswith("imported package")
+    }
+    startup = run_client(
+        None, {}, prelude="import posix; posix._exit(0); ", flags=("-X", "importtime")
+    )
+    baseline = {
+        line.split("|")[-1].strip()
+        for line in startup.stderr.decode().splitlines()
+        if line.startswith("import time:")
+    }
+    assert imported - baseline == {"cni", "cni.client", "_socket"}
+
+
+def test_a_daemon_gone_before_answering_gives_the_error_json(stand_in):
+    path = stand_in(read_request)
+    done = run_client(path, ADD_ENV)
+    assert done.returncode == 1
+    error = json.loads(done.stdout)
+    assert error == {
+        "cniVersion": version.LATEST,
+        "code": 199,
+        "msg": "the knit daemon closed the connection before answering",
+    }
+
+
+def test_a_half_answer_is_not_taken_for_an_answer(stand_in):
+    def half(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(encode_response(0, b'{"cniVersion": "1.1.0"}\n')[:-5])
+
+    done = run_client(stand_in(half), ADD_ENV)
+    assert done.returncode == 1 and json.loads(done.stdout)["code"] == 199
+
+
+def test_a_daemon_of_another_protocol_is_named(stand_in):
+    def newer(connection: socket.socket) -> None:
+        connection.recv(1 << 16)
+        connection.sendall(bytes((client.PROTOCOL + 1, 0)) + b"\0\0\0\0")
+
+    done = run_client(stand_in(newer), ADD_ENV)
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["msg"] == (
+        f"the knit daemon speaks protocol {client.PROTOCOL + 1}, "
+        f"this plugin speaks {client.PROTOCOL}"
+    )
+
+
+def test_the_error_template_is_what_the_plugin_prints():
+    assert client._error('a "quoted" \\ msg') == plugin.encode(
+        CniError(199, 'a "quoted" \\ msg').to_json(version.LATEST)
+    )
+
+
+@pytest.mark.parametrize("situation", ["no socket file", "nobody listening", "no socket baked"])
+def test_the_call_runs_in_process_without_a_daemon(tmp_path, situation):
+    path = tmp_path / "cni.sock"
+    if situation == "nobody listening":
+        bound = socket.socket(socket.AF_UNIX)
+        bound.bind(str(path))
+    env = {k: v for k, v in ADD_ENV.items() if k != "CNI_IFNAME"}
+    done = run_client(None if situation == "no socket baked" else path, env)
+    assert (done.returncode, done.stdout) == plugin.execute(env, CONF)
+    assert json.loads(done.stdout)["code"] == 4
+
+
+def test_ld_library_path_is_dropped_before_anything_else(tmp_path):
+    show = (
+        "import cni.plugin, os, subprocess; "
+        "cni.plugin.main = lambda: print(os.environ.get('LD_LIBRARY_PATH'), "
+        "subprocess.run(['env'], capture_output=True, text=True).stdout.count('LD_LIBRARY'), "
+        "end=''); "
+    )
+    done = run_client(None, {"CNI_COMMAND": "VERSION", "LD_LIBRARY_PATH": "/bundle"}, prelude=show)
+    assert done.stdout == b"None 0"
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "run" / "knit" / "cni.sock"
+    served = serve(str(path))
+    yield path
+    served.close()
+
+
+def exchange(path: Path, request: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX) as connection:
+        connection.connect(str(path))
+        connection.sendall(request)
+        chunks = []
+        while chunk := connection.recv(1 << 16):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def call(path: Path, environ: dict[str, str], stdin: bytes) -> tuple[int, bytes]:
+    env = b"\0".join(f"{k}={v}".encode() for k, v in environ.items())
+    return client.decode_response(exchange(path, client.encode_request(env, stdin)))
+
+
+def test_the_server_answers_as_the_plugin_does(server):
+    for env, stdin in [
+        ({k: v for k, v in ADD_ENV.items() if k != "CNI_IFNAME"}, CONF),
+        (ADD_ENV, b"{not json"),
+        ({**ADD_ENV, "CNI_COMMAND": "DEL"}, b'{"cniVersion": "9.9.9", "name": "n"}'),
+    ]:
+        assert call(server, env, stdin) == plugin.execute(env, stdin)
+
+
+def test_the_server_serves_only_attachment_verbs(server):
+    code, output = call(server, {"CNI_COMMAND": "VERSION"}, b"{}")
+    assert code == 1
+    assert json.loads(output)["msg"] == "the knit daemon serves ADD, CHECK, DEL, not 'VERSION'"
+
+
+def test_the_server_names_a_mismatching_protocol(server):
+    answer = exchange(server, bytes((client.PROTOCOL + 1,)) + b"\0" * 8)
+    assert answer[0] == client.PROTOCOL and answer[1] == 1
+    assert json.loads(answer[6:])["msg"] == (
+        f"the plugin speaks protocol {client.PROTOCOL + 1}, "
+        f"this knit daemon speaks {client.PROTOCOL}"
+    )
+
+
+def test_the_socket_is_private_and_removed_on_close(tmp_path):
+    path = tmp_path / "run" / "knit" / "cni.sock"
+    served = serve(str(path))
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    served.close()
+    assert not path.exists()
+
+
+def test_a_stale_socket_is_replaced_and_a_successor_kept(tmp_path):
+    path = tmp_path / "cni.sock"
+    with socket.socket(socket.AF_UNIX) as stale:
+        stale.bind(str(path))
+        first = serve(str(path))
+    second = serve(str(path))
+    first.close()
+    assert path.exists(), "closing the old server leaves its successor's socket"
+    code, _ = call(path, {"CNI_COMMAND": "DEL"}, b"{}")
+    assert code == 1 and second.calls == 1
+    second.close()
+    assert not path.exists()
+
+
+def test_something_else_at_the_socket_path_is_left_alone(tmp_path):
+    path = tmp_path / "cni.sock"
+    path.write_text("not a socket")
+    with pytest.raises(FileExistsError):
+        serve(str(path))
+    assert path.read_text() == "not a socket"
+
+
+def test_a_delegated_plugin_sees_the_calls_variables_and_the_process_path(tmp_path, monkeypatch):
+    script = tmp_path / "show-env"
+    script.write_text(
+        '#!/bin/sh\nprintf \'{"code": 104, "msg": "%s %s %s"}\' '
+        '"$CNI_COMMAND" "$CNI_CONTAINERID" "$(command -v sh)"\nexit 1\n'
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("CNI_CONTAINERID", "the-daemons-own")
+    invocation = from_environ({**ADD_ENV, "CNI_PATH": str(tmp_path)})
+    with pytest.raises(CniError) as err:
+        Delegate("show-env", b"{}", invocation).release("c1", "eth0")
+    assert err.value.msg.split()[:2] == ["DEL", "c1"]
+    assert err.value.msg.split()[2].endswith("/sh"), "PATH comes from the process"
