@@ -23,9 +23,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import NODES, SERVICES, SLICES, Kube, api_client, endpoint, slice_object
@@ -37,6 +38,7 @@ ECHO = ROOT / "tests" / "echo.py"
 PYTHON = sys.executable
 CLUSTER_CIDRS = ("10.244.0.0/16", "fd10:244::/56")
 ROUTER = "router"
+T = TypeVar("T")
 
 
 def sh(*argv: str, check: bool = True, timeout: float = 60) -> str:
@@ -50,17 +52,17 @@ def in_ns(ns: str, *argv: str, check: bool = True, timeout: float = 60) -> str:
     return sh("ip", "netns", "exec", ns, *argv, check=check, timeout=timeout)
 
 
-def wait_for(what: str, check: Any, timeout: float = 30.0) -> Any:
+def eventually(check: Callable[[], T], timeout: float = 15, what: str = "condition") -> T:
+    """The first truthy result of check(); TimeoutError naming the last error after timeout."""
     deadline = time.monotonic() + timeout
+    last: BaseException | None = None
     while True:
         try:
             result = check()
+            if result:
+                return result
         except Exception as err:
-            result, last = None, err
-        else:
-            last = None
-        if result:
-            return result
+            last = err
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout:.0f}s (last error: {last!r})")
         time.sleep(0.2)
@@ -263,7 +265,7 @@ class Cluster:
             ],
             node.log,
         )  # fmt: skip
-        wait_for(f"knit-proxyd on {node.name} serving the CNI socket", node.socket.exists)
+        eventually(node.socket.exists, 30, what=f"knit-proxyd on {node.name} serving its socket")
 
     def stop_daemon(self, node: LabNode) -> None:
         _terminate(node.daemon)
@@ -282,7 +284,7 @@ class Cluster:
     def add_pod(self, node: LabNode, name: str, port: int = 80) -> LabPod:
         """A pod attached by libcni with the node's config, serving echo.py on port."""
         ns = self.add_namespace(f"{self.prefix}-{name}")
-        wait_for(f"the CNI config on {node.name}", node.conflist.exists)
+        eventually(node.conflist.exists, 30, what=f"the CNI config on {node.name}")
         result = json.loads(self.cni(node, "add", ns, name))
         addresses = tuple(ip["address"].split("/")[0] for ip in result["ips"])
         self.serve(ns, port, node.folder / f"{name}.log")
@@ -291,7 +293,9 @@ class Cluster:
     def serve(self, ns: str, port: int, log: Path) -> None:
         """echo.py answering on port (both families) inside ns."""
         self._spawn(["ip", "netns", "exec", ns, PYTHON, str(ECHO), "serve", "::", str(port)], log)
-        wait_for(f"a server on {ns}:{port}", lambda: f":{port} " in in_ns(ns, "ss", "-ltnH"))
+        eventually(
+            what=f"a server on {ns}:{port}", check=lambda: f":{port} " in in_ns(ns, "ss", "-ltnH")
+        )
 
     def vanish(self, pod: LabPod) -> None:
         """The pod's namespace (and so its veth) goes away without a CNI DEL, as in a reboot."""

@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from deploy.lab.cluster import eventually
 from tests.conftest import ROOT, Netns
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, bridge_conf
 
@@ -21,22 +20,6 @@ EXTERNAL_NET = "203.0.113.0/24"
 CLUSTER_CIDRS = "10.244.0.0/16,fd10:244::/32"
 REMOTE_NODE = "node-elsewhere"
 T = TypeVar("T")
-
-
-def eventually(check: Callable[[], T], timeout: float = 15, interval: float = 0.2) -> T:
-    """The first truthy result of check(); fails with the last error after timeout."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while True:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception as err:
-            last = err
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last error: {last!r})")
-        time.sleep(interval)
 
 
 @dataclass
@@ -175,4 +158,4 @@ def node_object(name: str, zone: str = "zone-a") -> dict[str, Any]:
     }
 
 
-__all__ = ["UPLINK_NODE", "UPLINK_OUTSIDE"]
+__all__ = ["UPLINK_NODE", "UPLINK_OUTSIDE", "eventually"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.lab.cluster import Cluster, LabNode, in_ns, wait_for
+from deploy.lab.cluster import Cluster, LabNode, eventually, in_ns
 from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import NODES
 from proxyd.nodenet.egress import EGRESS_CHAIN
@@ -64,7 +64,7 @@ def routed(node: LabNode, expected: dict[str, str], family: int = 4) -> bool:
 
 def test_the_daemon_writes_the_cni_config_and_installs_the_plugin(cluster: Cluster) -> None:
     for node in cluster.nodes.values():
-        conflist = json.loads(wait_for("conflist", node.conflist.read_text))
+        conflist = json.loads(eventually(what="conflist", check=node.conflist.read_text))
         knit, portmap = conflist["plugins"]
         assert conflist["name"] == "knit" and knit["type"] == "knit"
         assert [r[0]["subnet"] for r in knit["ipam"]["ranges"]] == list(node.pod_cidrs)
@@ -82,10 +82,10 @@ def test_routes_go_direct_on_a_segment_and_over_vxlan_between_segments(cluster: 
         POD_CIDRS["b"][0]: f"via {b.addresses[0]} dev eth0",
         POD_CIDRS["c"][0]: f"via {vtep_c} dev {VXLAN_DEVICE}",
     }
-    wait_for("a's IPv4 routes", lambda: routed(a, expected))
-    wait_for(
-        "a's IPv6 routes",
-        lambda: routed(
+    eventually(what="a's IPv4 routes", check=lambda: routed(a, expected))
+    eventually(
+        what="a's IPv6 routes",
+        check=lambda: routed(
             a,
             {
                 POD_CIDRS["b"][1]: f"via {b.addresses[1]} dev eth0",
@@ -155,17 +155,17 @@ def test_a_node_joining_and_leaving_moves_the_routes(cluster: Cluster) -> None:
     cluster.kube.patch(
         f"{NODES}/d", {"spec": {"podCIDR": POD_CIDRS["d"][0], "podCIDRs": list(POD_CIDRS["d"])}}
     )
-    wait_for("d's CNI config once it has a podCIDR", d.conflist.exists)
+    eventually(what="d's CNI config once it has a podCIDR", check=d.conflist.exists)
     d.pod_cidrs = POD_CIDRS["d"]
-    wait_for(
-        "a's route to d",
-        lambda: knit_routes(a).get(POD_CIDRS["d"][0]) == f"via {d.addresses[0]} dev eth0",
+    eventually(
+        what="a's route to d",
+        check=lambda: knit_routes(a).get(POD_CIDRS["d"][0]) == f"via {d.addresses[0]} dev eth0",
     )
     pod_d = cluster.add_pod(d, unique_name("on-d"))
     client = cluster.add_pod(a, unique_name("to-d"))
     assert cluster.request(client.ns, pod_d.address()) == (client.address(), pod_d.address())
     cluster.remove_node(d)
-    wait_for("a's route to d removed", lambda: knit_routes(a) == before)
+    eventually(what="a's route to d removed", check=lambda: knit_routes(a) == before)
 
 
 def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
@@ -179,7 +179,7 @@ def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
         assert EGRESS_CHAIN not in in_ns(c.ns, "iptables-save", "-t", "nat")
     finally:
         cluster.start_daemon(c)
-    wait_for("c's routes back", lambda: len(knit_routes(c)) == 2)
+    eventually(what="c's routes back", check=lambda: len(knit_routes(c)) == 2)
 
 
 def test_conflist_is_rewritten_only_when_it_changes(cluster: Cluster) -> None:
@@ -191,13 +191,13 @@ def test_conflist_is_rewritten_only_when_it_changes(cluster: Cluster) -> None:
     assert b.conflist.stat().st_ino == inode
     cluster.stop_daemon(b)
     cluster.start_daemon(b, "--routing", "direct")
-    wait_for("a rewritten config", lambda: b.conflist.stat().st_ino != inode)
+    eventually(what="a rewritten config", check=lambda: b.conflist.stat().st_ino != inode)
     assert json.loads(b.conflist.read_text())["plugins"][0]["mtu"] == 1500
     cluster.stop_daemon(b)
     cluster.start_daemon(b)
-    wait_for(
-        "the auto config back",
-        lambda: json.loads(b.conflist.read_text())["plugins"][0]["mtu"] == 1450,
+    eventually(
+        what="the auto config back",
+        check=lambda: json.loads(b.conflist.read_text())["plugins"][0]["mtu"] == 1450,
     )
 
 
