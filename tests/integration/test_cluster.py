@@ -111,6 +111,8 @@ def test_pod_to_pod_across_nodes_keeps_the_pod_address(cluster: Cluster, family:
 def test_clusterip_with_backends_on_other_nodes(cluster: Cluster) -> None:
     a, b, c = (cluster.nodes[n] for n in "abc")
     backends = [cluster.add_pod(node, unique_name(f"be-{node.name}")) for node in (b, c)]
+    # the installed plugin handed the ADD to the node's daemon (the fast path)
+    assert f"CNI ADD {backends[0].ns}/eth0: exit 0" in b.log.read_text()
     service = cluster.publish(unique_name("svc"), backends)
     client = cluster.add_pod(a, unique_name("client"))
     for cluster_ip in service["spec"]["clusterIPs"]:
