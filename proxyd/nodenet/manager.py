@@ -55,8 +55,9 @@ class NodeNetwork:
                 continue
             nodes[node.name] = node
         with self.lock:
-            self.nodes = nodes
-        self.changed.set()
+            unchanged, self.nodes = self.nodes == nodes, nodes
+        if not unchanged:
+            self.changed.set()
 
     def event(self, kind: str, obj: dict[str, Any]) -> None:
         try:
@@ -65,11 +66,14 @@ class NodeNetwork:
             log.warning("ignoring node: %s", err)
             return
         with self.lock:
+            before = self.nodes.get(node.name)
             if kind == "DELETED":
                 self.nodes.pop(node.name, None)
             else:
                 self.nodes[node.name] = node
-        self.changed.set()
+            unchanged = before == self.nodes.get(node.name)
+        if not unchanged:  # most Node updates are status the routes do not depend on
+            self.changed.set()
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

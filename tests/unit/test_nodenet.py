@@ -10,6 +10,7 @@ import pytest
 from proxyd.model import InvalidObject
 from proxyd.nodenet import conflist
 from proxyd.nodenet.egress import EGRESS_CHAIN, render, restore_script
+from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.plan import NodeNet, parse_node_net, plan_routes, pod_mtu, vtep_mac
 
 A = NodeNet("a", ("10.244.1.0/24", "fd10:244:0:1::/64"), ("10.77.1.11", "fd77:1::b"))
@@ -107,3 +108,20 @@ def test_egress_masquerades_what_leaves_the_cluster_cidrs() -> None:
     assert render(6, ("10.244.1.0/24",), ()) == []
     assert f"-A POSTROUTING -j {EGRESS_CHAIN}" in restore_script(rules, hooked=False)
     assert "POSTROUTING" not in restore_script(rules, hooked=True)
+
+
+def test_node_updates_that_change_nothing_routing_uses_do_not_wake_the_worker() -> None:
+    network = NodeNetwork(NodeNetworkOptions("a", "auto", Path("/nonexistent"), "/d", ()), [])
+    obj = {
+        "metadata": {"name": "b", "resourceVersion": "1"},
+        "spec": {"podCIDRs": ["10.244.2.0/24"]},
+        "status": {"addresses": [{"type": "InternalIP", "address": "10.77.1.12"}]},
+    }
+    network.replace([obj])
+    assert network.changed.is_set()
+    network.changed.clear()
+    network.event("MODIFIED", {**obj, "metadata": {"name": "b", "resourceVersion": "2"}})
+    network.replace([obj])
+    assert not network.changed.is_set()
+    network.event("DELETED", obj)
+    assert network.changed.is_set() and network.nodes == {}
