@@ -116,6 +116,7 @@ class NodeNetwork:
         cluster = self.options.cluster_cidrs + tuple(c for n in nodes for c in n.pod_cidrs)
         for egress in self.egress:
             egress.apply(local.pod_cidrs, cluster)
+        log.info("node networking in place for %d nodes", len(nodes))
 
     @staticmethod
     def _uplink_mtu(ipr: IPRoute, local: NodeNet) -> int:

@@ -26,6 +26,7 @@ from proxyd.nodenet.plan import vtep_address
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE
 from tests.conftest import unique_name
 
+APPLIED = "node networking in place for"
 POD_CIDRS = {
     "a": ("10.244.1.0/24", "fd10:244:0:1::/64"),
     "b": ("10.244.2.0/24", "fd10:244:0:2::/64"),
@@ -187,9 +188,13 @@ def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
 def test_conflist_is_rewritten_only_when_it_changes(cluster: Cluster) -> None:
     b = cluster.nodes["b"]
     inode = b.conflist.stat().st_ino
+    applied = b.log.read_text().count(APPLIED)
     cluster.stop_daemon(b)
     cluster.start_daemon(b)
-    time.sleep(1)
+    eventually(
+        what="the restarted daemon's first apply",
+        check=lambda: b.log.read_text().count(APPLIED) > applied,
+    )
     assert b.conflist.stat().st_ino == inode
     cluster.stop_daemon(b)
     cluster.start_daemon(b, "--routing", "direct")
