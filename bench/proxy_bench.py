@@ -57,9 +57,10 @@ from kubernetes import client, config
 from deploy.lab.controlplane import ControlPlane, NetnsForward, start
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from proxyd.iptables.chains import ServiceChains
-from proxyd.iptables.render import RenderContext, render_base, render_service
+from proxyd.iptables.render import render_base, render_service
 from proxyd.iptables.restore import RuleSet, partial_script
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from proxyd.plan import FamilyContext, plan_port
 from tests.conftest import ROOT, Netns, unique_name
 from tests.integration.proxy_env import node_object
 
@@ -305,7 +306,7 @@ class OneServiceChange:
         spec = kube.call("GET", f"{SERVICES}/{self.name}")["spec"]
         port_name = ServicePortName("default", self.name, "", "TCP")
         self.port = ServicePort(port_name, (spec["clusterIP"],), PORT)
-        self.ctx = RenderContext(family=4, node=NodeInfo(NODE), cluster_cidr=CLUSTER_CIDR)
+        self.ctx = FamilyContext(family=4, node=NodeInfo(NODE), cluster_cidr=CLUSTER_CIDR)
         self.changes = 0
 
     def _rules(self) -> RuleSet:
@@ -316,7 +317,9 @@ class OneServiceChange:
             ),
             key=lambda e: e.ip,
         )
-        rendered = render_service(self.port, tuple(endpoints), self.ctx)
+        plan = plan_port(self.port, tuple(endpoints), self.ctx)
+        assert plan is not None
+        rendered = render_service(plan, self.ctx)
         return RuleSet(render_base(self.ctx), {self.port.name: rendered})
 
     def apply(self) -> tuple[str, str]:

@@ -14,7 +14,8 @@ import yaml
 
 from proxyd.nodenet.plan import ROUTING_MODES
 
-MODES = ("iptables",)
+MODES = ("iptables", "nftables", "ipvs")
+IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh")
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -46,6 +47,7 @@ class Config:
     cni_socket: str = "/run/knit/cni.sock"
     cni_bundle: str = "/opt/knit/cni-bundle"
     routing: str = "auto"
+    ipvs_scheduler: str = "rr"
 
 
 def parse_duration(text: str | float) -> float:
@@ -90,7 +92,10 @@ def _from_file(path: str) -> dict[str, Any]:
         doc = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from err
+    mode = doc.get("mode") or "iptables"
     iptables = doc.get("iptables") or {}
+    periods = (doc.get(mode) or {}) if mode in MODES else {}
+    masquerade = (doc.get("nftables") or {}) if mode == "nftables" else iptables
     connection = doc.get("clientConnection") or {}
     mapping = {
         "kubeconfig": connection.get("kubeconfig"),
@@ -98,11 +103,12 @@ def _from_file(path: str) -> dict[str, Any]:
         "proxy_mode": doc.get("mode") or None,
         "cluster_cidr": _split(doc["clusterCIDR"]) if doc.get("clusterCIDR") else None,
         "nodeport_addresses": doc.get("nodePortAddresses"),
-        "masquerade_all": iptables.get("masqueradeAll"),
-        "masquerade_bit": iptables.get("masqueradeBit"),
+        "masquerade_all": masquerade.get("masqueradeAll"),
+        "masquerade_bit": masquerade.get("masqueradeBit"),
         "localhost_nodeports": iptables.get("localhostNodePorts"),
-        "min_sync_period": iptables.get("minSyncPeriod"),
-        "sync_period": iptables.get("syncPeriod"),
+        "min_sync_period": periods.get("minSyncPeriod"),
+        "sync_period": periods.get("syncPeriod"),
+        "ipvs_scheduler": (doc.get("ipvs") or {}).get("scheduler") or None,
         "metrics_bind_address": doc.get("metricsBindAddress"),
         "healthz_bind_address": doc.get("healthzBindAddress"),
     }
@@ -144,6 +150,11 @@ def parser() -> argparse.ArgumentParser:
         dest="localhost_nodeports",
         type=lambda v: v.lower() in ("1", "true", "yes"),
         help="answer NodePorts on 127.0.0.1 (default true)",
+    )
+    p.add_argument(
+        "--ipvs-scheduler",
+        choices=IPVS_SCHEDULERS,
+        help="IPVS scheduler in ipvs mode (default rr)",
     )
     p.add_argument("--min-sync-period", help="minimum interval between syncs (default 1s)")
     p.add_argument("--sync-period", help="maximum interval between syncs (default 30s)")
@@ -203,6 +214,10 @@ def load(argv: list[str] | None = None) -> Config:
     config = Config(**values)
     if config.proxy_mode not in MODES:
         raise ConfigError(f"proxy mode {config.proxy_mode!r} is not supported (one of {MODES})")
+    if config.ipvs_scheduler not in IPVS_SCHEDULERS:
+        raise ConfigError(
+            f"IPVS scheduler {config.ipvs_scheduler!r} is not one of {IPVS_SCHEDULERS}"
+        )
     if not 0 <= config.masquerade_bit <= 31:
         raise ConfigError("--iptables-masquerade-bit must be within 0..31")
     if config.sync_period <= 0 or config.min_sync_period < 0:

@@ -22,11 +22,12 @@ from proxyd.config import Config, ConfigError, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
 from proxyd.iptables.chains import owned_by_kube_proxy
 from proxyd.iptables.kernel import Iptables
-from proxyd.iptables.proxier import IptablesProxier, ProxyOptions
+from proxyd.iptables.proxier import IptablesProxier
 from proxyd.metrics import Metrics
 from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
+from proxyd.proxier import Proxier, ProxyOptions
 from proxyd.runner import BoundedFrequencyRunner
 from proxyd.tracker import ClusterState
 
@@ -86,6 +87,11 @@ def _options(config: Config) -> ProxyOptions:
     )
 
 
+def make_proxier(config: Config, metrics: Metrics) -> Proxier:
+    """The datapath --proxy-mode names."""
+    return IptablesProxier(_options(config), FAMILIES, metrics)
+
+
 def _node_network(config: Config) -> NodeNetwork:
     options = NodeNetworkOptions(
         node_name=_node_name(config),
@@ -101,7 +107,7 @@ def cleanup(config: Config) -> None:
     """Remove the rules, routes and overlay device knit-proxyd installed."""
     from pyroute2 import IPRoute
 
-    chains = IptablesProxier(_options(config), FAMILIES, Metrics()).cleanup()
+    chains = sum(proxier.cleanup() for proxier in _all_proxiers(config))
     chains += sum(egress.remove() for egress in _node_network(config).egress)
     with IPRoute() as ipr:
         RouteTable(ipr).remove_all()
@@ -114,7 +120,7 @@ class Daemon:
         self.metrics = Metrics()
         self.health = ProxyHealth(timeout=2 * config.sync_period)
         self.health_servers = ServiceHealthServers(self.health)
-        self.proxier = IptablesProxier(_options(config), FAMILIES, self.metrics)
+        self.proxier = make_proxier(config, self.metrics)
         self.state = ClusterState(_node_name(config), on_change=self._queued)
         self.node_network = _node_network(config)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)

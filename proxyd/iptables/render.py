@@ -8,12 +8,11 @@ reads, so the same text adds (`-A`/`-I`) and deletes (`-D`) it.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 
 from proxyd.iptables import chains as ch
-from proxyd.model import Endpoint, NodeInfo, ServicePort
-from proxyd.topology import categorize
+from proxyd.model import Endpoint, ServicePort
+from proxyd.plan import FamilyContext, PortPlan
 
 NAT = "nat"
 FILTER = "filter"
@@ -32,35 +31,15 @@ SHARED_CHAINS: tuple[SharedKey, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class RenderContext:
-    family: int
-    node: NodeInfo
-    cluster_cidr: str = ""
-    """Pod CIDR of this family for detect-local; empty: no local detection."""
-    masquerade_all: bool = False
-    masquerade_mark: int = 0x4000
-    nodeport_addresses: tuple[str, ...] | None = None
-    """Node addresses NodePorts answer on; None: every local address."""
-    localhost_nodeports: bool = True
-
-    def of_family(self, address: str) -> bool:
-        """For addresses and CIDRs the model already validated."""
-        return (":" in address) == (self.family == 6)
-
-    @property
-    def mark(self) -> str:
-        return f"{self.masquerade_mark:#x}"
-
-    def nodeport_destinations(self) -> list[str]:
-        """Match arguments selecting the destinations NodePorts answer on."""
-        if self.nodeport_addresses is None:
-            if self.family == 6:
-                return ["-m addrtype --dst-type LOCAL ! -d ::1/128"]
-            if self.localhost_nodeports:
-                return ["-m addrtype --dst-type LOCAL"]
-            return ["-m addrtype --dst-type LOCAL ! -d 127.0.0.0/8"]
-        return [f"-d {address}" for address in self.nodeport_addresses]
+def nodeport_destinations(ctx: FamilyContext) -> list[str]:
+    """Match arguments selecting the destinations NodePorts answer on."""
+    if ctx.nodeport_addresses is not None:
+        return [f"-d {address}" for address in ctx.nodeport_addresses]
+    if ctx.family == 6:
+        return ["-m addrtype --dst-type LOCAL ! -d ::1/128"]
+    if ctx.localhost_nodeports:
+        return ["-m addrtype --dst-type LOCAL"]
+    return ["-m addrtype --dst-type LOCAL ! -d 127.0.0.0/8"]
 
 
 @dataclass(frozen=True)
@@ -71,10 +50,6 @@ class ServiceRules:
     """Its own nat chains, whole."""
     shared: dict[SharedKey, Rules] = field(default_factory=dict)
     """Its rules in chains every service shares; their order there does not matter."""
-    no_local_internal: bool = False
-    no_local_external: bool = False
-    local_endpoints: int = 0
-    reachable: tuple[Endpoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,38 +98,21 @@ def _endpoint_chain(port: ServicePort, endpoint: Endpoint, sep: str, proto: str)
     )
 
 
-def render_service(
-    port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: RenderContext
-) -> ServiceRules:
-    cluster_ip = next((ip for ip in port.cluster_ips if ctx.of_family(ip)), None)
-    if cluster_ip is None:
-        return ServiceRules()
-    endpoints = tuple(e for e in endpoints if ctx.of_family(e.ip))
-    external_ips = [ip for ip in port.external_ips if ctx.of_family(ip)]
-    lb_ips = [ip for ip in port.load_balancer_ips if ctx.of_family(ip)]
-    source_ranges = [cidr for cidr in port.source_ranges if ctx.of_family(cidr)]
-    categorized = categorize(port, endpoints, ctx.node)
+def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceRules:
+    port = plan.port
     chains = ch.ServiceChains(port.name)
     proto_name = port.protocol.lower()
     proto = f"-p {proto_name} -m {proto_name}"
     name = str(port.name)
 
-    has_endpoints = categorized.any_usable
-    uses_cluster_chain = bool(categorized.cluster) and port.uses_cluster_endpoints
-    uses_local_chain = bool(categorized.local) and port.uses_local_endpoints
+    uses_cluster_chain = bool(plan.cluster)
+    uses_local_chain = bool(plan.local)
     internal_chain = chains.local if port.internal_policy_local else chains.cluster
-    has_internal = has_endpoints and (not port.internal_policy_local or bool(categorized.local))
     external_policy_chain = chains.local if port.external_policy_local else chains.cluster
-    has_external = has_endpoints and (not port.external_policy_local or bool(categorized.local))
-    uses_external_chain = has_endpoints and port.externally_accessible
-    uses_firewall = has_endpoints and bool(lb_ips) and bool(port.source_ranges)
-    lb_chain = chains.firewall if uses_firewall else chains.external
-
-    if not has_endpoints:
-        internal_target = external_target = "REJECT"
-    else:
-        internal_target = "" if has_internal else "DROP"
-        external_target = "" if has_external else "DROP"
+    lb_chain = chains.firewall if plan.uses_firewall else chains.external
+    verdict = plan.no_endpoint_verdict.upper()
+    internal_target = "" if plan.has_internal else verdict
+    external_target = "" if plan.has_external else verdict
 
     shared: dict[SharedKey, list[str]] = {}
 
@@ -163,8 +121,10 @@ def render_service(
 
     own: dict[str, list[str]] = {}
 
-    cluster_match = f"{comment(f'{name} cluster IP')} {proto} -d {cluster_ip} --dport {port.port}"
-    if has_internal:
+    cluster_match = (
+        f"{comment(f'{name} cluster IP')} {proto} -d {plan.cluster_ip} --dport {port.port}"
+    )
+    if plan.has_internal:
         share(NAT, ch.SERVICES, f"{cluster_match} -j {internal_chain}")
         if ctx.masquerade_all:
             own.setdefault(internal_chain, []).append(f"{cluster_match} -j {ch.MARK_MASQ}")
@@ -175,28 +135,28 @@ def render_service(
     else:
         share(FILTER, ch.SERVICES, f"{cluster_match} -j {internal_target}")
 
-    for external_ip in external_ips:
+    for external_ip in plan.external_ips:
         match = f"{comment(f'{name} external IP')} {proto} -d {external_ip} --dport {port.port}"
-        if has_endpoints:
+        if plan.has_endpoints:
             share(NAT, ch.SERVICES, f"{match} -j {chains.external}")
         if external_target:
             share(FILTER, ch.EXTERNAL_SERVICES, f"{match} -j {external_target}")
 
-    for lb_ip in lb_ips:
+    for lb_ip in plan.load_balancer_ips:
         match = f"{comment(f'{name} loadbalancer IP')} {proto} -d {lb_ip} --dport {port.port}"
-        if has_endpoints:
+        if plan.has_endpoints:
             share(NAT, ch.SERVICES, f"{match} -j {lb_chain}")
-        if uses_firewall:
+        if plan.uses_firewall:
             share(FILTER, ch.PROXY_FIREWALL, f"{match} -j DROP")
         if external_target:
             share(FILTER, ch.EXTERNAL_SERVICES, f"{match} -j {external_target}")
 
     if port.node_port:
         match = f"{comment(name)} {proto} --dport {port.node_port}"
-        if has_endpoints:
+        if plan.has_endpoints:
             share(NAT, ch.NODEPORTS, f"{match} -j {chains.external}")
         if external_target:
-            for destination in ctx.nodeport_destinations():
+            for destination in nodeport_destinations(ctx):
                 share(FILTER, ch.EXTERNAL_SERVICES, f"{match} {destination} -j {external_target}")
 
     if port.health_check_node_port:
@@ -207,7 +167,7 @@ def render_service(
             f" --dport {port.health_check_node_port} -j ACCEPT",
         )
 
-    if uses_external_chain:
+    if plan.uses_external:
         rules = own.setdefault(chains.external, [])
         if not port.external_policy_local:
             what = f"masquerade traffic for {name} external destinations"
@@ -227,51 +187,35 @@ def render_service(
                     f"{comment(f'route LOCAL traffic for {name} external destinations')}"
                     f" -m addrtype --src-type LOCAL -j {chains.cluster}"
                 )
-        if has_external:
+        if plan.has_external:
             rules.append(f"-j {external_policy_chain}")
 
-    if uses_firewall:
+    if plan.uses_firewall:
         rules = own.setdefault(chains.firewall, [])
         match = comment(f"{name} loadbalancer IP")
-        for source in source_ranges:
+        for source in plan.firewall_sources:
             rules.append(f"{match} -s {source} -j {chains.external}")
-        node_networks = [ipaddress.ip_network(s) for s in source_ranges]
-        if any(
-            ipaddress.ip_address(a) in net
-            for a in ctx.node.addresses
-            if ctx.of_family(a)
-            for net in node_networks
-        ):
-            for lb_ip in lb_ips:
-                rules.append(f"{match} -s {lb_ip} -j {chains.external}")
 
-    seps = {endpoint: chains.endpoint(endpoint) for endpoint in categorized.reachable}
+    seps = {endpoint: chains.endpoint(endpoint) for endpoint in plan.reachable}
     if uses_cluster_chain:
-        own.setdefault(chains.cluster, []).extend(_endpoint_rules(port, categorized.cluster, seps))
+        own.setdefault(chains.cluster, []).extend(_endpoint_rules(port, plan.cluster, seps))
     if uses_local_chain:
-        own.setdefault(chains.local, []).extend(_endpoint_rules(port, categorized.local, seps))
+        own.setdefault(chains.local, []).extend(_endpoint_rules(port, plan.local, seps))
     for endpoint, sep in seps.items():
         own[sep] = list(_endpoint_chain(port, endpoint, sep, proto))
 
     return ServiceRules(
         chains={chain: tuple(rules) for chain, rules in own.items()},
         shared={key: tuple(rules) for key, rules in shared.items()},
-        no_local_internal=has_endpoints and port.internal_policy_local and not categorized.local,
-        no_local_external=has_endpoints
-        and port.external_policy_local
-        and port.externally_accessible
-        and not categorized.local,
-        local_endpoints=len(categorized.local),
-        reachable=categorized.reachable,
     )
 
 
-def render_base(ctx: RenderContext) -> BaseRules:
-    mark = ctx.mark
+def render_base(ctx: FamilyContext) -> BaseRules:
+    mark = f"{ctx.masquerade_mark:#x}"
     nodeport_jumps = tuple(
         f"{comment('knit service nodeports; NOTE: this must be the last rule in this chain')}"
         f" {destination} -j {ch.NODEPORTS}"
-        for destination in ctx.nodeport_destinations()
+        for destination in nodeport_destinations(ctx)
     )
     localnet = ctx.family == 4 and ctx.localhost_nodeports
     chains: dict[SharedKey, Rules] = {

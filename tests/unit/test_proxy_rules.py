@@ -5,19 +5,27 @@ from __future__ import annotations
 import dataclasses
 
 from proxyd.iptables.chains import ServiceChains, owned_by_knit, owned_by_kube_proxy
-from proxyd.iptables.render import RenderContext, render_base, render_service
+from proxyd.iptables.render import ServiceRules, render_base, render_service
 from proxyd.iptables.restore import RuleSet, batched_full_scripts, full_script, partial_script
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from proxyd.plan import FamilyContext, plan_port
 
 NODE = NodeInfo("node-a", addresses=("192.0.2.10",))
-CTX = RenderContext(family=4, node=NODE, cluster_cidr="10.244.0.0/16")
+CTX = FamilyContext(family=4, node=NODE, cluster_cidr="10.244.0.0/16")
 NAME = ServicePortName("ns", "web", "http", "TCP")
 PORT = ServicePort(name=NAME, cluster_ips=("10.96.0.10", "fd00::10"), port=80)
 READY = (Endpoint("10.244.1.5", 8080, node_name="node-a"), Endpoint("10.244.2.5", 8080))
 
 
-def rules_text(port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: RenderContext = CTX) -> str:
-    ruleset = RuleSet(render_base(ctx), {port.name: render_service(port, endpoints, ctx)})
+def rendered(
+    port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: FamilyContext = CTX
+) -> ServiceRules:
+    plan = plan_port(port, endpoints, ctx)
+    return render_service(plan, ctx) if plan is not None else ServiceRules()
+
+
+def rules_text(port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: FamilyContext = CTX) -> str:
+    ruleset = RuleSet(render_base(ctx), {port.name: rendered(port, endpoints, ctx)})
     return full_script(ruleset, {}).text()
 
 
@@ -82,12 +90,12 @@ def test_partial_script_touches_only_the_changed_service() -> None:
     old = RuleSet(
         base,
         {
-            NAME: render_service(PORT, READY, CTX),
-            other: render_service(other_port, READY, CTX),
+            NAME: rendered(PORT, READY, CTX),
+            other: rendered(other_port, READY, CTX),
         },
     )
     new = RuleSet(base, dict(old.services))
-    new.services[NAME] = render_service(PORT, READY[:1], CTX)
+    new.services[NAME] = rendered(PORT, READY[:1], CTX)
     text = partial_script(old, new, [NAME]).text()
     assert "10.96.0.11" not in text
     assert ServiceChains(NAME).endpoint(READY[1]) in text.split("-X ")[-1]
@@ -97,7 +105,7 @@ def test_partial_script_touches_only_the_changed_service() -> None:
 
 def test_removed_service_deletes_its_dispatch_rule_and_chains() -> None:
     base = render_base(CTX)
-    old = RuleSet(base, {NAME: render_service(PORT, READY, CTX)})
+    old = RuleSet(base, {NAME: rendered(PORT, READY, CTX)})
     text = partial_script(old, RuleSet(base), [NAME]).text()
     assert "-D KNIT-SERVICES" in text
     assert f"-X {ServiceChains(NAME).cluster}" in text
@@ -121,7 +129,7 @@ def test_batched_full_sync_switches_each_service_whole_and_dispatch_last() -> No
     for i in range(5):
         name = ServicePortName("ns", f"web-{i}", "http", "TCP")
         port = ServicePort(name=name, cluster_ips=(f"10.96.0.{i + 1}",), port=80)
-        ruleset.services[name] = render_service(port, READY, CTX)
+        ruleset.services[name] = rendered(port, READY, CTX)
     scripts = batched_full_scripts(ruleset, {"nat": {"KNIT-SERVICES", "KNIT-SVC-STALE"}}, 4)
     assert len(scripts) == 7, "base, one script per service (3 chains each), shared chains"
     first, *middle, last = (script.text() for script in scripts)

@@ -1,0 +1,201 @@
+"""What every datapath shares: which service ports changed, their plans per family, when a
+sync must be full, Local-policy and health-check bookkeeping, and UDP conntrack cleanup.
+
+A datapath subclasses Proxier and implements `_program` (write one family's changes to the
+kernel) and `cleanup`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from proxyd import conntrack
+from proxyd.addresses import local_addresses, nodeport_addresses
+from proxyd.metrics import Metrics
+from proxyd.model import NodeInfo, ServicePort, ServicePortName
+from proxyd.plan import FamilyContext, PortPlan, plan_port
+from proxyd.tracker import Changes, ServiceKey, ServiceView
+
+log = logging.getLogger(__name__)
+
+FULL_SYNC_PERIOD = 3600.0
+Plans = dict[ServicePortName, PortPlan]
+
+
+@dataclass(frozen=True)
+class ProxyOptions:
+    cluster_cidrs: tuple[str, ...] = ()
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    nodeport_addresses: tuple[str, ...] = ()
+    localhost_nodeports: bool = True
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    full: bool
+    health_checks: dict[int, tuple[str, str, int]]
+    """healthCheckNodePort -> (namespace, name, local endpoints)."""
+
+
+class ProgramError(RuntimeError):
+    """The kernel refused a sync's changes; the next sync of that family is full."""
+
+
+def _family_of(cidr: str) -> int:
+    return ipaddress.ip_network(cidr, strict=False).version
+
+
+class Proxier(ABC):
+    mode = ""
+
+    def __init__(self, options: ProxyOptions, families: tuple[int, ...], metrics: Metrics) -> None:
+        self.options = options
+        self.families = families
+        self.metrics = metrics
+        self._views: dict[ServiceKey, ServiceView] = {}
+        self._plans: dict[int, Plans] = {family: {} for family in families}
+        self._in_sync: dict[int, bool] = dict.fromkeys(families, False)
+        self._health_check_ports: dict[ServicePortName, ServicePort] = {}
+        self._placement: tuple[str, str, tuple[str, ...]] | None = None
+        self._no_local_internal: set[tuple[int, ServicePortName]] = set()
+        self._no_local_external: set[tuple[int, ServicePortName]] = set()
+        self._last_full = 0.0
+
+    @abstractmethod
+    def _program(
+        self, ctx: FamilyContext, plans: Plans, changed: set[ServicePortName], full: bool
+    ) -> bool:
+        """Make the kernel match `plans` (every port of ctx's family); only `changed` ports
+        differ from the last call unless `full`. Returns whether it wrote everything.
+        Raises ProgramError when the kernel refused."""
+
+    @abstractmethod
+    def cleanup(self) -> int:
+        """Remove everything this datapath installed; returns how many objects went."""
+
+    def context(self, family: int, node: NodeInfo) -> FamilyContext:
+        cidr = next((c for c in self.options.cluster_cidrs if _family_of(c) == family), "")
+        selected = None
+        if self.options.nodeport_addresses:
+            selected = nodeport_addresses(self.options.nodeport_addresses, family, node)
+        return FamilyContext(
+            family=family,
+            node=node,
+            cluster_cidr=cidr,
+            masquerade_all=self.options.masquerade_all,
+            masquerade_mark=1 << self.options.masquerade_bit,
+            nodeport_addresses=selected,
+            localhost_nodeports=self.options.localhost_nodeports,
+        )
+
+    def sync(self, changes: Changes) -> SyncResult:
+        """Program the changes; raises ProgramError when the kernel refused them."""
+        changed: set[ServicePortName] = set()
+        fresh: dict[ServicePortName, tuple[ServicePort, ServiceView]] = {}
+        for key, view in changes.services.items():
+            old = self._views.pop(key, None)
+            if old is not None:
+                changed.update(port.name for port in old.ports)
+            if view.ports:
+                self._views[key] = view
+            for port in view.ports:
+                fresh[port.name] = (port, view)
+        changed.update(fresh)
+        for name in changed:
+            self._health_check_ports.pop(name, None)
+        for name, (port, _) in fresh.items():
+            if port.health_check_node_port:
+                self._health_check_ports[name] = port
+        node = changes.node
+        full = (
+            node.name,
+            node.zone,
+            node.addresses,
+        ) != self._placement or time.monotonic() - self._last_full > FULL_SYNC_PERIOD
+        self._placement = (node.name, node.zone, node.addresses)
+        wrote_all = full
+        for family in self.families:
+            ctx = self.context(family, node)
+            family_full = full or not self._in_sync[family]
+            plans = self._plans[family]
+            if family_full:
+                plans = self._plan_all(ctx)
+                touched = set(plans) | {name for name in self._plans[family]}
+            else:
+                plans = dict(plans)
+                touched = changed
+                for name in changed:
+                    plans.pop(name, None)
+                for name, (port, view) in fresh.items():
+                    plan = plan_port(port, view.endpoints[port], ctx)
+                    if plan is not None:
+                        plans[name] = plan
+            self._in_sync[family] = False
+            try:
+                wrote_all = self._program(ctx, plans, touched, family_full) or wrote_all
+            except ProgramError:
+                self.metrics.restore_failures.inc()
+                if not family_full:
+                    self.metrics.partial_restore_failures.inc()
+                raise
+            self._in_sync[family] = True
+            self._plans[family] = plans
+            self._track_no_local(family, plans, touched)
+            udp = plans.values() if family_full else (plans[n] for n in fresh if n in plans)
+            self._clear_udp(family, [plan for plan in udp if plan.port.protocol == "UDP"])
+        if wrote_all:
+            self._last_full = time.monotonic()
+        return SyncResult(full=wrote_all, health_checks=self._health_checks())
+
+    def _plan_all(self, ctx: FamilyContext) -> Plans:
+        plans: Plans = {}
+        for view in self._views.values():
+            for port in view.ports:
+                plan = plan_port(port, view.endpoints[port], ctx)
+                if plan is not None:
+                    plans[port.name] = plan
+        return plans
+
+    def _clear_udp(self, family: int, plans: list[PortPlan]) -> None:
+        frontends = conntrack.UdpFrontends(family)
+        for plan in plans:
+            allowed = {(e.ip, e.port) for e in plan.reachable}
+            for ip in (plan.cluster_ip, *plan.external_ips, *plan.load_balancer_ips):
+                frontends.by_address[(ip, plan.port.port)] = allowed
+            if plan.port.node_port:
+                frontends.by_node_port[plan.port.node_port] = allowed
+        if frontends:
+            frontends.local_addresses = set(local_addresses(family))
+            deleted = conntrack.clear_stale(frontends)
+            if deleted:
+                log.info("deleted %d stale UDP conntrack entries (IPv%d)", deleted, family)
+
+    def _health_checks(self) -> dict[int, tuple[str, str, int]]:
+        wanted: dict[int, tuple[str, str, int]] = {}
+        for name, port in self._health_check_ports.items():
+            local = max(
+                (len(plans[name].local) for plans in self._plans.values() if name in plans),
+                default=0,
+            )
+            wanted[port.health_check_node_port] = (name.namespace, name.name, local)
+        return wanted
+
+    def _track_no_local(self, family: int, plans: Plans, names: set[ServicePortName]) -> None:
+        for name in names:
+            key = (family, name)
+            self._no_local_internal.discard(key)
+            self._no_local_external.discard(key)
+            plan = plans.get(name)
+            if plan is not None and plan.no_local_internal:
+                self._no_local_internal.add(key)
+            if plan is not None and plan.no_local_external:
+                self._no_local_external.add(key)
+
+    def no_local_endpoints(self) -> tuple[int, int]:
+        """(internal, external) counts of Local-policy service ports without local endpoints."""
+        return len(self._no_local_internal), len(self._no_local_external)
