@@ -18,12 +18,14 @@ from kubernetes import config as kubeconfig
 from cni import install, server, sysctl
 from cni.errors import CniError
 from proxyd import watch
-from proxyd.config import Config, ConfigError, load
+from proxyd.config import MODES, Config, ConfigError, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
 from proxyd.iptables.chains import owned_by_kube_proxy
 from proxyd.iptables.kernel import Iptables
 from proxyd.iptables.proxier import IptablesProxier
+from proxyd.ipvs.proxier import IpvsProxier
 from proxyd.metrics import Metrics
+from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
@@ -87,9 +89,14 @@ def _options(config: Config) -> ProxyOptions:
     )
 
 
-def make_proxier(config: Config, metrics: Metrics) -> Proxier:
-    """The datapath --proxy-mode names."""
-    return IptablesProxier(_options(config), FAMILIES, metrics)
+def make_proxier(mode: str, config: Config, metrics: Metrics) -> Proxier:
+    """The datapath of a --proxy-mode."""
+    options = _options(config)
+    if mode == "nftables":
+        return NftablesProxier(options, FAMILIES, metrics)
+    if mode == "ipvs":
+        return IpvsProxier(options, FAMILIES, metrics, config.ipvs_scheduler)
+    return IptablesProxier(options, FAMILIES, metrics)
 
 
 def _node_network(config: Config) -> NodeNetwork:
@@ -107,11 +114,11 @@ def cleanup(config: Config) -> None:
     """Remove the rules, routes and overlay device knit-proxyd installed."""
     from pyroute2 import IPRoute
 
-    chains = sum(proxier.cleanup() for proxier in _all_proxiers(config))
+    chains = sum(make_proxier(mode, config, Metrics()).cleanup() for mode in MODES)
     chains += sum(egress.remove() for egress in _node_network(config).egress)
     with IPRoute() as ipr:
         RouteTable(ipr).remove_all()
-    log.info("cleanup: removed %d chains and knit's routes", chains)
+    log.info("cleanup: removed %d chains/tables and knit's routes", chains)
 
 
 class Daemon:
@@ -120,7 +127,7 @@ class Daemon:
         self.metrics = Metrics()
         self.health = ProxyHealth(timeout=2 * config.sync_period)
         self.health_servers = ServiceHealthServers(self.health)
-        self.proxier = make_proxier(config, self.metrics)
+        self.proxier = make_proxier(config.proxy_mode, config, self.metrics)
         self.state = ClusterState(_node_name(config), on_change=self._queued)
         self.node_network = _node_network(config)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)

@@ -95,6 +95,11 @@ class Metrics:
             "Cumulative proxy iptables partial restore failures",
             registry=r,
         )
+        self.nftables_sync_failures = Counter(
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+            "Cumulative proxy nftables sync failures",
+            registry=r,
+        )
         self.no_local_endpoints = Gauge(
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints",

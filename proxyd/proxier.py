@@ -78,6 +78,12 @@ class Proxier(ABC):
     def cleanup(self) -> int:
         """Remove everything this datapath installed; returns how many objects went."""
 
+    def _count_failure(self, full: bool) -> None:
+        """kube-proxy's failure counters of the iptables-restore based modes."""
+        self.metrics.restore_failures.inc()
+        if not full:
+            self.metrics.partial_restore_failures.inc()
+
     def context(self, family: int, node: NodeInfo) -> FamilyContext:
         cidr = next((c for c in self.options.cluster_cidrs if _family_of(c) == family), "")
         selected = None
@@ -139,9 +145,7 @@ class Proxier(ABC):
             try:
                 wrote_all = self._program(ctx, plans, touched, family_full) or wrote_all
             except ProgramError:
-                self.metrics.restore_failures.inc()
-                if not family_full:
-                    self.metrics.partial_restore_failures.inc()
+                self._count_failure(family_full)
                 raise
             self._in_sync[family] = True
             self._plans[family] = plans

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
-
 from proxyd.model import Endpoint, ServicePortName
+from proxyd.naming import short_hash
 
 SERVICES = "KNIT-SERVICES"
 EXTERNAL_SERVICES = "KNIT-EXTERNAL-SERVICES"
@@ -62,21 +60,16 @@ def owned_by_kube_proxy(chain: str) -> bool:
     return chain in KUBE_PROXY_BASE_CHAINS or chain.startswith(KUBE_PROXY_CHAIN_PREFIXES)
 
 
-def _hash(text: str) -> str:
-    digest = hashlib.sha256(text.encode()).digest()
-    return base64.b32encode(digest).decode()[:16]
-
-
 class ServiceChains:
     """The per-service chain names of one service port."""
 
     def __init__(self, name: ServicePortName) -> None:
         self.name = name
-        suffix = _hash(f"{name}{name.protocol.lower()}")
+        suffix = short_hash(f"{name}{name.protocol.lower()}")
         self.cluster = f"KNIT-SVC-{suffix}"
         self.local = f"KNIT-SVL-{suffix}"
         self.external = f"KNIT-EXT-{suffix}"
         self.firewall = f"KNIT-FW-{suffix}"
 
     def endpoint(self, endpoint: Endpoint) -> str:
-        return f"KNIT-SEP-{_hash(f'{self.name}{self.name.protocol.lower()}{endpoint}')}"
+        return f"KNIT-SEP-{short_hash(f'{self.name}{self.name.protocol.lower()}{endpoint}')}"

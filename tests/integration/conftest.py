@@ -40,7 +40,14 @@ def module_netns() -> Iterator[Callable[[str], Netns]]:
 
 
 @pytest.fixture(scope="module")
+def proxy_mode() -> str:
+    """The datapath proxy_node runs; a module overrides it to run its tests in other modes."""
+    return "iptables"
+
+
+@pytest.fixture(scope="module")
 def proxy_node(
+    proxy_mode: str,
     control_plane: ControlPlane,
     kube_api: ApiClient,
     module_netns: Callable[[str], Netns],
@@ -60,6 +67,7 @@ def proxy_node(
         name,
         kubeconfig,
         tmp / "proxyd.log",
+        proxy_mode,
     )
     proxy.forward = forward
     proxy.start()

@@ -32,6 +32,7 @@ class ProxyNode:
     kubeconfig: Path
     log_path: Path
     conf: dict[str, Any]
+    mode: str = "iptables"
     process: subprocess.Popen[bytes] | None = None
     args: list[str] = field(default_factory=list)
     forward: Any = None
@@ -56,6 +57,8 @@ class ProxyNode:
             *node_paths(self.log_path.parent, self.node.data_dir),
             "--routing",
             "none",
+            "--proxy-mode",
+            self.mode,
             *extra,
         ]
         log = self.log_path.open("ab")
@@ -114,6 +117,15 @@ class ProxyNode:
         binary = "iptables-save" if family == 4 else "ip6tables-save"
         return self.ns.run(binary, "-t", table).stdout
 
+    def rules(self) -> str:
+        """Everything the datapath programmed, as its tools print it (both families)."""
+        if self.mode == "nftables":
+            return "".join(
+                self.ns.run("nft", "list", "table", family, "knit", check=False).stdout
+                for family in ("ip", "ip6")
+            )
+        return "".join(self.iptables(t, f) for t in ("nat", "filter") for f in (4, 6))
+
     def add_pod(self, container_id: str, *ports: tuple[int, str]) -> Pod:
         """A pod answering with its container id on each (port, proto), IPv4 and IPv6."""
         pod = self.node.add_pod(self.conf, container_id)
@@ -139,14 +151,14 @@ def node_paths(folder: Path, data_dir: Path, socket: str = "") -> list[str]:
 
 
 def setup_node(
-    node: Node, outside: Netns, name: str, kubeconfig: Path, log_path: Path
+    node: Node, outside: Netns, name: str, kubeconfig: Path, log_path: Path, mode: str = "iptables"
 ) -> ProxyNode:
     node.connect_outside(outside)
     node.ns.run("ip", "route", "add", "default", "via", UPLINK_OUTSIDE)
     for destination in (*SERVICE_CIDRS[:1], EXTERNAL_NET):
         outside.run("ip", "route", "add", destination, "via", UPLINK_NODE)
     conf = bridge_conf(node.data_dir, dual_stack=True, hairpinMode=True)
-    return ProxyNode(node, outside, name, kubeconfig, log_path, conf)
+    return ProxyNode(node, outside, name, kubeconfig, log_path, conf, mode)
 
 
 def node_object(name: str, zone: str = "zone-a") -> dict[str, Any]:

@@ -1,4 +1,7 @@
-"""Service behaviours through knit-proxyd's iptables mode, each shown by real packets.
+"""Service behaviours through every datapath of knit-proxyd, each shown by real packets.
+
+The whole module runs once per proxy mode (the `proxy_mode` fixture), so the modes cannot
+drift apart; IPVS runs only where the kernel has it (not on this development machine).
 
 One node namespace runs the daemon against the real API server; backend and client pods are
 attached to it through the CNI plugin; an outside namespace plays an external client. An
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,12 +53,54 @@ def create_backed(
     return service
 
 
+IPVS_IN_KERNEL = Path("/proc/net/ip_vs").exists()
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "iptables",
+        "nftables",
+        pytest.param(
+            "ipvs",
+            marks=pytest.mark.skipif(
+                not IPVS_IN_KERNEL,
+                reason="this kernel has no IPVS (CONFIG_IP_VS off); "
+                "the kind CI workflow runs this mode",
+            ),
+        ),
+    ],
+)
+def proxy_mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 def firewall_drops(proxy_node: ProxyNode, lb_ip: str) -> int:
-    """Packets the KNIT-PROXY-FIREWALL drop rule for lb_ip has counted."""
+    """Packets the loadBalancerSourceRanges firewall dropped on their way to lb_ip."""
+    if proxy_node.mode == "nftables":
+        listing = proxy_node.ns.run("nft", "list", "table", "ip", "knit").stdout
+        firewall_map = listing.split("map firewall-ips {", 1)[1]
+        chain = firewall_map.split(f"{lb_ip} . tcp . 80 : goto ", 1)[1].split()[0].rstrip(",}")
+        rules = listing.split(f"chain {chain} {{", 1)[1].split("\n\t}", 1)[0]
+        return int(rules.split("counter packets ", 1)[1].split()[0])
     listing = proxy_node.ns.run(
         "iptables", "-t", "filter", "-L", "KNIT-PROXY-FIREWALL", "-v", "-n", "-x"
     )
     return sum(int(line.split()[0]) for line in listing.stdout.splitlines() if lb_ip in line)
+
+
+def dnat_to(proxy_node: ProxyNode, proto: str, ip: str, port: int, target: str) -> bool:
+    """Whether the datapath sends (ip, proto, port) to target (ip:port)."""
+    rules = proxy_node.rules()
+    if proxy_node.mode == "nftables":
+        return f"{ip} . {proto} . {port}" in rules and f"{proto} dnat to {target}" in rules
+    lines = rules.splitlines()
+    return any(f"-d {ip}/32 -p {proto}" in line for line in lines) and any(
+        f"-p {proto}" in line and f"DNAT --to-destination {target}" in line for line in lines
+    )
+
+
+AFFINITY_SIGN = {"iptables": "--rcheck --seconds 5 --reap", "nftables": "timeout 5s"}
 
 
 def backends_seen(client: Any, host: str, port: int, tries: int, proto: str = "tcp") -> set[str]:
@@ -125,9 +171,7 @@ def test_sctp_service_rules_reach_the_kernel(
         ),
     )
     ip = svc["spec"]["clusterIP"]
-    eventually(lambda: f"-d {ip}/32 -p sctp" in proxy_node.iptables())
-    dnat = f"DNAT --to-destination {pods['a'].address()}:7777"
-    assert any("-p sctp" in line and dnat in line for line in proxy_node.iptables().splitlines())
+    eventually(lambda: dnat_to(proxy_node, "sctp", ip, 7777, f"{pods['a'].address()}:7777"))
 
 
 def test_named_ports_use_the_slice_port_of_the_same_name(
@@ -216,10 +260,10 @@ def test_external_ips_and_load_balancer_vips(
     outside = proxy_node.outside
     assert eventually(lambda: outside.exchange("203.0.113.10", 80))[1] == "backend-a"
     assert eventually(lambda: outside.exchange("203.0.113.20", 80))[1] == "backend-a"
-    eventually(lambda: "203.0.113.21" in proxy_node.iptables("filter"))
+    eventually(lambda: "203.0.113.21" in proxy_node.rules())
     assert not outside.reaches("203.0.113.21", 80), "source outside loadBalancerSourceRanges"
     assert firewall_drops(proxy_node, "203.0.113.21") > 0, "dropped by the firewall rule"
-    assert "203.0.113.22" not in proxy_node.iptables(), "ipMode Proxy gets no rule"
+    assert "203.0.113.22" not in proxy_node.rules(), "ipMode Proxy gets no rule"
 
 
 def test_external_traffic_policy_local(
@@ -290,7 +334,7 @@ def test_client_ip_affinity_sticks_until_its_timeout(
     client = pods["client"].ns
     first = eventually(lambda: client.exchange(ip, 80))[1]
     assert backends_seen(client, ip, 80, 12) == {first}
-    assert "--rcheck --seconds 5 --reap" in proxy_node.iptables()
+    assert AFFINITY_SIGN[proxy_node.mode] in proxy_node.rules()
 
 
 def test_terminating_endpoints_are_a_fallback(
@@ -434,14 +478,21 @@ def test_ignored_headless_and_external_name_services_get_no_rules(
             SLICES, slice_object(name, [endpoint(pods["a"].address(), proxy_node.name)], SLICE_HTTP)
         )
     marker = create_service(kube, "marker")
-    eventually(lambda: marker["spec"]["clusterIP"] in proxy_node.iptables("filter"))
-    rules = proxy_node.iptables() + proxy_node.iptables("filter")
+    eventually(lambda: marker["spec"]["clusterIP"] in proxy_node.rules())
+    rules = proxy_node.rules()
     assert other["spec"]["clusterIP"] not in rules
     assert "default/headless" not in rules and "default/extname" not in rules
 
 
 def test_metrics_health_and_proxy_mode(proxy_node: ProxyNode) -> None:
-    assert proxy_node.http("http://127.0.0.1:10249/proxyMode") == (200, "iptables")
+    assert proxy_node.http("http://127.0.0.1:10249/proxyMode") == (200, proxy_node.mode)
+    by_mode = {
+        "iptables": (
+            'kubeproxy_sync_proxy_rules_iptables_total{ip_family="IPv4",table="nat"}',
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+        ),
+        "nftables": ("kubeproxy_sync_proxy_rules_nftables_sync_failures_total",),
+    }
     for name in (
         "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
         "kubeproxy_sync_full_proxy_rules_duration_seconds_count",
@@ -450,8 +501,7 @@ def test_metrics_health_and_proxy_mode(proxy_node: ProxyNode) -> None:
         "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
         "kubeproxy_sync_proxy_rules_endpoint_changes_total",
         "kubeproxy_sync_proxy_rules_service_changes_pending",
-        'kubeproxy_sync_proxy_rules_iptables_total{ip_family="IPv4",table="nat"}',
-        "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+        *by_mode.get(proxy_node.mode, ()),
     ):
         assert name in proxy_node.http("http://127.0.0.1:10249/metrics")[1], name
     status, body = proxy_node.http("http://127.0.0.1:10256/healthz")

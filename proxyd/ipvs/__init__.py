@@ -1,0 +1,1 @@
+"""The IPVS datapath: virtual servers through netlink, ipsets, a few set-based iptables rules."""

@@ -1,0 +1,86 @@
+"""Thin layer over the dummy link knit-ipvs0 (pyroute2): IPVS answers only for local
+addresses, so every cluster, external and load balancer IP is bound to it (as a /32 or
+/128, IPv6 without duplicate address detection); the link is up so IPv6 addresses work."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD
+
+from proxyd.ipvs.names import DUMMY
+
+FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
+
+
+def _index(ipr: IPRoute) -> int | None:
+    found = ipr.link_lookup(ifname=DUMMY)
+    return found[0] if found else None
+
+
+def ensure() -> None:
+    """Create the link (up) unless it exists."""
+    with IPRoute() as ipr:
+        index = _index(ipr)
+        if index is None:
+            ipr.link("add", ifname=DUMMY, kind="dummy")
+            index = _index(ipr)
+        ipr.link("set", index=index, state="up")
+
+
+def addresses(family: int) -> set[str]:
+    """The link's addresses of the family; empty when the link does not exist."""
+    with IPRoute() as ipr:
+        index = _index(ipr)
+        if index is None:
+            return set()
+        return {
+            msg.get("IFA_ADDRESS")
+            for msg in ipr.get_addr(family=FAMILIES[family], index=index)
+            if not msg.get("IFA_ADDRESS", "").startswith("fe80:")
+        }
+
+
+def node_addresses(family: int) -> set[str]:
+    """The family's addresses of every other link."""
+    with IPRoute() as ipr:
+        index = _index(ipr)
+        return {
+            msg.get("IFA_ADDRESS")
+            for msg in ipr.get_addr(family=FAMILIES[family])
+            if msg["index"] != index
+        }
+
+
+def _prefix(address: str) -> int:
+    return 128 if ":" in address else 32
+
+
+def bind(added: set[str], removed: set[str]) -> None:
+    """Add and remove addresses; adding one twice or removing a missing one is no error."""
+    with IPRoute() as ipr:
+        index = _index(ipr)
+        for address in sorted(removed):
+            try:
+                ipr.addr("del", index=index, address=address, prefixlen=_prefix(address))
+            except NetlinkError as err:
+                if err.code != errno.EADDRNOTAVAIL:
+                    raise
+        for address in sorted(added):
+            flags = IFA_F_NODAD if ":" in address else 0
+            ipr.addr(
+                "replace", index=index, address=address, prefixlen=_prefix(address), flags=flags
+            )
+
+
+def delete() -> bool:
+    """Remove the link (and so its addresses); False when there was none."""
+    with IPRoute() as ipr:
+        index = _index(ipr)
+        if index is None:
+            return False
+        ipr.link("del", index=index)
+        return True

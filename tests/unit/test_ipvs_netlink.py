@@ -1,0 +1,284 @@
+"""The IPVS netlink messages knit builds, and the virtual/real server diff with graceful
+removal, against a fake IPVS that reads every request as the kernel would: encoded by
+pyroute2's message classes to bytes and decoded again (this machine's kernel has no IPVS)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+from typing import Any
+
+import pytest
+from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.generic import ipvs as genl
+
+from proxyd.ipvs.netlink import IpvsKernel, dest_request, service_request
+from proxyd.ipvs.plan import Frontend, RealServer, VirtualServer
+from proxyd.ipvs.servers import ServerSync
+
+COMMANDS = {
+    ("service", "add"): genl.IPVS_CMD_NEW_SERVICE,
+    ("service", "set"): genl.IPVS_CMD_SET_SERVICE,
+    ("service", "del"): genl.IPVS_CMD_DEL_SERVICE,
+    ("service", "get"): genl.IPVS_CMD_GET_SERVICE,
+    ("service", "dump"): genl.IPVS_CMD_GET_SERVICE,
+    ("dest", "add"): genl.IPVS_CMD_NEW_DEST,
+    ("dest", "set"): genl.IPVS_CMD_SET_DEST,
+    ("dest", "del"): genl.IPVS_CMD_DEL_DEST,
+    ("dest", "dump"): genl.IPVS_CMD_GET_DEST,
+}
+
+
+def wire(cmd: int, attrs: list[tuple[str, Any]]) -> genl.ipvsmsg:
+    """The message as bytes on the socket, decoded again."""
+    msg = genl.ipvsmsg()
+    msg["cmd"] = cmd
+    msg["version"] = genl.GENL_VERSION
+    msg["attrs"] = attrs
+    msg.encode()
+    decoded = genl.ipvsmsg(msg.data)
+    decoded.decode()
+    return decoded
+
+
+def attrs_of(nla: Any) -> dict[str, Any]:
+    return {name: value for name, value in nla["attrs"]}
+
+
+def nested(values: dict[str, Any]) -> dict[str, Any]:
+    return {"attrs": list(values.items())}
+
+
+def key_of(svc: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(svc[f"IPVS_SVC_ATTR_{k}"] for k in ("AF", "ADDR", "PROTOCOL", "PORT"))
+
+
+class FakeIpvs:
+    """Kernel-like IPVS tables behind pyroute2.IPVS's two methods."""
+
+    def __init__(self) -> None:
+        self.services: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.dests: dict[tuple[Any, ...], dict[tuple[str, int], dict[str, Any]]] = {}
+        self.connections: dict[tuple[str, int], tuple[int, int]] = {}
+        self.log: list[tuple[str, str, genl.ipvsmsg]] = []
+
+    def writes(self) -> list[tuple[str, str]]:
+        return [(what, cmd) for what, cmd, _ in self.log if cmd not in ("get", "dump")]
+
+    def service(self, command: str, service: Any = None) -> Any:
+        attrs = [] if service is None else [("IPVS_CMD_ATTR_SERVICE", service.dump_nla())]
+        msg = wire(COMMANDS[("service", command)], attrs)
+        self.log.append(("service", command, msg))
+        if command == "dump":
+            return [self._reply(svc) for svc in self.services.values()]
+        svc = attrs_of(msg.get("IPVS_CMD_ATTR_SERVICE"))
+        key = key_of(svc)
+        if command == "add":
+            self.services[key] = svc
+            self.dests[key] = {}
+        elif command == "set":
+            self.services[key].update(svc)
+        elif command == "del":
+            del self.services[key], self.dests[key]
+        elif key not in self.services:
+            raise NetlinkError(errno.ESRCH)
+        else:
+            return [self._reply(self.services[key])]
+        return []
+
+    def _reply(self, svc: dict[str, Any]) -> genl.ipvsmsg:
+        return wire(
+            genl.IPVS_CMD_NEW_SERVICE, [("IPVS_CMD_ATTR_SERVICE", {"attrs": list(svc.items())})]
+        )
+
+    def dest(self, command: str, service: Any, dest: Any = None) -> Any:
+        attrs = [("IPVS_CMD_ATTR_SERVICE", service.dump_key())]
+        if dest is not None:
+            attrs.append(("IPVS_CMD_ATTR_DEST", dest.dump_nla()))
+        msg = wire(COMMANDS[("dest", command)], attrs)
+        self.log.append(("dest", command, msg))
+        dests = self.dests.get(key_of(attrs_of(msg.get("IPVS_CMD_ATTR_SERVICE"))), {})
+        if command == "dump":
+            replies = []
+            for (ip, port), values in dests.items():
+                active, inactive = self.connections.get((ip, port), (0, 0))
+                values = {
+                    **values,
+                    "IPVS_DEST_ATTR_ACTIVE_CONNS": active,
+                    "IPVS_DEST_ATTR_INACT_CONNS": inactive,
+                }
+                replies.append(
+                    wire(
+                        genl.IPVS_CMD_NEW_DEST,
+                        [("IPVS_CMD_ATTR_DEST", {"attrs": list(values.items())})],
+                    )
+                )
+            return replies
+        real = attrs_of(msg.get("IPVS_CMD_ATTR_DEST"))
+        rkey = (real["IPVS_DEST_ATTR_ADDR"], real["IPVS_DEST_ATTR_PORT"])
+        if command == "del":
+            del dests[rkey]
+        else:
+            dests.setdefault(rkey, {}).update(real)
+        return []
+
+    def weights(self, address: str, port: int, protocol: int = 6) -> dict[tuple[str, int], int]:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        dests = self.dests[(family, address, protocol, port)]
+        return {rkey: d["IPVS_DEST_ATTR_WEIGHT"] for rkey, d in dests.items()}
+
+    def close(self) -> None:
+        pass
+
+
+CLUSTER = Frontend("10.96.0.10", "TCP", 80)
+A = RealServer("10.244.1.5", 8080)
+B = RealServer("10.244.2.5", 8080)
+
+
+def vs(frontend: Frontend, *reals: RealServer, scheduler: str = "rr", timeout: int = 0):
+    return VirtualServer(frontend, scheduler, timeout, frozenset(reals))
+
+
+def test_service_message_carries_scheduler_persistence_and_netmask() -> None:
+    msg = wire(
+        genl.IPVS_CMD_NEW_SERVICE,
+        [("IPVS_CMD_ATTR_SERVICE", service_request(vs(CLUSTER, timeout=30)).dump_nla())],
+    )
+    svc = attrs_of(msg.get("IPVS_CMD_ATTR_SERVICE"))
+    assert svc["IPVS_SVC_ATTR_AF"] == socket.AF_INET
+    assert svc["IPVS_SVC_ATTR_ADDR"] == "10.96.0.10"
+    assert svc["IPVS_SVC_ATTR_PORT"] == 80
+    assert svc["IPVS_SVC_ATTR_PROTOCOL"] == socket.IPPROTO_TCP
+    assert svc["IPVS_SVC_ATTR_SCHED_NAME"] == "rr"
+    assert svc["IPVS_SVC_ATTR_TIMEOUT"] == 30
+    assert svc["IPVS_SVC_ATTR_FLAGS"]["flags"] == 1
+    assert svc["IPVS_SVC_ATTR_NETMASK"] == "255.255.255.255"
+    plain = service_request(vs(CLUSTER, scheduler="sh")).dump_nla()
+    assert attrs_of(plain)["IPVS_SVC_ATTR_FLAGS"]["flags"] == 0
+    assert attrs_of(plain)["IPVS_SVC_ATTR_SCHED_NAME"] == "sh"
+
+
+def test_ipv6_sctp_service_sends_the_prefix_length_as_the_kernel_reads_it() -> None:
+    frontend = Frontend("fd00::10", "SCTP", 80)
+    raw = service_request(vs(frontend)).dump_nla()
+    msg = wire(genl.IPVS_CMD_NEW_SERVICE, [("IPVS_CMD_ATTR_SERVICE", raw)])
+    svc = attrs_of(msg.get("IPVS_CMD_ATTR_SERVICE"))
+    assert svc["IPVS_SVC_ATTR_AF"] == socket.AF_INET6
+    assert svc["IPVS_SVC_ATTR_ADDR"] == "fd00::10"
+    assert svc["IPVS_SVC_ATTR_PROTOCOL"] == 132
+    assert struct.unpack("=I", socket.inet_aton(svc["IPVS_SVC_ATTR_NETMASK"]))[0] == 128
+
+
+def test_real_server_message_uses_masquerading_and_the_weight() -> None:
+    for real, family in ((A, socket.AF_INET), (RealServer("fd10::5", 8080), socket.AF_INET6)):
+        msg = wire(
+            genl.IPVS_CMD_NEW_DEST, [("IPVS_CMD_ATTR_DEST", dest_request(real, 1).dump_nla())]
+        )
+        dest = attrs_of(msg.get("IPVS_CMD_ATTR_DEST"))
+        assert dest["IPVS_DEST_ATTR_ADDR"] == real.ip
+        assert dest["IPVS_DEST_ATTR_ADDR_FAMILY"] == family
+        assert dest["IPVS_DEST_ATTR_PORT"] == 8080
+        assert dest["IPVS_DEST_ATTR_FWD_METHOD"] == 0, "NAT (masquerading), not direct routing"
+        assert dest["IPVS_DEST_ATTR_WEIGHT"] == 1
+
+
+def test_kernel_reads_back_what_it_wrote() -> None:
+    fake = FakeIpvs()
+    kernel = IpvsKernel(fake)
+    kernel.add_service(vs(CLUSTER, timeout=60))
+    kernel.add_dest(CLUSTER, A, 1)
+    services = kernel.services(4)
+    assert services[CLUSTER].scheduler == "rr" and services[CLUSTER].timeout == 60
+    assert kernel.services(6) == {}
+    assert kernel.service(CLUSTER) == services[CLUSTER]
+    assert kernel.service(Frontend("10.96.0.11", "TCP", 80)) is None
+    fake.connections[("10.244.1.5", 8080)] = (2, 1)
+    info = kernel.dests(CLUSTER)[A]
+    assert (info.weight, info.active, info.inactive) == (1, 2, 1)
+
+
+def test_sync_adds_then_changes_only_what_differs() -> None:
+    fake = FakeIpvs()
+    sync = ServerSync(IpvsKernel(fake), 4)
+    wanted = {CLUSTER: vs(CLUSTER, A, B)}
+    sync.apply(wanted, wanted.get, full=True)
+    assert fake.writes() == [("service", "add"), ("dest", "add"), ("dest", "add")]
+    assert fake.weights("10.96.0.10", 80) == {("10.244.1.5", 8080): 1, ("10.244.2.5", 8080): 1}
+    fake.log.clear()
+    sync.apply(wanted, wanted.get, full=False)
+    assert fake.writes() == []
+    wanted = {CLUSTER: vs(CLUSTER, A, B, scheduler="lc")}
+    sync.apply(wanted, wanted.get, full=False)
+    assert fake.writes() == [("service", "set")]
+
+
+def test_removed_tcp_real_server_drains_at_weight_zero_then_goes() -> None:
+    fake = FakeIpvs()
+    sync = ServerSync(IpvsKernel(fake), 4)
+    wanted = {CLUSTER: vs(CLUSTER, A, B)}
+    sync.apply(wanted, wanted.get, full=True)
+    fake.connections[("10.244.2.5", 8080)] = (1, 0)
+    wanted = {CLUSTER: vs(CLUSTER, A)}
+    sync.apply(wanted, wanted.get, full=False)
+    assert fake.weights("10.96.0.10", 80) == {("10.244.1.5", 8080): 1, ("10.244.2.5", 8080): 0}
+    sync.apply((), wanted.get, full=False)
+    assert ("10.244.2.5", 8080) in fake.weights("10.96.0.10", 80), "still has a connection"
+    fake.connections[("10.244.2.5", 8080)] = (0, 1)
+    sync.apply((), wanted.get, full=False)
+    assert ("10.244.2.5", 8080) in fake.weights("10.96.0.10", 80), "inactive ones count too"
+    fake.connections[("10.244.2.5", 8080)] = (0, 0)
+    fake.log.clear()
+    sync.apply((), wanted.get, full=False)
+    assert fake.weights("10.96.0.10", 80) == {("10.244.1.5", 8080): 1}
+    assert fake.writes() == [("dest", "del")]
+    assert not sync.terminating
+
+
+def test_a_draining_real_server_that_comes_back_gets_its_weight_again() -> None:
+    fake = FakeIpvs()
+    sync = ServerSync(IpvsKernel(fake), 4)
+    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER, A, B)}.get, full=True)
+    fake.connections[("10.244.2.5", 8080)] = (3, 0)
+    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER, A)}.get, full=False)
+    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER, A, B)}.get, full=False)
+    assert fake.weights("10.96.0.10", 80)[("10.244.2.5", 8080)] == 1
+    assert not sync.terminating
+
+
+def test_idle_tcp_and_any_udp_real_server_go_at_once() -> None:
+    fake = FakeIpvs()
+    sync = ServerSync(IpvsKernel(fake), 4)
+    udp = Frontend("10.96.0.10", "UDP", 53)
+    sync.apply({CLUSTER, udp}, {CLUSTER: vs(CLUSTER, A, B), udp: vs(udp, A, B)}.get, full=True)
+    fake.connections[("10.244.1.5", 8080)] = (5, 5)
+    sync.apply({CLUSTER, udp}, {CLUSTER: vs(CLUSTER, B), udp: vs(udp, B)}.get, full=False)
+    assert fake.weights("10.96.0.10", 53, socket.IPPROTO_UDP) == {("10.244.2.5", 8080): 1}
+    assert fake.weights("10.96.0.10", 80)[("10.244.1.5", 8080)] == 0
+    fake.connections.clear()
+    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER)}.get, full=False)
+    assert fake.weights("10.96.0.10", 80) == {}
+
+
+def test_unwanted_virtual_servers_are_deleted_whole() -> None:
+    fake = FakeIpvs()
+    sync = ServerSync(IpvsKernel(fake), 4)
+    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER, A)}.get, full=True)
+    fake.connections[("10.244.1.5", 8080)] = (1, 0)
+    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER)}.get, full=False)
+    assert sync.terminating
+    sync.apply({CLUSTER}, {}.get, full=True)
+    assert fake.services == {} and not sync.terminating
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_services_of_the_other_family_are_left_alone(family: int) -> None:
+    fake = FakeIpvs()
+    sync = ServerSync(IpvsKernel(fake), family)
+    v4, v6 = CLUSTER, Frontend("fd00::10", "TCP", 80)
+    IpvsKernel(fake).add_service(vs(v4))
+    IpvsKernel(fake).add_service(vs(v6))
+    mine = v4 if family == 4 else v6
+    sync.apply({mine}, {}.get, full=True)
+    assert len(fake.services) == 1
