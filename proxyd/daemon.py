@@ -182,6 +182,7 @@ class Daemon:
 
     def run(self) -> None:
         self._set_sysctls()
+        self._remove_other_modes()
         cni_server = self._prepare_cni()
         api = _api_client(self.config)
         serve_metrics(self.config.metrics_bind_address, self.metrics, self.proxier.mode)
@@ -213,6 +214,14 @@ class Daemon:
         self.health_servers.close()
         if cni_server is not None:
             cni_server.close()
+
+    def _remove_other_modes(self) -> None:
+        """What another --proxy-mode left on this node would shadow or fight ours."""
+        for mode in MODES:
+            if mode != self.proxier.mode:
+                removed = make_proxier(mode, self.config, Metrics()).cleanup()
+                if removed:
+                    log.info("removed %d objects the %s mode left behind", removed, mode)
 
     def _set_sysctls(self) -> None:
         if self.config.localhost_nodeports:

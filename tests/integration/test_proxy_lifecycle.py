@@ -149,3 +149,33 @@ def test_the_node_iptables_flavour_is_followed(
             proxy.stop()
     finally:
         forward.stop()
+
+
+def test_switching_to_nftables_and_back_replaces_the_rules_and_adopts_the_table(
+    proxy_node: ProxyNode, backend: Any, kube: Kube
+) -> None:
+    ip = make_service(kube, proxy_node, backend, "switch")
+    gone = make_service(kube, proxy_node, backend, "switch-gone")
+    client = proxy_node.add_pod("switch-client")
+    eventually(lambda: client.ns.exchange(ip, 80))
+    try:
+        proxy_node.stop()
+        proxy_node.mode = "nftables"
+        proxy_node.start()
+        assert "KNIT-SERVICES" not in proxy_node.iptables(), "the iptables mode's rules went"
+        assert f"{gone} . tcp . 80" in proxy_node.rules()
+        assert client.ns.exchange(ip, 80)[1] == "backend"
+        proxy_node.stop()
+        kube.delete(f"{SERVICES}/switch-gone")
+        proxy_node.start()
+        rules = proxy_node.rules()
+        assert f"{ip} . tcp . 80" in rules
+        assert "default/switch-gone" not in rules, "a restart's full sync removes stale chains"
+        assert client.ns.exchange(ip, 80)[1] == "backend"
+    finally:
+        proxy_node.stop()
+        proxy_node.mode = "iptables"
+        proxy_node.start()
+    assert proxy_node.ns.run("nft", "list", "table", "ip", "knit", check=False).returncode != 0
+    assert f"-d {ip}/32" in proxy_node.iptables()
+    assert client.ns.exchange(ip, 80)[1] == "backend"
