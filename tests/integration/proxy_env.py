@@ -20,6 +20,16 @@ EXTERNAL_NET = "203.0.113.0/24"
 CLUSTER_CIDRS = "10.244.0.0/16,fd10:244::/32"
 REMOTE_NODE = "node-elsewhere"
 T = TypeVar("T")
+IPVS_LISTING = (
+    sys.executable,
+    "-c",
+    "from proxyd.ipvs.netlink import IpvsKernel, open_socket\n"
+    "kernel = IpvsKernel(open_socket())\n"
+    "for family in (4, 6):\n"
+    "    for f, info in kernel.services(family).items():\n"
+    "        print(f'ipvs {f.address} {f.protocol} {f.port} timeout={info.timeout}')\n",
+)
+"""Prints the kernel's IPVS virtual servers (there is no ipvsadm in the test tools)."""
 
 
 @dataclass
@@ -124,7 +134,10 @@ class ProxyNode:
                 self.ns.run("nft", "list", "table", family, "knit", check=False).stdout
                 for family in ("ip", "ip6")
             )
-        return "".join(self.iptables(t, f) for t in ("nat", "filter") for f in (4, 6))
+        rules = "".join(self.iptables(t, f) for t in ("nat", "filter") for f in (4, 6))
+        if self.mode == "ipvs":
+            rules += self.ns.run("ipset", "save").stdout + self.ns.run(*IPVS_LISTING).stdout
+        return rules
 
     def add_pod(self, container_id: str, *ports: tuple[int, str]) -> Pod:
         """A pod answering with its container id on each (port, proto), IPv4 and IPv6."""

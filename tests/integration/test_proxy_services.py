@@ -83,6 +83,11 @@ def firewall_drops(proxy_node: ProxyNode, lb_ip: str) -> int:
         chain = firewall_map.split(f"{lb_ip} . tcp . 80 : goto ", 1)[1].split()[0].rstrip(",}")
         rules = listing.split(f"chain {chain} {{", 1)[1].split("\n\t}", 1)[0]
         return int(rules.split("counter packets ", 1)[1].split()[0])
+    if proxy_node.mode == "ipvs":
+        listing = proxy_node.ns.run(
+            "iptables", "-t", "filter", "-L", "KNIT-IPVS-SOURCE-RANGES", "-v", "-n", "-x"
+        )
+        return sum(int(line.split()[0]) for line in listing.stdout.splitlines() if "DROP" in line)
     listing = proxy_node.ns.run(
         "iptables", "-t", "filter", "-L", "KNIT-PROXY-FIREWALL", "-v", "-n", "-x"
     )
@@ -94,13 +99,19 @@ def dnat_to(proxy_node: ProxyNode, proto: str, ip: str, port: int, target: str) 
     rules = proxy_node.rules()
     if proxy_node.mode == "nftables":
         return f"{ip} . {proto} . {port}" in rules and f"{proto} dnat to {target}" in rules
+    if proxy_node.mode == "ipvs":
+        return f"ipvs {ip} {proto} {port} ".lower() in rules.lower()
     lines = rules.splitlines()
     return any(f"-d {ip}/32 -p {proto}" in line for line in lines) and any(
         f"-p {proto}" in line and f"DNAT --to-destination {target}" in line for line in lines
     )
 
 
-AFFINITY_SIGN = {"iptables": "--rcheck --seconds 5 --reap", "nftables": "timeout 5s"}
+AFFINITY_SIGN = {
+    "iptables": "--rcheck --seconds 5 --reap",
+    "nftables": "timeout 5s",
+    "ipvs": "timeout=5",
+}
 
 
 def backends_seen(client: Any, host: str, port: int, tries: int, proto: str = "tcp") -> set[str]:
