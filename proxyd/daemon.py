@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from proxyd.iptables.kernel import Iptables
 from proxyd.iptables.proxier import IptablesProxier
 from proxyd.ipvs.proxier import IpvsProxier
 from proxyd.metrics import Metrics
+from proxyd.nftables.kernel import Nft
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
@@ -53,15 +53,7 @@ def _write_sysctl(name: str, value: str) -> None:
 
 def remove_kube_proxy_nft_tables() -> int:
     """Delete the tables kube-proxy's nftables mode owns; returns how many existed."""
-    removed = 0
-    for family in ("ip", "ip6"):
-        proc = subprocess.run(
-            ["nft", "delete", "table", family, KUBE_PROXY_NFT_TABLE],
-            capture_output=True,
-            check=False,
-        )
-        removed += proc.returncode == 0
-    return removed
+    return sum(Nft(family, KUBE_PROXY_NFT_TABLE).delete_table() for family in FAMILIES)
 
 
 def _api_client(config: Config) -> client.ApiClient:

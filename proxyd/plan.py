@@ -32,11 +32,6 @@ class FamilyContext:
         """For addresses and CIDRs the model already validated."""
         return (":" in address) == (self.family == 6)
 
-    @property
-    def localhost_nodeports_apply(self) -> bool:
-        """NodePorts answer on 127.0.0.1 (IPv4 only, and only with every local address)."""
-        return self.family == 4 and self.localhost_nodeports and self.nodeport_addresses is None
-
 
 @dataclass(frozen=True)
 class PortPlan:

@@ -118,12 +118,9 @@ class Proxier(ABC):
             if port.health_check_node_port:
                 self._health_check_ports[name] = port
         node = changes.node
-        full = (
-            node.name,
-            node.zone,
-            node.addresses,
-        ) != self._placement or time.monotonic() - self._last_full > FULL_SYNC_PERIOD
-        self._placement = (node.name, node.zone, node.addresses)
+        placement = (node.name, node.zone, node.addresses)
+        full = placement != self._placement or time.monotonic() - self._last_full > FULL_SYNC_PERIOD
+        self._placement = placement
         wrote_all = full
         for family in self.families:
             ctx = self.context(family, node)
@@ -131,9 +128,8 @@ class Proxier(ABC):
             plans = self._plans[family]
             if family_full:
                 plans = self._plan_all(ctx)
-                touched = set(plans) | {name for name in self._plans[family]}
+                touched = set(plans) | set(self._plans[family])
             else:
-                plans = dict(plans)
                 touched = changed
                 for name in changed:
                     plans.pop(name, None)
@@ -141,6 +137,8 @@ class Proxier(ABC):
                     plan = plan_port(port, view.endpoints[port], ctx)
                     if plan is not None:
                         plans[name] = plan
+            # Until written: a failed sync leaves these plans ahead of the kernel, and the
+            # family's next sync is full, planned afresh.
             self._in_sync[family] = False
             try:
                 wrote_all = self._program(ctx, plans, touched, family_full) or wrote_all

@@ -55,7 +55,6 @@ class IptablesProxier(Proxier):
         family = ctx.family
         base = render_base(ctx)
         old = self._written[family]
-        self._written[family] = None
         full = full or old is None or old.base != base
         kernel = self.kernel[family]
         if full:

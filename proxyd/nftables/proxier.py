@@ -27,7 +27,6 @@ class NftablesProxier(Proxier):
         kernel = self.kernel[family]
         base = render_base(ctx)
         old = self._written[family]
-        self._written[family] = None
         full = full or old is None or old.base != base
         try:
             if full:

@@ -83,14 +83,12 @@ class ServiceNames:
         self.external = f"external-{self._hash}-{self._base}"
         self.firewall = f"firewall-{self._hash}-{self._base}"
 
-    def _endpoint_suffix(self, endpoint: Endpoint, salt: str = "") -> str:
-        ip = endpoint.ip.replace(":", ".")
-        digest = short_hash(f"{self._base}{endpoint}{salt}", 8)
-        return f"{digest}-{self._base}__{ip}/{endpoint.port}"
-
     def affinity(self, endpoint: Endpoint, timeout: int) -> str:
-        """Named after the timeout too: a new timeout makes a new set."""
-        return f"affinity-{self._endpoint_suffix(endpoint, f'/{timeout}')}"
+        """The endpoint's affinity set, named after the timeout too: a new timeout makes a
+        new set (nft names take no ':', so IPv6 colons become dots)."""
+        digest = short_hash(f"{self._base}{endpoint}/{timeout}", 8)
+        ip = endpoint.ip.replace(":", ".")
+        return f"affinity-{digest}-{self._base}__{ip}/{endpoint.port}"
 
 
 def _dnat_target(endpoint: Endpoint) -> str:
@@ -157,12 +155,14 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
     else:
         element(NO_ENDPOINT_SERVICES, cluster_key, no_endpoints)
 
-    for ip in (*plan.external_ips, *plan.load_balancer_ips):
-        key = f"{ip} . {proto} . {port.port}"
+    def external_frontend(dispatch: str, unreachable: str, key: str) -> None:
         if plan.has_endpoints:
-            element(SERVICE_IPS, key, f"goto {names.external}")
+            element(dispatch, key, f"goto {names.external}")
         if not plan.has_external:
-            element(NO_ENDPOINT_EXTERNAL, key, no_endpoints)
+            element(unreachable, key, no_endpoints)
+
+    for ip in (*plan.external_ips, *plan.load_balancer_ips):
+        external_frontend(SERVICE_IPS, NO_ENDPOINT_EXTERNAL, f"{ip} . {proto} . {port.port}")
     if plan.uses_firewall:
         for ip in plan.load_balancer_ips:
             element(FIREWALL_IPS, f"{ip} . {proto} . {port.port}", f"goto {names.firewall}")
@@ -171,11 +171,7 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
         chains[names.firewall] = [f"{allowed}counter drop"]
 
     if port.node_port:
-        key = f"{proto} . {port.node_port}"
-        if plan.has_endpoints:
-            element(SERVICE_NODEPORTS, key, f"goto {names.external}")
-        if not plan.has_external:
-            element(NO_ENDPOINT_NODEPORTS, key, no_endpoints)
+        external_frontend(SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS, f"{proto} . {port.node_port}")
 
     if plan.uses_external:
         rules = chains.setdefault(names.external, [])

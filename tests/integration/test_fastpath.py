@@ -59,11 +59,11 @@ class Daemon:
         lines = self.log.read_text().splitlines() if self.log.exists() else []
         return [line.split()[1] for line in lines if line.startswith("CNI ")]
 
-    def served_exactly(self, verbs: list[str]) -> bool:
-        """Whether the log comes to list exactly these verbs (in any order): the daemon logs
-        a call after answering it, so the last line may trail the caller by a moment."""
+    def wait_served(self, verbs: list[str]) -> None:
+        """Wait (5 s at most, else TimeoutError) until the log lists exactly these verbs in
+        some order: the daemon logs a call after answering it, so its line may trail."""
         wanted = sorted(verbs)
-        return bool(eventually(lambda: sorted(self.served()) == wanted, 5, "the daemon's log"))
+        eventually(lambda: sorted(self.served()) == wanted, 5, f"the daemon's log lists {wanted}")
 
     def stop(self) -> None:
         assert self.proc.stdin is not None
@@ -158,8 +158,8 @@ def test_libcni_gets_the_same_answers_from_both_paths(
     result = answers["fast"][0]
     assert result["interfaces"][2]["mac"] == POD_MAC
     assert result["ips"][0]["address"] == f"{POD_IP}/24"
-    assert daemon.served_exactly(["ADD", "CHECK", "DEL"]), "only the fast path's calls reached it"
-    assert daemon.served() == ["ADD", "CHECK", "DEL"]
+    daemon.wait_served(["ADD", "CHECK", "DEL"])
+    assert daemon.served() == ["ADD", "CHECK", "DEL"], "only the fast path's calls reached it"
 
 
 def test_answers_are_byte_identical(node, make_netns, tmp_path, launchers, daemon):
@@ -183,7 +183,7 @@ def test_answers_are_byte_identical(node, make_netns, tmp_path, launchers, daemo
     assert outputs["fast"] == outputs["in-process"]
     assert outputs["fast"][1:] == [(0, b""), (0, b"")]
     assert node.leftovers() == {}
-    assert daemon.served_exactly(["ADD", "CHECK", "DEL"])
+    daemon.wait_served(["ADD", "CHECK", "DEL"])
     assert daemon.served() == ["ADD", "CHECK", "DEL"]
 
 
@@ -213,7 +213,7 @@ def test_errors_are_byte_identical(node, make_netns, tmp_path, launchers, daemon
         assert answers["fast"] == answers["in-process"]
         code, output = answers["fast"]
         assert code == 1 and json.loads(output)["code"] == expected, output
-    assert daemon.served_exactly(["ADD"] * len(cases))
+    daemon.wait_served(["ADD"] * len(cases))
     assert node.leftovers() == {}
 
 
@@ -236,7 +236,7 @@ def test_a_delegated_ipam_plugin_gets_the_calls_own_variables(
         assert owner == f"{name}\r\neth0".encode(), "the reference host-local saw CNI_CONTAINERID"
         assert raw_call(node, launcher, "DEL", stdin, **env) == (0, b"")
         assert node.leftovers() == {}
-    assert daemon.served_exactly(["ADD", "DEL"])
+    daemon.wait_served(["ADD", "DEL"])
     assert daemon.served() == ["ADD", "DEL"]
 
 
@@ -273,7 +273,7 @@ def test_32_concurrent_adds_through_the_daemon(node, make_netns, launchers, daem
     with ThreadPoolExecutor(max_workers=32) as pool:
         assert all(code == 0 for code, _ in pool.map(lambda i: call("DEL", i), range(32)))
     assert node.leftovers() == {}
-    assert daemon.served_exactly(["ADD"] * 32 + ["DEL"] * 32)
+    daemon.wait_served(["ADD"] * 32 + ["DEL"] * 32)
 
 
 def test_a_daemon_gone_mid_call_gives_an_error_and_nothing_is_redone(node, make_netns, tmp_path):

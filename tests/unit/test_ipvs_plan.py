@@ -15,23 +15,19 @@ from proxyd.ipvs.plan import (
     port_state,
 )
 from proxyd.ipvs.rules import render, script
-from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
-from proxyd.plan import FamilyContext, plan_port
+from proxyd.model import Endpoint, ServicePort, ServicePortName
+from proxyd.plan import FamilyContext
+from tests.unit.example_service import CTX, CTX6, NAME, PORT, planned
 
-NODE = NodeInfo("node-a", addresses=("192.0.2.10",))
-CTX = FamilyContext(family=4, node=NODE, cluster_cidr="10.244.0.0/16")
-CTX6 = dataclasses.replace(CTX, family=6, cluster_cidr="fd10::/48")
-NAME = ServicePortName("ns", "web", "http", "TCP")
-PORT = ServicePort(name=NAME, cluster_ips=("10.96.0.10", "fd00::10"), port=80)
 LOCAL = Endpoint("10.244.1.5", 8080, node_name="node-a")
 REMOTE = Endpoint("10.244.2.5", 8080, node_name="node-b")
 NODE_ADDRESSES = ("192.0.2.10", "198.51.100.10")
 
 
-def state(port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: FamilyContext = CTX):
-    plan = plan_port(port, endpoints, ctx)
-    assert plan is not None
-    return port_state(plan, ctx, "rr", NODE_ADDRESSES)
+def state(
+    port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: FamilyContext = CTX
+) -> PortState:
+    return port_state(planned(port, endpoints, ctx), ctx, "rr", NODE_ADDRESSES)
 
 
 def servers(s: PortState) -> dict[Frontend, set[RealServer]]:

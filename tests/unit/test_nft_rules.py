@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.nftables.render import ServiceNames, ServiceObjects, render_base, render_service
 from proxyd.nftables.transaction import TableState, full_transaction, partial_transaction
-from proxyd.plan import FamilyContext, plan_port
-
-NODE = NodeInfo("node-a", addresses=("192.0.2.10",))
-CTX = FamilyContext(family=4, node=NODE, cluster_cidr="10.244.0.0/16")
-NAME = ServicePortName("ns", "web", "http", "TCP")
-PORT = ServicePort(name=NAME, cluster_ips=("10.96.0.10", "fd00::10"), port=80)
-READY = (Endpoint("10.244.1.5", 8080, node_name="node-a"), Endpoint("10.244.2.5", 8080))
+from proxyd.plan import FamilyContext
+from tests.unit.example_service import CTX, CTX6, NAME, PORT, READY, planned
 
 
 def objects(
     port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: FamilyContext = CTX
 ) -> ServiceObjects:
-    plan = plan_port(port, endpoints, ctx)
-    assert plan is not None
-    return render_service(plan, ctx)
+    return render_service(planned(port, endpoints, ctx), ctx)
 
 
 def state(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> TableState:
@@ -88,12 +81,11 @@ def test_load_balancer_source_ranges_guard_the_vip() -> None:
 
 
 def test_ipv6_uses_its_own_keywords_and_names_without_colons() -> None:
-    ctx6 = dataclasses.replace(CTX, family=6, cluster_cidr="fd10::/48")
-    rendered = objects(PORT, (Endpoint("fd10::5", 8080),), ctx6)
+    rendered = objects(PORT, (Endpoint("fd10::5", 8080),), CTX6)
     chain = ServiceNames(NAME).cluster
     assert rendered.chains[chain][-1] == "meta l4proto tcp dnat to [fd10::5]:8080"
     assert all(":" not in name for name in rendered.chains)
-    assert render_base(ctx6).maps["service-ips"].startswith("{ type ipv6_addr")
+    assert render_base(CTX6).maps["service-ips"].startswith("{ type ipv6_addr")
 
 
 def test_a_changed_endpoint_rewrites_only_its_service() -> None:

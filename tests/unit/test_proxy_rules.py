@@ -7,14 +7,9 @@ import dataclasses
 from proxyd.iptables.chains import ServiceChains, owned_by_knit, owned_by_kube_proxy
 from proxyd.iptables.render import ServiceRules, render_base, render_service
 from proxyd.iptables.restore import RuleSet, batched_full_scripts, full_script, partial_script
-from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.plan import FamilyContext, plan_port
-
-NODE = NodeInfo("node-a", addresses=("192.0.2.10",))
-CTX = FamilyContext(family=4, node=NODE, cluster_cidr="10.244.0.0/16")
-NAME = ServicePortName("ns", "web", "http", "TCP")
-PORT = ServicePort(name=NAME, cluster_ips=("10.96.0.10", "fd00::10"), port=80)
-READY = (Endpoint("10.244.1.5", 8080, node_name="node-a"), Endpoint("10.244.2.5", 8080))
+from tests.unit.example_service import CTX, NAME, PORT, READY
 
 
 def rendered(
