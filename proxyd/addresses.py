@@ -9,11 +9,21 @@ from pyroute2 import IPRoute
 
 from proxyd.model import NodeInfo
 
+ADDRESS_FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
 
-def local_addresses(family: int) -> list[str]:
-    af = socket.AF_INET if family == 4 else socket.AF_INET6
+
+def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]:
+    """The family's addresses of every link (but `exclude_ifname`'s)."""
     with IPRoute() as ipr:
-        return sorted({msg.get("IFA_ADDRESS") for msg in ipr.get_addr(family=af)} - {None})
+        excluded = ipr.link_lookup(ifname=exclude_ifname) if exclude_ifname else []
+        return sorted(
+            {
+                msg.get("IFA_ADDRESS")
+                for msg in ipr.get_addr(family=ADDRESS_FAMILIES[family])
+                if msg["index"] not in excluded
+            }
+            - {None}
+        )
 
 
 def nodeport_addresses(selectors: tuple[str, ...], family: int, node: NodeInfo) -> tuple[str, ...]:

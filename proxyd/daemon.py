@@ -22,6 +22,7 @@ from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve
 from proxyd.iptables.chains import owned_by_kube_proxy
 from proxyd.iptables.kernel import Iptables
 from proxyd.iptables.proxier import IptablesProxier
+from proxyd.ipvs import netlink as ipvs_netlink
 from proxyd.ipvs.proxier import IpvsProxier
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft
@@ -223,6 +224,10 @@ class Daemon:
                 _write_sysctl(name, "1")
         if self.config.routing != "none":
             for name in SYSCTLS_FOR_ROUTING:
+                _write_sysctl(name, "1")
+        if self.config.proxy_mode == "ipvs":
+            ipvs_netlink.load_module()
+            for name in ipvs_netlink.SYSCTLS:
                 _write_sysctl(name, "1")
 
     def _prepare_cni(self) -> server.CniServer | None:

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from kubernetes.client import ApiClient
 from kubernetes.config import new_client_from_config
 
+from cni import netns as cni_netns
 from deploy.lab.controlplane import ControlPlane, ControlPlaneError, start
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +62,16 @@ class Netns:
             timeout=timeout,
             text=not isinstance(stdin, bytes),
         )
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the block with this thread inside the namespace."""
+        fd = cni_netns.open_netns(self.path)
+        try:
+            with cni_netns.entered(fd):
+                yield
+        finally:
+            os.close(fd)
 
     def ip(self, *args: str) -> str:
         return self.run("ip", *args).stdout

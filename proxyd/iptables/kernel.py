@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cni.firewall import detect_iptables_flavour
 from proxyd.iptables.render import TABLES
+from proxyd.iptables.restore import RuleSet, Script, full_scripts
 
 BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
 JUMP = re.compile(r"(?:^| )-j (\S+)")
@@ -67,6 +68,31 @@ class Iptables:
                 if chain in BUILTIN_CHAINS:
                     jumps.add((chain, match.group(1)))
         return TableSnapshot(chains, jumps)
+
+    def write(self, scripts: Iterable[Script]) -> None:
+        """Restore each script that has something to do, in order."""
+        for script in scripts:
+            if not script.empty():
+                self.restore(script.text())
+
+    def write_full(
+        self,
+        ruleset: RuleSet,
+        owned: Callable[[str], bool],
+        chains_per_script: int | None = None,
+    ) -> list[Script]:
+        """Snapshot the owned chains and the hooks in place, then write the rule set whole,
+        remove stale owned chains and add the missing hooks (restore.full_scripts); returns
+        the scripts written."""
+        snapshots = {table: self.snapshot(table, owned) for table in TABLES}
+        scripts = full_scripts(
+            ruleset,
+            {table: snapshot.chains for table, snapshot in snapshots.items()},
+            {table: snapshot.jumps for table, snapshot in snapshots.items()},
+            chains_per_script,
+        )
+        self.write(scripts)
+        return scripts
 
     def remove_owned(self, owned: Callable[[str], bool]) -> int:
         """Remove every jump into owned chains from built-in chains, then the chains.

@@ -5,19 +5,8 @@ from __future__ import annotations
 
 from proxyd.iptables.chains import owned_by_knit
 from proxyd.iptables.kernel import Iptables, RestoreError
-from proxyd.iptables.render import (
-    TABLES,
-    ServiceRules,
-    hook_target,
-    render_base,
-    render_service,
-)
-from proxyd.iptables.restore import (
-    RuleSet,
-    batched_full_scripts,
-    full_script,
-    partial_script,
-)
+from proxyd.iptables.render import TABLES, ServiceRules, render_base, render_service
+from proxyd.iptables.restore import RuleSet, partial_script
 from proxyd.metrics import Metrics
 from proxyd.model import ServicePortName
 from proxyd.plan import FamilyContext
@@ -57,40 +46,31 @@ class IptablesProxier(Proxier):
         old = self._written[family]
         full = full or old is None or old.base != base
         kernel = self.kernel[family]
-        if full:
-            new = RuleSet(base)
-            for name, plan in plans.items():
-                new.services[name] = render_service(plan, ctx)
-            snapshots = {t: kernel.snapshot(t, owned_by_knit) for t in TABLES}
-            existing = {t: snapshots[t].chains for t in TABLES}
-            if kernel.flavour == "nft":
-                scripts = batched_full_scripts(new, existing, NFT_CHAINS_PER_RESTORE)
-            else:
-                scripts = [full_script(new, existing)]
-            for table, chain, rule in reversed(base.hooks):
-                if (chain, hook_target(rule)) not in snapshots[table].jumps:
-                    scripts[-1].insert(table, chain, rule)
-            counts = {t: new.rule_count(t) for t in TABLES}
-        else:
-            assert old is not None
-            new = RuleSet(base, dict(old.services))
-            counts = dict(self._counts[family])
-            for name in changed:
-                before = new.services.pop(name, None)
-                if before is not None:
-                    for t in TABLES:
-                        counts[t] -= _rule_count(before, t)
-                plan = plans.get(name)
-                if plan is not None:
-                    rendered = render_service(plan, ctx)
-                    new.services[name] = rendered
-                    for t in TABLES:
-                        counts[t] += _rule_count(rendered, t)
-            scripts = [partial_script(old, new, changed)]
         try:
-            for script in scripts:
-                if not script.empty():
-                    kernel.restore(script.text())
+            if full:
+                new = RuleSet(base)
+                for name, plan in plans.items():
+                    new.services[name] = render_service(plan, ctx)
+                counts = {t: new.rule_count(t) for t in TABLES}
+                batch = NFT_CHAINS_PER_RESTORE if kernel.flavour == "nft" else None
+                scripts = kernel.write_full(new, owned_by_knit, batch)
+            else:
+                assert old is not None
+                new = RuleSet(base, dict(old.services))
+                counts = dict(self._counts[family])
+                for name in changed:
+                    before = new.services.pop(name, None)
+                    if before is not None:
+                        for t in TABLES:
+                            counts[t] -= _rule_count(before, t)
+                    plan = plans.get(name)
+                    if plan is not None:
+                        rendered = render_service(plan, ctx)
+                        new.services[name] = rendered
+                        for t in TABLES:
+                            counts[t] += _rule_count(rendered, t)
+                scripts = [partial_script(old, new, changed)]
+                kernel.write(scripts)
         except RestoreError as err:
             raise ProgramError(str(err)) from err
         self._written[family] = new

@@ -17,6 +17,7 @@ from proxyd.plan import FamilyContext, PortPlan
 NAT = "nat"
 FILTER = "filter"
 TABLES = (NAT, FILTER)
+NEW = "-m conntrack --ctstate NEW"
 
 Rules = tuple[str, ...]
 SharedKey = tuple[str, str]
@@ -210,8 +211,37 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceRules:
     )
 
 
+def _mark(ctx: FamilyContext) -> str:
+    return f"{ctx.masquerade_mark:#x}"
+
+
+def mark_masq_rules(ctx: FamilyContext) -> Rules:
+    """The masquerade-mark chain: traffic jumping there is masqueraded at postrouting."""
+    return (f"-j MARK --or-mark {_mark(ctx)}",)
+
+
+def postrouting_rules(ctx: FamilyContext) -> Rules:
+    """The postrouting chain's tail: masquerade marked traffic, clearing the mark."""
+    mark = _mark(ctx)
+    return (
+        f"-m mark ! --mark {mark}/{mark} -j RETURN",
+        f"-j MARK --xor-mark {mark}",
+        f"{comment('knit service traffic requiring SNAT')} -j MASQUERADE --random-fully",
+    )
+
+
+def forward_rules(ctx: FamilyContext) -> Rules:
+    """The forward chain: drop invalid packets, accept marked and established traffic."""
+    mark = _mark(ctx)
+    return (
+        "-m conntrack --ctstate INVALID -j DROP",
+        f"{comment('knit forwarding rules')} -m mark --mark {mark}/{mark} -j ACCEPT",
+        f"{comment('knit forwarding conntrack rule')}"
+        " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    )
+
+
 def render_base(ctx: FamilyContext) -> BaseRules:
-    mark = f"{ctx.masquerade_mark:#x}"
     nodeport_jumps = tuple(
         f"{comment('knit service nodeports; NOTE: this must be the last rule in this chain')}"
         f" {destination} -j {ch.NODEPORTS}"
@@ -221,55 +251,45 @@ def render_base(ctx: FamilyContext) -> BaseRules:
     chains: dict[SharedKey, Rules] = {
         (NAT, ch.SERVICES): nodeport_jumps,
         (NAT, ch.NODEPORTS): (),
-        (NAT, ch.MARK_MASQ): (f"-j MARK --or-mark {mark}",),
-        (NAT, ch.POSTROUTING): (
-            f"-m mark ! --mark {mark}/{mark} -j RETURN",
-            f"-j MARK --xor-mark {mark}",
-            f"{comment('knit service traffic requiring SNAT')} -j MASQUERADE --random-fully",
-        ),
+        (NAT, ch.MARK_MASQ): mark_masq_rules(ctx),
+        (NAT, ch.POSTROUTING): postrouting_rules(ctx),
         (FILTER, ch.SERVICES): (),
         (FILTER, ch.EXTERNAL_SERVICES): (),
         (FILTER, ch.NODEPORTS): (),
         (FILTER, ch.PROXY_FIREWALL): (),
-        (FILTER, ch.FORWARD): (
-            "-m conntrack --ctstate INVALID -j DROP",
-            f"{comment('knit forwarding rules')} -m mark --mark {mark}/{mark} -j ACCEPT",
-            f"{comment('knit forwarding conntrack rule')}"
-            " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
-        ),
+        (FILTER, ch.FORWARD): forward_rules(ctx),
     }
     if localnet:
         chains[(FILTER, ch.LOCALNET_FIREWALL)] = (
             f"{comment('block incoming localnet connections')} -d 127.0.0.0/8 ! -s 127.0.0.0/8"
             " -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP",
         )
-    new = "-m conntrack --ctstate NEW"
     hooks = [
-        (FILTER, "INPUT", f"{new} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}"),
+        (FILTER, "INPUT", f"{NEW} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}"),
         (FILTER, "INPUT", f"{comment('knit health check service ports')} -j {ch.NODEPORTS}"),
         (
             FILTER,
             "INPUT",
-            f"{new} {comment('knit externally-visible service portals')} -j {ch.EXTERNAL_SERVICES}",
+            f"{NEW} {comment('knit externally-visible service portals')} -j {ch.EXTERNAL_SERVICES}",
         ),
         (
             FILTER,
             "FORWARD",
-            f"{new} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}",
+            f"{NEW} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}",
         ),
         (FILTER, "FORWARD", f"{comment('knit forwarding rules')} -j {ch.FORWARD}"),
-        (FILTER, "FORWARD", f"{new} {comment('knit service portals')} -j {ch.SERVICES}"),
+        (FILTER, "FORWARD", f"{NEW} {comment('knit service portals')} -j {ch.SERVICES}"),
         (
             FILTER,
             "FORWARD",
-            f"{new} {comment('knit externally-visible service portals')} -j {ch.EXTERNAL_SERVICES}",
+            f"{NEW} {comment('knit externally-visible service portals')} -j {ch.EXTERNAL_SERVICES}",
         ),
         (
             FILTER,
             "OUTPUT",
-            f"{new} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}",
+            f"{NEW} {comment('knit load balancer firewall')} -j {ch.PROXY_FIREWALL}",
         ),
-        (FILTER, "OUTPUT", f"{new} {comment('knit service portals')} -j {ch.SERVICES}"),
+        (FILTER, "OUTPUT", f"{NEW} {comment('knit service portals')} -j {ch.SERVICES}"),
         (NAT, "PREROUTING", f"{comment('knit service portals')} -j {ch.SERVICES}"),
         (NAT, "OUTPUT", f"{comment('knit service portals')} -j {ch.SERVICES}"),
         (NAT, "POSTROUTING", f"{comment('knit postrouting rules')} -j {ch.POSTROUTING}"),

@@ -18,6 +18,7 @@ from proxyd.iptables.render import (
     Rules,
     ServiceRules,
     SharedKey,
+    hook_target,
 )
 from proxyd.model import ServicePortName
 
@@ -143,6 +144,26 @@ def batched_full_scripts(
         for chain in sorted(existing.get(table, set()) - wanted.keys()):
             last.remove_chain(table, chain)
     scripts.append(last)
+    return scripts
+
+
+def full_scripts(
+    ruleset: RuleSet,
+    existing: dict[str, set[str]],
+    jumps: dict[str, set[tuple[str, str]]],
+    chains_per_script: int | None = None,
+) -> list[Script]:
+    """A full sync: every owned chain written whole (in batches, see batched_full_scripts,
+    when chains_per_script is given), the `existing` owned chains not wanted removed, and the
+    base's hooks not yet in place (`jumps` per table: (built-in chain, target)) inserted at the
+    top of their built-in chains by the last script."""
+    if chains_per_script is None:
+        scripts = [full_script(ruleset, existing)]
+    else:
+        scripts = batched_full_scripts(ruleset, existing, chains_per_script)
+    for table, chain, rule in reversed(ruleset.base.hooks):
+        if (chain, hook_target(rule)) not in jumps.get(table, set()):
+            scripts[-1].insert(table, chain, rule)
     return scripts
 
 

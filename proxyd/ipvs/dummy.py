@@ -5,15 +5,13 @@ addresses, so every cluster, external and load balancer IP is bound to it (as a 
 from __future__ import annotations
 
 import errno
-import socket
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD
 
+from proxyd.addresses import ADDRESS_FAMILIES
 from proxyd.ipvs.names import DUMMY
-
-FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
 
 
 def _index(ipr: IPRoute) -> int | None:
@@ -39,19 +37,8 @@ def addresses(family: int) -> set[str]:
             return set()
         return {
             msg.get("IFA_ADDRESS")
-            for msg in ipr.get_addr(family=FAMILIES[family], index=index)
+            for msg in ipr.get_addr(family=ADDRESS_FAMILIES[family], index=index)
             if not msg.get("IFA_ADDRESS", "").startswith("fe80:")
-        }
-
-
-def node_addresses(family: int) -> set[str]:
-    """The family's addresses of every other link."""
-    with IPRoute() as ipr:
-        index = _index(ipr)
-        return {
-            msg.get("IFA_ADDRESS")
-            for msg in ipr.get_addr(family=FAMILIES[family])
-            if msg["index"] != index
         }
 
 
@@ -61,6 +48,8 @@ def _prefix(address: str) -> int:
 
 def bind(added: set[str], removed: set[str]) -> None:
     """Add and remove addresses; adding one twice or removing a missing one is no error."""
+    if not added and not removed:
+        return
     with IPRoute() as ipr:
         index = _index(ipr)
         for address in sorted(removed):

@@ -7,18 +7,18 @@ Members are the text `ipset` itself writes ("10.96.0.10,tcp:80", "30080").
 from __future__ import annotations
 
 import contextlib
-import socket
+from collections.abc import Iterable
 from typing import Any
 
-from pyroute2.ipset import IPSet, IPSetError, NoSuchObject, PortEntry
+from pyroute2.ipset import IPSet, NoSuchObject, PortEntry
 
+from proxyd.addresses import ADDRESS_FAMILIES
 from proxyd.ipvs import names
 from proxyd.ipvs.names import SetSpec
 from proxyd.ipvs.netlink import PROTOCOL_NUMBERS
 
 PROTOCOLS_BY_NAME = {name.lower(): number for name, number in PROTOCOL_NUMBERS.items()}
 MAX_ELEMENTS = 1 << 20
-FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
 
 
 def entry_of(spec: SetSpec, text: str) -> tuple[Any, str]:
@@ -39,7 +39,7 @@ def entry_of(spec: SetSpec, text: str) -> tuple[Any, str]:
 class Ipsets:
     def __init__(self, family: int) -> None:
         self.family = family
-        self.af = FAMILIES[family]
+        self.af = ADDRESS_FAMILIES[family]
 
     def _create(self, ipset: IPSet, name: str, spec: SetSpec) -> None:
         options: dict[str, Any] = {"family": self.af, "exclusive": False}
@@ -58,6 +58,8 @@ class Ipsets:
     def update(self, added: list[tuple[str, str]], removed: list[tuple[str, str]]) -> None:
         """Add and delete members ((set key, entry)); adding one twice or deleting a missing
         one is no error."""
+        if not added and not removed:
+            return
         with IPSet() as ipset:
             for key, text in removed:
                 spec = names.SETS_BY_KEY[key]
@@ -85,14 +87,23 @@ class Ipsets:
             ipset.swap(names.set_name(spec.key, self.family), scratch)
             ipset.destroy(scratch)
 
-    def contains(self, key: str, text: str) -> bool:
-        """Whether the set holds the member; False when the set does not exist."""
-        entry, etype = entry_of(names.SETS_BY_KEY[key], text)
+    def ports(self, keys: Iterable[str]) -> dict[str, set[int]]:
+        """The ports in each of the bitmap:port sets, read through one socket; none for a set
+        that does not exist."""
+        found: dict[str, set[int]] = {}
         with IPSet() as ipset:
-            try:
-                return bool(ipset.test(names.set_name(key, self.family), entry, self.af, etype))
-            except IPSetError:
-                return False
+            for key in keys:
+                try:
+                    messages = list(ipset.list(names.set_name(key, self.family)))
+                except NoSuchObject:
+                    messages = []
+                found[key] = {
+                    data.get_attr("IPSET_ATTR_PORT_FROM")
+                    for message in messages
+                    if (adt := message.get_attr("IPSET_ATTR_ADT")) is not None
+                    for data in adt.get_attrs("IPSET_ATTR_DATA")
+                }
+        return found
 
 
 def destroy_owned() -> int:

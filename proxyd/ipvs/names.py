@@ -42,7 +42,6 @@ LOAD_BALANCER_SET = SetSpec("LOAD-BALANCER", "hash:ip,port")
 LOAD_BALANCER_LOCAL = SetSpec("LOAD-BALANCER-LOCAL", "hash:ip,port")
 LOAD_BALANCER_FW = SetSpec("LOAD-BALANCER-FW", "hash:ip,port")
 SOURCE_CIDR = SetSpec("LOAD-BALANCER-SOURCE-CIDR", "hash:ip,port,net")
-SOURCE_IP = SetSpec("LOAD-BALANCER-SOURCE-IP", "hash:ip,port,ip")
 NODE_PORTS = {p: SetSpec(f"NODE-PORT-{p}", "bitmap:port") for p in PROTOCOLS}
 NODE_PORTS_LOCAL = {p: SetSpec(f"NODE-PORT-LOCAL-{p}", "bitmap:port") for p in PROTOCOLS}
 HEALTH_CHECK_NODE_PORT = SetSpec("HEALTH-CHECK-NODE-PORT", "bitmap:port")
@@ -59,7 +58,6 @@ SETS: tuple[SetSpec, ...] = (
     LOAD_BALANCER_LOCAL,
     LOAD_BALANCER_FW,
     SOURCE_CIDR,
-    SOURCE_IP,
     *NODE_PORTS.values(),
     *NODE_PORTS_LOCAL.values(),
     HEALTH_CHECK_NODE_PORT,

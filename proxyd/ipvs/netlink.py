@@ -1,5 +1,5 @@
 """Thin layer over IPVS's generic netlink family (pyroute2): read, add, change and delete
-virtual and real servers, and turn on the sysctls IPVS proxying needs.
+virtual and real servers.
 
 Real servers use NAT forwarding (masquerading), weight 1; ClientIP affinity is IPVS
 persistence with the affinity timeout and a full-length netmask.
@@ -7,29 +7,30 @@ persistence with the affinity timeout and a full-length netmask.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from pyroute2 import IPVS, IPVSDest, IPVSService
 from pyroute2.netlink.exceptions import NetlinkError
 
+from proxyd.addresses import ADDRESS_FAMILIES
 from proxyd.ipvs.plan import Frontend, RealServer, VirtualServer
 
 PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
 PROTOCOL_NAMES = {number: name for name, number in PROTOCOL_NUMBERS.items()}
 FLAG_PERSISTENT = 0x1
 FORWARD_MASQ = 0
-SYSCTLS = {
-    "net/ipv4/vs/conntrack": "1",
-    "net/ipv4/vs/expire_nodest_conn": "1",
-    "net/ipv4/vs/expire_quiescent_template": "1",
-}
-"""Let iptables masquerade IPVS traffic; drop connections of deleted real servers; let
-persistence templates of weight-0 real servers expire."""
+SYSCTLS = (
+    "net/ipv4/vs/conntrack",
+    "net/ipv4/vs/expire_nodest_conn",
+    "net/ipv4/vs/expire_quiescent_template",
+)
+"""Set to 1: let iptables masquerade IPVS traffic; drop connections of deleted real servers;
+let persistence templates of weight-0 real servers expire. They exist once ip_vs is loaded."""
 
 
 class IpvsUnavailable(RuntimeError):
@@ -71,15 +72,15 @@ def open_socket() -> IPVS:
         raise
 
 
-def enable_sysctls() -> None:
-    for key, value in SYSCTLS.items():
-        path = Path("/proc/sys") / key
-        if path.read_text().strip() != value:
-            path.write_text(value)
+def load_module() -> None:
+    """Ask for IPVS's generic netlink family once, which loads the ip_vs module (Linux 5.16
+    and later) and so creates the SYSCTLS; nothing happens without IPVS (syncs say so)."""
+    with contextlib.suppress(IpvsUnavailable, NetlinkError):
+        open_socket().close()
 
 
 def _family(address: str) -> int:
-    return socket.AF_INET6 if ":" in address else socket.AF_INET
+    return ADDRESS_FAMILIES[6 if ":" in address else 4]
 
 
 def _netmask(family: int) -> str:

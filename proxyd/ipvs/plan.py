@@ -1,17 +1,18 @@
 """Pure: the PortPlans of one family -> the IPVS state they need.
 
 Each service port becomes virtual servers (cluster IP, external IPs, LB IPs, and its NodePort
-on every node address) with their real servers, the addresses the dummy link must hold, and
-its ipset members as `ipset` writes them ("10.96.0.10,tcp:80"). `Desired` adds the ports up,
-counting owners, so a partial sync learns which members and addresses appear or go.
+on every node address) with their real servers, and its ipset members as `ipset` writes them
+("10.96.0.10,tcp:80"); the IPVS-IPS members are the addresses the dummy link must hold.
+`Desired` adds the ports up, counting owners, so a partial sync learns which members appear or
+go and which virtual servers change.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from proxyd.ipvs import names
 from proxyd.model import Endpoint, ServicePortName
@@ -48,9 +49,12 @@ class VirtualServer:
 @dataclass(frozen=True)
 class PortState:
     virtual_servers: tuple[VirtualServer, ...] = ()
-    addresses: frozenset[str] = frozenset()
-    """Bound to the dummy link."""
     members: frozenset[Member] = frozenset()
+
+
+def dummy_addresses(members: Iterable[Member]) -> set[str]:
+    """The addresses the dummy link holds for these members: their IPVS-IPS entries."""
+    return {entry for key, entry in members if key == names.IPVS_IPS.key}
 
 
 def nodeport_addresses(ctx: FamilyContext, local: Iterable[str]) -> tuple[str, ...]:
@@ -123,12 +127,9 @@ def port_state(
         if plan.uses_firewall:
             members.add((names.LOAD_BALANCER_FW.key, entry(ip)))
             members.update(
-                (names.SOURCE_CIDR.key, f"{entry(ip)},{_net(c)}") for c in plan.source_ranges
+                (names.SOURCE_CIDR.key, f"{entry(ip)},{_net(source)}")
+                for source in plan.firewall_sources
             )
-            if plan.node_in_source_ranges:
-                members.update(
-                    (names.SOURCE_IP.key, f"{entry(ip)},{lb}") for lb in plan.load_balancer_ips
-                )
         if not plan.has_external:
             members.add((verdict, entry(ip)))
     if port.node_port:
@@ -142,21 +143,25 @@ def port_state(
         members.add((names.HEALTH_CHECK_NODE_PORT.key, str(port.health_check_node_port)))
 
     members.update((names.LOOP_BACK.key, f"{e.ip},{lower}:{e.port},{e.ip}") for e in plan.reachable)
-    addresses = frozenset((plan.cluster_ip, *plan.external_ips, *plan.load_balancer_ips))
-    members.update((names.IPVS_IPS.key, address) for address in addresses)
-    return PortState(tuple(servers), addresses, frozenset(members))
+    members.update(
+        (names.IPVS_IPS.key, address)
+        for address in (plan.cluster_ip, *plan.external_ips, *plan.load_balancer_ips)
+    )
+    return PortState(tuple(servers), frozenset(members))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Delta:
-    """What a change of ports adds to and removes from the kernel's sets and dummy link."""
+    """What a change of ports adds to and removes from the kernel's sets, and the virtual
+    servers it changes."""
 
-    added_members: set[Member] = field(default_factory=set)
-    removed_members: set[Member] = field(default_factory=set)
-    added_addresses: set[str] = field(default_factory=set)
-    removed_addresses: set[str] = field(default_factory=set)
-    frontends: set[Frontend] = field(default_factory=set)
-    """Virtual servers whose wanted state may have changed."""
+    added_members: set[Member]
+    removed_members: set[Member]
+    servers: dict[Frontend, VirtualServer | None]
+    """The frontends whose wanted virtual server changed, with the one wanted before."""
+
+
+NO_STATE = PortState()
 
 
 class Desired:
@@ -165,44 +170,40 @@ class Desired:
     def __init__(self) -> None:
         self.ports: dict[ServicePortName, PortState] = {}
         self.members: Counter[Member] = Counter()
-        self.addresses: Counter[str] = Counter()
         self._claims: dict[Frontend, dict[ServicePortName, VirtualServer]] = {}
 
-    def set(self, name: ServicePortName, state: PortState | None) -> Delta:
-        """Replace the port's state (None: the port is gone)."""
-        delta = Delta()
-        old = self.ports.pop(name, PortState())
-        new = state or PortState()
-        if state is not None:
-            self.ports[name] = state
-        for member in old.members - new.members:
-            self.members[member] -= 1
-            if not self.members[member]:
-                del self.members[member]
-                delta.removed_members.add(member)
-        for member in new.members - old.members:
-            if not self.members[member]:
-                delta.added_members.add(member)
-            self.members[member] += 1
-        for address in old.addresses - new.addresses:
-            self.addresses[address] -= 1
-            if not self.addresses[address]:
-                del self.addresses[address]
-                delta.removed_addresses.add(address)
-        for address in new.addresses - old.addresses:
-            if not self.addresses[address]:
-                delta.added_addresses.add(address)
-            self.addresses[address] += 1
-        for server in old.virtual_servers:
-            claims = self._claims[server.frontend]
-            del claims[name]
-            if not claims:
-                del self._claims[server.frontend]
-            delta.frontends.add(server.frontend)
-        for server in new.virtual_servers:
-            self._claims.setdefault(server.frontend, {})[name] = server
-            delta.frontends.add(server.frontend)
-        return delta
+    def update(self, states: Mapping[ServicePortName, PortState | None]) -> Delta:
+        """Replace the ports' states (None: the port is gone); the delta is the net change
+        of them all."""
+        had: dict[Member, bool] = {}
+        before: dict[Frontend, VirtualServer | None] = {}
+        for name, state in states.items():
+            old = self.ports.pop(name, NO_STATE)
+            new = state or NO_STATE
+            if state is not None:
+                self.ports[name] = state
+            for member in old.members ^ new.members:
+                had.setdefault(member, member in self.members)
+            for server in (*old.virtual_servers, *new.virtual_servers):
+                before.setdefault(server.frontend, self.server(server.frontend))
+            for member in old.members - new.members:
+                self.members[member] -= 1
+                if not self.members[member]:
+                    del self.members[member]
+            for member in new.members - old.members:
+                self.members[member] += 1
+            for server in old.virtual_servers:
+                claims = self._claims[server.frontend]
+                del claims[name]
+                if not claims:
+                    del self._claims[server.frontend]
+            for server in new.virtual_servers:
+                self._claims.setdefault(server.frontend, {})[name] = server
+        return Delta(
+            added_members={m for m, present in had.items() if not present and m in self.members},
+            removed_members={m for m, present in had.items() if present and m not in self.members},
+            servers={f: vs for f, vs in before.items() if self.server(f) != vs},
+        )
 
     def server(self, frontend: Frontend) -> VirtualServer | None:
         """The wanted virtual server; when two ports claim one frontend, the first name's."""

@@ -9,9 +9,9 @@ A virtual server that is no longer wanted is deleted with its real servers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 
-from proxyd.ipvs.netlink import DestInfo, IpvsKernel
+from proxyd.ipvs.netlink import DestInfo, IpvsKernel, ServiceInfo
 from proxyd.ipvs.plan import Frontend, RealServer, VirtualServer
 
 WEIGHT = 1
@@ -32,20 +32,22 @@ class ServerSync:
 
     def apply(
         self,
-        frontends: Iterable[Frontend],
+        previous: Mapping[Frontend, VirtualServer | None],
         wanted: Callable[[Frontend], VirtualServer | None],
-        full: bool,
+        existing: Mapping[Frontend, ServiceInfo] | None = None,
     ) -> None:
-        """Program `frontends` (on a full sync: every wanted and every owned one), then delete
-        the terminating real servers of other frontends whose connections ended."""
-        todo = sorted(frontends)
-        if full:
-            existing = self.kernel.services(self.family)
-        else:
-            existing = {f: info for f in todo if (info := self.kernel.service(f)) is not None}
+        """Program the frontends of `previous` (on a full sync: every wanted and every owned
+        one), each with the virtual server wanted before (None: none, or not known), then
+        delete the terminating real servers of other frontends whose connections ended.
+
+        `existing` is the kernel's virtual servers of the family when the caller has read
+        them; else each frontend's is asked for. A virtual server's real servers are read only
+        when it may hold one no longer wanted: one was removed, or what was wanted is unknown.
+        """
+        todo = sorted(previous)
         for frontend in todo:
             server = wanted(frontend)
-            info = existing.get(frontend)
+            info = self.kernel.service(frontend) if existing is None else existing.get(frontend)
             if server is None:
                 self.terminating.pop(frontend, None)
                 if info is not None:
@@ -53,11 +55,31 @@ class ServerSync:
                 continue
             if info is None:
                 self.kernel.add_service(server)
-            elif (info.scheduler, info.timeout) != (server.scheduler, server.timeout):
+                self._real_servers(server, {})
+                continue
+            if (info.scheduler, info.timeout) != (server.scheduler, server.timeout):
                 self.kernel.set_service(server)
-            self._real_servers(server, {} if info is None else self.kernel.dests(frontend))
+            before = previous[frontend]
+            if before is None or before.real_servers - server.real_servers:
+                self._real_servers(server, self.kernel.dests(frontend))
+            else:
+                self._add_real_servers(server, server.real_servers - before.real_servers)
         for frontend in sorted(self.terminating.keys() - set(todo)):
             self._reap(frontend)
+
+    def _add_real_servers(self, server: VirtualServer, added: frozenset[RealServer]) -> None:
+        """Real servers new to a virtual server that lost none: a draining one gets its
+        weight back, the others are added."""
+        frontend = server.frontend
+        draining = self.terminating.pop(frontend, set())
+        for real in sorted(added):
+            if real in draining:
+                self.kernel.set_dest(frontend, real, WEIGHT)
+                draining.discard(real)
+            else:
+                self.kernel.add_dest(frontend, real, WEIGHT)
+        if draining:
+            self.terminating[frontend] = draining
 
     def _real_servers(self, server: VirtualServer, dests: dict[RealServer, DestInfo]) -> None:
         frontend = server.frontend

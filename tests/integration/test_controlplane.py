@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import ssl
 import subprocess
@@ -13,7 +12,6 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes.config import new_client_from_config
 
-from cni.netns import entered, open_netns
 from deploy.lab.controlplane import PROCESSES, SERVICE_CIDRS, NetnsForward
 from tests.conftest import CONTROLPLANE_BIN, ROOT, Netns, unique_name
 
@@ -103,12 +101,8 @@ def test_dual_stack_node_port_service_and_its_endpoint_slice(kube_api):
 
 
 def _connect_inside(node: Netns, port: int) -> socket.socket:
-    fd = open_netns(node.path)
-    try:
-        with entered(fd):
-            return socket.create_connection(("127.0.0.1", port), timeout=5)
-    finally:
-        os.close(fd)
+    with node.entered():
+        return socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
 def test_netns_forward_reaches_the_apiserver_from_a_node_namespace(

@@ -14,19 +14,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import pytest
 
-from cni.netns import entered, open_netns
 from proxyd.iptables.kernel import Iptables
+from proxyd.iptables.restore import RuleSet
 from proxyd.ipvs import dummy, names
 from proxyd.ipvs import proxier as ipvs_proxier
 from proxyd.ipvs.ipsets import Ipsets
 from proxyd.ipvs.netlink import IpvsKernel, IpvsUnavailable, open_socket
 from proxyd.ipvs.plan import Frontend, RealServer
 from proxyd.ipvs.proxier import IpvsProxier
-from proxyd.ipvs.rules import render, script
+from proxyd.ipvs.rules import render
 from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from proxyd.plan import FamilyContext, plan_port
@@ -45,16 +44,6 @@ PORT = ServicePort(name=NAME, cluster_ips=("10.96.0.10",), port=80, node_port=30
 POD = Endpoint("10.244.1.5", 8080, node_name="node-a")
 
 
-@contextmanager
-def inside(ns: Netns) -> Iterator[None]:
-    fd = open_netns(ns.path)
-    try:
-        with entered(fd):
-            yield
-    finally:
-        os.close(fd)
-
-
 def ipset_save(ns: Netns) -> str:
     return ns.run("ipset", "save").stdout
 
@@ -66,7 +55,7 @@ def members(saved: str, name: str) -> set[str]:
 
 def test_sets_are_created_filled_and_swapped(make_netns: Callable[[str], Netns]) -> None:
     ns = make_netns("ipvs")
-    with inside(ns):
+    with ns.entered():
         for family in (4, 6):
             Ipsets(family).ensure()
         sets = Ipsets(4)
@@ -83,8 +72,11 @@ def test_sets_are_created_filled_and_swapped(make_netns: Callable[[str], Netns])
         sets.update([("CLUSTER-IP", "10.96.0.11,tcp:80")], [("CLUSTER-IP", "10.96.0.10,tcp:80")])
         sets.update([], [("CLUSTER-IP", "10.96.0.99,tcp:80")])
         Ipsets(6).replace(names.CLUSTER_IP, ["fd00::10,tcp:80", "fd00::11,udp:53"])
-        assert sets.contains("NODE-PORT-TCP", "30080")
-        assert not sets.contains("NODE-PORT-UDP", "30080")
+        assert sets.ports(["NODE-PORT-TCP", "NODE-PORT-UDP"]) == {
+            "NODE-PORT-TCP": {30080},
+            "NODE-PORT-UDP": set(),
+        }
+        assert Ipsets(4).ports(["NO-SUCH-SET"]) == {"NO-SUCH-SET": set()}
     saved = ipset_save(ns)
     for spec in names.SETS:
         assert f"create {names.set_name(spec.key, 4)} {spec.type} " in saved
@@ -107,18 +99,11 @@ def test_rules_load_and_read_back(make_netns: Callable[[str], Netns], flavour: s
         ctx = FamilyContext(
             family=family, node=NODE, cluster_cidr=OPTIONS.cluster_cidrs[family // 6]
         )
-        with inside(ns):
+        with ns.entered():
             Ipsets(family).ensure()
             kernel = Iptables(family, flavour)
             for _ in range(2):
-                snaps = {t: kernel.snapshot(t, names.owned_chain) for t in ("nat", "filter")}
-                kernel.restore(
-                    script(
-                        render(ctx),
-                        {t: s.chains for t, s in snaps.items()},
-                        {t: s.jumps for t, s in snaps.items()},
-                    )
-                )
+                kernel.write_full(RuleSet(render(ctx)), names.owned_chain)
             nat, filt = kernel.save("nat"), kernel.save("filter")
         prefix = "KNIT" if family == 4 else "KNIT6"
         assert (
@@ -132,7 +117,7 @@ def test_rules_load_and_read_back(make_netns: Callable[[str], Netns], flavour: s
         assert f"--match-set {prefix}-NO-ENDPOINTS dst,dst -j REJECT" in filt
         assert f"--match-set {prefix}-LOAD-BALANCER-SOURCE-CIDR dst,dst,src -j RETURN" in filt
         assert filt.count(f"-j {names.NO_ENDPOINTS}") == 2
-        with inside(ns):
+        with ns.entered():
             assert Iptables(family, flavour).remove_owned(names.owned_chain) == len(
                 render(ctx).chains
             )
@@ -145,9 +130,13 @@ def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
     fake = FakeIpvs()
     bound: set[str] = set()
     monkeypatch.setattr(ipvs_proxier, "open_socket", lambda: fake)
-    monkeypatch.setattr(ipvs_proxier, "enable_sysctls", lambda: None)
     monkeypatch.setattr(dummy, "ensure", lambda: None)
-    monkeypatch.setattr(dummy, "node_addresses", lambda family: {"192.0.2.10", "127.0.0.1"})
+
+    def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]:
+        assert family == 4 and exclude_ifname == names.DUMMY
+        return ["127.0.0.1", "192.0.2.10"]
+
+    monkeypatch.setattr(ipvs_proxier, "local_addresses", local_addresses)
     monkeypatch.setattr(
         dummy, "addresses", lambda family: {a for a in bound if (":" in a) == (family == 6)}
     )
@@ -168,7 +157,7 @@ def test_proxier_syncs_sets_servers_and_rules(
     ns = make_netns("ipvs")
     other = ServicePortName("ns", "dns", "dns", "UDP")
     dns = ServicePort(name=other, cluster_ips=("10.96.0.53",), port=53)
-    with inside(ns):
+    with ns.entered():
         proxier = IpvsProxier(OPTIONS, (4,), Metrics(), scheduler="lc")
         ctx = proxier.context(4, NODE)
         plans = {NAME: plan_port(PORT, (POD,), ctx), other: plan_port(dns, (), ctx)}
@@ -193,15 +182,19 @@ def test_proxier_syncs_sets_servers_and_rules(
     assert "--match-set KNIT-CLUSTER-IP dst,dst -j KNIT-IPVS-MARK-MASQ" in rules
 
     fake_kernel.log.clear()
-    with inside(ns):
+    with ns.entered():
         plans = {NAME: plans[NAME], other: plan_port(dns, (Endpoint("10.244.1.6", 53),), ctx)}
         assert not proxier._program(ctx, plans, {other}, full=False)
         saved = ipset_save(ns)
     assert fake_kernel.writes() == [("dest", "add")]
+    assert [(what, cmd) for what, cmd, _ in fake_kernel.log] == [
+        ("service", "get"),
+        ("dest", "add"),
+    ], "only the changed virtual server is read, and no real server went: no dump"
     assert not members(saved, "KNIT-NO-ENDPOINTS")
     assert "10.244.1.6,udp:53,10.244.1.6" in members(saved, "KNIT-LOOP-BACK")
 
-    with inside(ns):
+    with ns.entered():
         del plans[other]
         proxier._program(ctx, plans, {other}, full=False)
         saved = ipset_save(ns)
@@ -209,13 +202,13 @@ def test_proxier_syncs_sets_servers_and_rules(
     assert fake_kernel.bound == {"10.96.0.10"}  # type: ignore[attr-defined]
     assert members(saved, "KNIT-CLUSTER-IP") == {"10.96.0.10,tcp:80"}
 
-    with inside(ns):
+    with ns.entered():
         fresh = IpvsProxier(OPTIONS, (4,), Metrics())
         fresh._program(ctx, {}, set(), full=True)
     assert fake_kernel.services == {}, "a restart's full sync removes what it no longer wants"
     assert fake_kernel.bound == set()  # type: ignore[attr-defined]
 
-    with inside(ns):
+    with ns.entered():
         assert fresh.cleanup() > 0
         assert "KNIT" not in ipset_save(ns)
         assert names.CHAIN_PREFIX not in Iptables(4, fresh.iptables[4].flavour).save("nat")
@@ -226,7 +219,7 @@ def test_without_ipvs_sync_says_so_and_cleanup_still_works(
     make_netns: Callable[[str], Netns],
 ) -> None:
     ns = make_netns("ipvs")
-    with inside(ns):
+    with ns.entered():
         proxier = IpvsProxier(OPTIONS, (4, 6), Metrics())
         ctx = proxier.context(4, NODE)
         with pytest.raises(ProgramError, match="IPVS is not available in this kernel"):
@@ -272,7 +265,7 @@ def ipvs_node(make_netns: Callable[[str], Netns]) -> Iterator[tuple[Netns, Netns
 @needs_ipvs
 def test_kernel_virtual_servers_carry_traffic_and_clean_up(ipvs_node: tuple[Netns, Netns]) -> None:
     node, _ = ipvs_node
-    with inside(node):
+    with node.entered():
         proxier = IpvsProxier(OPTIONS, (4,), Metrics())
         ctx = proxier.context(4, NODE)
         proxier._program(ctx, {NAME: plan_port(PORT, (POD,), ctx)}, {NAME}, full=True)
@@ -282,7 +275,7 @@ def test_kernel_virtual_servers_carry_traffic_and_clean_up(ipvs_node: tuple[Netn
     assert "10.96.0.10/32" in node.ip("addr", "show", "dev", names.DUMMY)
     assert node.exchange("10.96.0.10", 80)[1] == "pod"
     assert node.exchange("192.0.2.10", 30080)[1] == "pod"
-    with inside(node):
+    with node.entered():
         assert proxier.cleanup() > 0
         assert IpvsKernel(open_socket()).services(4) == {}
     assert names.DUMMY not in node.ip("link")
@@ -292,7 +285,7 @@ def test_kernel_virtual_servers_carry_traffic_and_clean_up(ipvs_node: tuple[Netn
 def test_kernel_graceful_removal_waits_for_the_connection(ipvs_node: tuple[Netns, Netns]) -> None:
     node, _ = ipvs_node
     cluster = Frontend("10.96.0.10", "TCP", 80)
-    with inside(node):
+    with node.entered():
         proxier = IpvsProxier(OPTIONS, (4,), Metrics())
         ctx = proxier.context(4, NODE)
         proxier._program(ctx, {NAME: plan_port(PORT, (POD,), ctx)}, {NAME}, full=True)
@@ -306,7 +299,7 @@ def test_kernel_graceful_removal_waits_for_the_connection(ipvs_node: tuple[Netns
     try:
         assert held.stdout.readline().strip() == "pod"
         gone = dataclasses.replace(PORT, node_port=0)
-        with inside(node):
+        with node.entered():
             proxier._program(ctx, {NAME: plan_port(gone, (), ctx)}, {NAME}, full=False)
             dests = IpvsKernel(open_socket()).dests(cluster)
         assert dests[RealServer("10.244.1.5", 8080)].weight == 0
@@ -318,7 +311,7 @@ def test_kernel_graceful_removal_waits_for_the_connection(ipvs_node: tuple[Netns
         held.wait(timeout=10)
         deadline = time.monotonic() + 60
         while True:
-            with inside(node):
+            with node.entered():
                 proxier._program(ctx, {NAME: plan_port(gone, (), ctx)}, set(), full=False)
                 dests = IpvsKernel(open_socket()).dests(cluster)
             if not dests or time.monotonic() > deadline:
@@ -328,5 +321,5 @@ def test_kernel_graceful_removal_waits_for_the_connection(ipvs_node: tuple[Netns
     finally:
         held.kill()
         held.wait()
-        with inside(node):
+        with node.entered():
             proxier.cleanup()

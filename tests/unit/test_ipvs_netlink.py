@@ -1,6 +1,7 @@
 """The IPVS netlink messages knit builds, and the virtual/real server diff with graceful
-removal, against a fake IPVS that reads every request as the kernel would: encoded by
-pyroute2's message classes to bytes and decoded again (this machine's kernel has no IPVS)."""
+removal, against a fake IPVS table (this machine's kernel has no IPVS): it keeps what each
+request says after pyroute2's message classes encoded it to bytes and decoded it again, a
+model of the kernel's tables, not the kernel's own parsing."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def key_of(svc: dict[str, Any]) -> tuple[Any, ...]:
 
 
 class FakeIpvs:
-    """Kernel-like IPVS tables behind pyroute2.IPVS's two methods."""
+    """IPVS tables modelled on the kernel's, behind pyroute2.IPVS's two methods."""
 
     def __init__(self) -> None:
         self.services: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -65,6 +66,9 @@ class FakeIpvs:
 
     def writes(self) -> list[tuple[str, str]]:
         return [(what, cmd) for what, cmd, _ in self.log if cmd not in ("get", "dump")]
+
+    def dumped_dests(self) -> bool:
+        return ("dest", "dump") in [(what, cmd) for what, cmd, _ in self.log]
 
     def service(self, command: str, service: Any = None) -> Any:
         attrs = [] if service is None else [("IPVS_CMD_ATTR_SERVICE", service.dump_nla())]
@@ -160,7 +164,7 @@ def test_service_message_carries_scheduler_persistence_and_netmask() -> None:
     assert attrs_of(plain)["IPVS_SVC_ATTR_SCHED_NAME"] == "sh"
 
 
-def test_ipv6_sctp_service_sends_the_prefix_length_as_the_kernel_reads_it() -> None:
+def test_ipv6_sctp_service_packs_the_prefix_length_as_a_host_order_u32() -> None:
     frontend = Frontend("fd00::10", "SCTP", 80)
     raw = service_request(vs(frontend)).dump_nla()
     msg = wire(genl.IPVS_CMD_NEW_SERVICE, [("IPVS_CMD_ATTR_SERVICE", raw)])
@@ -199,38 +203,50 @@ def test_kernel_reads_back_what_it_wrote() -> None:
     assert (info.weight, info.active, info.inactive) == (1, 2, 1)
 
 
+def full(sync: ServerSync, wanted: dict[Frontend, VirtualServer]) -> None:
+    """A full sync as the proxier runs it: the kernel's virtual servers read once, and every
+    wanted and existing one programmed with nothing known of what was wanted before."""
+    existing = sync.kernel.services(sync.family)
+    sync.apply(dict.fromkeys(wanted.keys() | existing.keys()), wanted.get, existing)
+
+
 def test_sync_adds_then_changes_only_what_differs() -> None:
     fake = FakeIpvs()
     sync = ServerSync(IpvsKernel(fake), 4)
-    wanted = {CLUSTER: vs(CLUSTER, A, B)}
-    sync.apply(wanted, wanted.get, full=True)
-    assert fake.writes() == [("service", "add"), ("dest", "add"), ("dest", "add")]
+    wanted = {CLUSTER: vs(CLUSTER, A)}
+    full(sync, wanted)
+    assert fake.writes() == [("service", "add"), ("dest", "add")]
+    fake.log.clear()
+    grown = {CLUSTER: vs(CLUSTER, A, B)}
+    sync.apply(wanted, grown.get)
+    assert fake.writes() == [("dest", "add")]
+    assert not fake.dumped_dests(), "no real server went, so none is read"
     assert fake.weights("10.96.0.10", 80) == {("10.244.1.5", 8080): 1, ("10.244.2.5", 8080): 1}
     fake.log.clear()
-    sync.apply(wanted, wanted.get, full=False)
+    sync.apply(grown, grown.get)
     assert fake.writes() == []
-    wanted = {CLUSTER: vs(CLUSTER, A, B, scheduler="lc")}
-    sync.apply(wanted, wanted.get, full=False)
+    changed = {CLUSTER: vs(CLUSTER, A, B, scheduler="lc")}
+    sync.apply(grown, changed.get)
     assert fake.writes() == [("service", "set")]
 
 
 def test_removed_tcp_real_server_drains_at_weight_zero_then_goes() -> None:
     fake = FakeIpvs()
     sync = ServerSync(IpvsKernel(fake), 4)
-    wanted = {CLUSTER: vs(CLUSTER, A, B)}
-    sync.apply(wanted, wanted.get, full=True)
+    before = {CLUSTER: vs(CLUSTER, A, B)}
+    full(sync, before)
     fake.connections[("10.244.2.5", 8080)] = (1, 0)
     wanted = {CLUSTER: vs(CLUSTER, A)}
-    sync.apply(wanted, wanted.get, full=False)
+    sync.apply(before, wanted.get)
     assert fake.weights("10.96.0.10", 80) == {("10.244.1.5", 8080): 1, ("10.244.2.5", 8080): 0}
-    sync.apply((), wanted.get, full=False)
+    sync.apply({}, wanted.get)
     assert ("10.244.2.5", 8080) in fake.weights("10.96.0.10", 80), "still has a connection"
     fake.connections[("10.244.2.5", 8080)] = (0, 1)
-    sync.apply((), wanted.get, full=False)
+    sync.apply({}, wanted.get)
     assert ("10.244.2.5", 8080) in fake.weights("10.96.0.10", 80), "inactive ones count too"
     fake.connections[("10.244.2.5", 8080)] = (0, 0)
     fake.log.clear()
-    sync.apply((), wanted.get, full=False)
+    sync.apply({}, wanted.get)
     assert fake.weights("10.96.0.10", 80) == {("10.244.1.5", 8080): 1}
     assert fake.writes() == [("dest", "del")]
     assert not sync.terminating
@@ -239,11 +255,14 @@ def test_removed_tcp_real_server_drains_at_weight_zero_then_goes() -> None:
 def test_a_draining_real_server_that_comes_back_gets_its_weight_again() -> None:
     fake = FakeIpvs()
     sync = ServerSync(IpvsKernel(fake), 4)
-    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER, A, B)}.get, full=True)
+    full(sync, {CLUSTER: vs(CLUSTER, A, B)})
     fake.connections[("10.244.2.5", 8080)] = (3, 0)
-    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER, A)}.get, full=False)
-    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER, A, B)}.get, full=False)
+    sync.apply({CLUSTER: vs(CLUSTER, A, B)}, {CLUSTER: vs(CLUSTER, A)}.get)
+    assert sync.terminating == {CLUSTER: {B}}
+    fake.log.clear()
+    sync.apply({CLUSTER: vs(CLUSTER, A)}, {CLUSTER: vs(CLUSTER, A, B)}.get)
     assert fake.weights("10.96.0.10", 80)[("10.244.2.5", 8080)] == 1
+    assert fake.writes() == [("dest", "set")] and not fake.dumped_dests()
     assert not sync.terminating
 
 
@@ -251,34 +270,35 @@ def test_idle_tcp_and_any_udp_real_server_go_at_once() -> None:
     fake = FakeIpvs()
     sync = ServerSync(IpvsKernel(fake), 4)
     udp = Frontend("10.96.0.10", "UDP", 53)
-    sync.apply({CLUSTER, udp}, {CLUSTER: vs(CLUSTER, A, B), udp: vs(udp, A, B)}.get, full=True)
+    before = {CLUSTER: vs(CLUSTER, A, B), udp: vs(udp, A, B)}
+    full(sync, before)
     fake.connections[("10.244.1.5", 8080)] = (5, 5)
-    sync.apply({CLUSTER, udp}, {CLUSTER: vs(CLUSTER, B), udp: vs(udp, B)}.get, full=False)
+    sync.apply(before, {CLUSTER: vs(CLUSTER, B), udp: vs(udp, B)}.get)
     assert fake.weights("10.96.0.10", 53, socket.IPPROTO_UDP) == {("10.244.2.5", 8080): 1}
     assert fake.weights("10.96.0.10", 80)[("10.244.1.5", 8080)] == 0
     fake.connections.clear()
-    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER)}.get, full=False)
+    sync.apply({CLUSTER: vs(CLUSTER, B)}, {CLUSTER: vs(CLUSTER)}.get)
     assert fake.weights("10.96.0.10", 80) == {}
 
 
 def test_unwanted_virtual_servers_are_deleted_whole() -> None:
     fake = FakeIpvs()
     sync = ServerSync(IpvsKernel(fake), 4)
-    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER, A)}.get, full=True)
+    full(sync, {CLUSTER: vs(CLUSTER, A)})
     fake.connections[("10.244.1.5", 8080)] = (1, 0)
-    sync.apply({CLUSTER}, {CLUSTER: vs(CLUSTER)}.get, full=False)
+    sync.apply({CLUSTER: vs(CLUSTER, A)}, {CLUSTER: vs(CLUSTER)}.get)
     assert sync.terminating
-    sync.apply({CLUSTER}, {}.get, full=True)
+    full(sync, {})
     assert fake.services == {} and not sync.terminating
 
 
 @pytest.mark.parametrize("family", [4, 6])
 def test_services_of_the_other_family_are_left_alone(family: int) -> None:
     fake = FakeIpvs()
-    sync = ServerSync(IpvsKernel(fake), family)
+    kernel = IpvsKernel(fake)
     v4, v6 = CLUSTER, Frontend("fd00::10", "TCP", 80)
-    IpvsKernel(fake).add_service(vs(v4))
-    IpvsKernel(fake).add_service(vs(v6))
-    mine = v4 if family == 4 else v6
-    sync.apply({mine}, {}.get, full=True)
-    assert len(fake.services) == 1
+    kernel.add_service(vs(v4))
+    kernel.add_service(vs(v6))
+    full(ServerSync(kernel, family), {})
+    other = v6 if family == 4 else v4
+    assert [address for _, address, _, _ in fake.services] == [other.address]

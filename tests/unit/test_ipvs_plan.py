@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
+from proxyd.iptables import chains as ch
 from proxyd.iptables.chains import owned_by_knit
+from proxyd.iptables.render import render_base
+from proxyd.iptables.restore import RuleSet, full_scripts
 from proxyd.ipvs import names
 from proxyd.ipvs.plan import (
     Desired,
     Frontend,
     PortState,
     RealServer,
+    dummy_addresses,
     nodeport_addresses,
     port_state,
 )
-from proxyd.ipvs.rules import render, script
+from proxyd.ipvs.rules import render
 from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.plan import FamilyContext
 from tests.unit.example_service import CTX, CTX6, NAME, PORT, planned
@@ -38,13 +42,22 @@ def members(s: PortState, key: str) -> set[str]:
     return {entry for k, entry in s.members if k == key}
 
 
+def script(
+    ctx: FamilyContext,
+    existing: dict[str, set[str]] | None = None,
+    jumps: dict[str, set[tuple[str, str]]] | None = None,
+) -> str:
+    (written,) = full_scripts(RuleSet(render(ctx)), existing or {}, jumps or {})
+    return written.text()
+
+
 def test_cluster_ip_gets_a_virtual_server_with_every_endpoint_and_is_bound() -> None:
     s = state(PORT, (LOCAL, REMOTE))
     (server,) = s.virtual_servers
     assert server.frontend == Frontend("10.96.0.10", "TCP", 80)
     assert server.scheduler == "rr" and server.timeout == 0
     assert server.real_servers == {RealServer("10.244.1.5", 8080), RealServer("10.244.2.5", 8080)}
-    assert s.addresses == {"10.96.0.10"}
+    assert dummy_addresses(s.members) == {"10.96.0.10"}
     assert members(s, "CLUSTER-IP") == {"10.96.0.10,tcp:80"}
     assert members(s, "IPVS-IPS") == {"10.96.0.10"}
     assert members(s, "LOOP-BACK") == {
@@ -68,7 +81,7 @@ def test_nodeport_serves_on_every_node_address_and_lands_in_the_protocol_set() -
     assert got[Frontend("192.0.2.10", "UDP", 30053)] == got[Frontend("10.96.0.10", "UDP", 80)]
     assert members(s, "NODE-PORT-UDP") == {"30053"}
     assert not members(s, "NODE-PORT-TCP") and not members(s, "NODE-PORT-LOCAL-UDP")
-    assert "192.0.2.10" not in s.addresses, "node addresses are never bound to the dummy"
+    assert "192.0.2.10" not in dummy_addresses(s.members), "node addresses are never bound"
 
 
 def test_external_policy_local_uses_local_endpoints_outside_and_all_inside() -> None:
@@ -95,7 +108,7 @@ def test_external_policy_local_uses_local_endpoints_outside_and_all_inside() -> 
     assert not members(s, "EXTERNAL-IP")
     assert members(s, "LOAD-BALANCER") == members(s, "LOAD-BALANCER-LOCAL")
     assert members(s, "HEALTH-CHECK-NODE-PORT") == {"31000"}
-    assert s.addresses == {"10.96.0.10", "203.0.113.5", "203.0.113.7"}
+    assert dummy_addresses(s.members) == {"10.96.0.10", "203.0.113.5", "203.0.113.7"}
 
 
 def test_external_policy_local_without_local_endpoints_drops_external_frontends() -> None:
@@ -142,8 +155,10 @@ def test_source_ranges_fill_the_firewall_sets() -> None:
     assert members(s, "LOAD-BALANCER-SOURCE-CIDR") == {
         "203.0.113.7,tcp:80,198.51.100.0/24",
         "203.0.113.7,tcp:80,192.0.2.10",
-    }
-    assert members(s, "LOAD-BALANCER-SOURCE-IP") == {"203.0.113.7,tcp:80,203.0.113.7"}
+        "203.0.113.7,tcp:80,203.0.113.7",
+    }, "the node is inside the ranges, so the LB IP passes as a source too"
+    outside = state(dataclasses.replace(port, source_ranges=("198.51.100.0/24",)), (LOCAL,))
+    assert members(outside, "LOAD-BALANCER-SOURCE-CIDR") == {"203.0.113.7,tcp:80,198.51.100.0/24"}
 
 
 def test_ipv6_uses_its_own_addresses_only() -> None:
@@ -153,7 +168,7 @@ def test_ipv6_uses_its_own_addresses_only() -> None:
         Frontend("fd00::10", "TCP", 80),
         Frontend("2001:db8::5", "TCP", 80),
     }
-    assert s.addresses == {"fd00::10", "2001:db8::5"}
+    assert dummy_addresses(s.members) == {"fd00::10", "2001:db8::5"}
     assert members(s, "LOOP-BACK") == {"fd10::5,tcp:8080,fd10::5"}
 
 
@@ -167,21 +182,48 @@ def test_nodeport_addresses_skip_loopback_and_link_local_unless_configured() -> 
 
 def test_desired_counts_owners_so_shared_members_stay() -> None:
     other = ServicePortName("ns", "api", "http", "TCP")
+    cluster = Frontend("10.96.0.10", "TCP", 80)
     desired = Desired()
-    first = desired.set(NAME, state(PORT, (LOCAL,)))
+    first = desired.update({NAME: state(PORT, (LOCAL,))})
     assert ("LOOP-BACK", "10.244.1.5,tcp:8080,10.244.1.5") in first.added_members
-    assert first.added_addresses == {"10.96.0.10"}
-    second = desired.set(other, state(dataclasses.replace(PORT, name=other), (LOCAL,)))
-    assert not second.added_members and not second.added_addresses
-    gone = desired.set(NAME, None)
-    assert not gone.removed_members and not gone.removed_addresses
-    assert gone.frontends == {Frontend("10.96.0.10", "TCP", 80)}
-    assert desired.server(Frontend("10.96.0.10", "TCP", 80)) is not None
-    last = desired.set(other, None)
-    assert last.removed_addresses == {"10.96.0.10"}
+    assert dummy_addresses(first.added_members) == {"10.96.0.10"}
+    assert first.servers == {cluster: None}
+    second = desired.update({other: state(dataclasses.replace(PORT, name=other), (LOCAL,))})
+    assert not second.added_members and not second.servers
+    gone = desired.update({NAME: None})
+    assert not gone.removed_members
+    assert not gone.servers, "the other port still wants the same virtual server"
+    wanted = desired.server(cluster)
+    assert wanted is not None
+    last = desired.update({other: None})
+    assert dummy_addresses(last.removed_members) == {"10.96.0.10"}
     assert ("CLUSTER-IP", "10.96.0.10,tcp:80") in last.removed_members
-    assert desired.server(Frontend("10.96.0.10", "TCP", 80)) is None
-    assert not desired.members and not desired.addresses
+    assert last.servers == {cluster: wanted}
+    assert desired.server(cluster) is None
+    assert not desired.members
+
+
+def test_desired_batch_reports_the_net_change_and_only_changed_virtual_servers() -> None:
+    other = ServicePortName("ns", "zone", "http", "TCP")
+    moved = dataclasses.replace(PORT, name=other, cluster_ips=("10.96.0.11",))
+    desired = Desired()
+    desired.update({NAME: state(PORT, (LOCAL,)), other: state(moved, (LOCAL,))})
+    delta = desired.update(
+        {
+            NAME: state(PORT, (LOCAL, REMOTE)),
+            other: state(dataclasses.replace(moved, cluster_ips=("10.96.0.10",)), (LOCAL,)),
+        }
+    )
+    assert delta.added_members == {("LOOP-BACK", "10.244.2.5,tcp:8080,10.244.2.5")}
+    assert dummy_addresses(delta.removed_members) == {"10.96.0.11"}
+    assert ("LOOP-BACK", "10.244.1.5,tcp:8080,10.244.1.5") not in delta.removed_members
+    before = {RealServer("10.244.1.5", 8080)}
+    assert {f: v and set(v.real_servers) for f, v in delta.servers.items()} == {
+        Frontend("10.96.0.10", "TCP", 80): before,
+        Frontend("10.96.0.11", "TCP", 80): before,
+    }
+    again = desired.update({NAME: state(PORT, (LOCAL, REMOTE))})
+    assert not again.added_members and not again.removed_members and not again.servers
 
 
 def test_set_names_fit_ipset_and_chains_never_collide_with_the_iptables_mode() -> None:
@@ -189,14 +231,13 @@ def test_set_names_fit_ipset_and_chains_never_collide_with_the_iptables_mode() -
         for family in (4, 6):
             assert len(names.set_name(spec.key, family)) <= 31
     assert names.set_name("CLUSTER-IP", 6) == "KNIT6-CLUSTER-IP"
-    rules = render(CTX)
-    for _, chain in rules.chains:
+    for _, chain in render(CTX).chains:
         assert names.owned_chain(chain) and not owned_by_knit(chain)
         assert len(chain) <= 28
 
 
 def test_rules_masquerade_off_cluster_sources_hairpin_and_reject() -> None:
-    text = script(render(CTX), {}, {})
+    text = script(CTX)
     assert "! -s 10.244.0.0/16 -m set --match-set KNIT-CLUSTER-IP dst,dst" in text
     assert "--match-set KNIT-LOOP-BACK dst,dst,src -j MASQUERADE" in text
     assert "--match-set KNIT-NO-ENDPOINTS dst,dst -j REJECT" in text
@@ -207,9 +248,9 @@ def test_rules_masquerade_off_cluster_sources_hairpin_and_reject() -> None:
 
 
 def test_rules_script_adds_only_missing_hooks_and_removes_stale_chains() -> None:
-    rules = render(dataclasses.replace(CTX6, masquerade_all=True))
+    ctx = dataclasses.replace(CTX6, masquerade_all=True)
     jumps = {"nat": {("PREROUTING", names.SERVICES)}}
-    text = script(rules, {"filter": {"KNIT-IPVS-OLD"}}, jumps)
+    text = script(ctx, {"filter": {"KNIT-IPVS-OLD"}}, jumps)
     assert "KNIT6-CLUSTER-IP" in text and "KNIT-CLUSTER-IP " not in text
     assert "-I PREROUTING" not in text and "-I OUTPUT 1" in text
     assert "-X KNIT-IPVS-OLD" in text
@@ -218,6 +259,16 @@ def test_rules_script_adds_only_missing_hooks_and_removes_stale_chains() -> None
 
 def test_nodeport_addresses_restrict_the_nodeport_jump() -> None:
     ctx = dataclasses.replace(CTX, nodeport_addresses=("192.0.2.10",))
-    text = script(render(ctx), {}, {})
+    text = script(ctx)
     assert "-d 192.0.2.10 -j KNIT-IPVS-NODE-PORT" in text
     assert "--dst-type LOCAL -j KNIT-IPVS-NODE-PORT" not in text
+    assert "--dst-type LOCAL -j KNIT-IPVS-NODE-PORT" in script(CTX)
+    assert "--dst-type LOCAL ! -d ::1/128 -j KNIT-IPVS-NODE-PORT" in script(CTX6)
+
+
+def test_rules_share_the_iptables_modes_masquerade_and_forward_chains() -> None:
+    rules = render(CTX).chains
+    base = render_base(CTX).chains
+    assert rules[("nat", names.MARK_MASQ)] == base[("nat", ch.MARK_MASQ)]
+    assert rules[("nat", names.POSTROUTING)][1:] == base[("nat", ch.POSTROUTING)]
+    assert rules[("filter", names.FORWARD)] == base[("filter", ch.FORWARD)]
