@@ -3,34 +3,40 @@ anchor measured in the same run.
 
 A real etcd + kube-apiserver on host loopback holds N Services (one TCP port each), each with
 an EndpointSlice of 10 endpoints on another node. For each N and each mode (--modes, default
-both), knit-proxyd starts in a fresh node namespace and is measured:
+both), knit-proxyd starts in a fresh node namespace (with the tests' flags: its CNI files in
+the run's folder, no routing) and is measured:
 
-- full sync: the daemon's own metric, and the wall time from its start to the rules being in
-  the kernel, against a bare load of exactly the rules it wrote into a fresh namespace
-  (iptables: iptables-restore, the daemon's flavour, of iptables-save of its nat and filter
-  tables; nftables: `nft -f` of `nft list table ip knit`); then one full sync at steady state
-  (forced by changing the Node's zone) against a bare reload of the same rules over themselves
-  (nftables: `flush table` and the listing, in one transaction);
+- full sync: the daemon's own metric (exactly one full sync at start), against a bare load of
+  exactly the rules it wrote into a fresh namespace, through the daemon's own wrappers from a
+  thread inside that namespace (iptables: `restore --noflush` of iptables-save of its nat and
+  filter tables, on the nft flavour in batches of the daemon's chains per restore; nftables:
+  `nft -f` of `nft list table ip knit`); the wall time from its start to the rules being in
+  the kernel, and the start-up before the full sync (wall minus metric); then full syncs at
+  steady state (forced by changing the Node's zone, medians of several) against bare reloads
+  of the same rules over themselves (nftables: `flush table` and the listing, in one
+  transaction);
 - its resident memory (VmRSS of the interpreter);
 - one-service changes (one endpoint of one EndpointSlice replaced): the partial sync's own
-  metric against a bare load of the same change, rendered by the daemon's code
-  (`iptables-restore --noflush`, or `nft -f` of the daemon's partial transaction, into the
-  anchor namespace holding the same rules), and the latency from the PATCH returning to the
-  new endpoint being in the kernel: polled from outside when a look is cheap
-  (`iptables -S <chain>` / `nft list chain ip knit <chain>`), and by the daemon's last-sync
-  timestamp (checked against the kernel afterwards);
+  metric against a bare load of the same change, rendered by the daemon's code in the context
+  its proxier builds for the node (and checked to leave the anchor's chain equal to the
+  daemon's), and the latency from the PATCH returning to the new endpoint being in the kernel,
+  by the daemon's last-sync timestamp; in separate changes, when a look is cheap, also polled
+  from outside (`iptables -S <chain>` / `nft list chain ip knit <chain>`), so the metric
+  samples of both modes are taken alike;
 
 and at the largest N:
 
 - TCP connections per second (sequential connect + reset) from a client namespace to a
   ClusterIP (iptables: the one whose rule is the last service rule of KNIT-SERVICES; nftables:
-  the same service, any one costs one verdict-map lookup), and to the backend directly through
-  the same node, against the backend reached through a node namespace without any rules.
+  the same service, any one costs one verdict-map lookup), against two directs: the backend
+  reached through a node namespace without any rules (the goal's), and the backend reached
+  directly through the same node.
 
 The run ends with every figure as measured, then a table comparing the modes per N with the
 nftables mode's goals marked met or not: connections through a ClusterIP at the largest N at
-least 80% of direct, a one-service change under 20 ms whose partial sync does not grow from
-the smallest N to the largest (at most 1.5x), and full syncs at most 1.5x the bare `nft -f`.
+least 80% of direct through a node without rules, a one-service change under 20 ms whose
+partial sync does not grow from the smallest N to the largest (at most 1.5x, printed beside
+the bare tool's growth), and full syncs at most 1.5x the bare `nft -f`.
 
 `--flavour legacy` makes the node look like one whose kubelet uses iptables-legacy (kubelet's
 hint chain), so the iptables mode detects and uses legacy; by default it detects nft, as on
@@ -66,21 +72,34 @@ from typing import Any, TypeVar
 
 from kubernetes import client, config
 
-from deploy.lab.controlplane import ControlPlane, NetnsForward, start
+from cni.firewall import detect_iptables_flavour
+from cni.netns import entered, open_netns
+from deploy.lab.cluster import eventually
+from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent, start
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
+from proxyd.config import load as load_config
+from proxyd.daemon import make_proxier
 from proxyd.iptables import render as iptables_render
 from proxyd.iptables.chains import ServiceChains
-from proxyd.iptables.restore import RuleSet, partial_script
-from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from proxyd.iptables.kernel import BUILTIN_CHAINS, JUMP
+from proxyd.iptables.kernel import Iptables as IptablesKernel
+from proxyd.iptables.proxier import NFT_CHAINS_PER_RESTORE
+from proxyd.iptables.restore import RuleSet, Script, partial_script
+from proxyd.metrics import Metrics
+from proxyd.model import Endpoint, ServicePort, ServicePortName, parse_node
 from proxyd.nftables import render as nftables_render
-from proxyd.nftables.kernel import CHAIN_LINE
+from proxyd.nftables.kernel import CHAIN_LINE, Nft
 from proxyd.nftables.transaction import TableState, full_transaction, partial_transaction
 from proxyd.plan import FamilyContext, PortPlan, plan_port
 from tests.conftest import ROOT, Netns, unique_name
-from tests.integration.proxy_env import node_object
+from tests.integration.proxy_env import (
+    REMOTE_NODE,
+    launch_proxyd,
+    node_object,
+    proxyd_args,
+)
 
 NODE = "bench-node"
-REMOTE_NODE = "node-elsewhere"
 CLUSTER_CIDR = "10.244.0.0/16"
 PORT, TARGET_PORT = 80, 8080
 ENDPOINTS = 10
@@ -109,7 +128,8 @@ CHANGE_GOAL = 0.02
 SIZE_GROWTH_GOAL = 1.5
 """nftables: a partial sync at the largest N costs at most this many at the smallest."""
 CONNECTION_GOAL = 0.8
-"""nftables: connections/s through a ClusterIP at the largest N, as a share of direct."""
+"""nftables: connections/s through a ClusterIP at the largest N, as a share of direct through
+a node without rules."""
 CLUSTER_IP_RULE = re.compile(r'^-A KNIT-SERVICES .*--comment "default/([^:]+): cluster IP"')
 T = TypeVar("T")
 SERVER = """
@@ -134,20 +154,26 @@ print(count / seconds)
 """
 
 
-def poll(check: Callable[[], T], timeout: float, interval: float) -> T | None:
-    """The first truthy result of check(), or None after timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(interval)
-    return None
-
-
 def timed(fn: Callable[[], Any]) -> float:
     began = time.monotonic()
     fn()
     return time.monotonic() - began
+
+
+def in_netns(ns: Netns, fn: Callable[[], T]) -> T:
+    """fn() run by a worker thread that entered ns (what it starts is in ns too); the calling
+    thread stays where it is."""
+
+    def entered_call() -> T:
+        fd = open_netns(ns.path)
+        try:
+            with entered(fd):
+                return fn()
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(entered_call).result()
 
 
 def ms(seconds: float) -> str:
@@ -156,6 +182,12 @@ def ms(seconds: float) -> str:
 
 def secs(seconds: float) -> str:
     return f"{seconds:.2f} s"
+
+
+def revision() -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def service_name(index: int) -> str:
@@ -193,27 +225,13 @@ def create_services(kube: Kube, indices: range) -> float:
     return time.monotonic() - began
 
 
-@dataclass
-class Namespaces:
-    """Fresh network namespaces, each removed again."""
-
-    made: list[Netns] = field(default_factory=list)
-
-    def make(self, prefix: str) -> Netns:
-        ns = Netns(unique_name(f"kpb-{prefix}"))
-        subprocess.run(["ip", "netns", "add", ns.name], check=True)
-        self.made.append(ns)
-        ns.run("ip", "link", "set", "lo", "up")
-        return ns
-
-    def remove(self, ns: Netns) -> None:
-        ns.remove()
-        self.made.remove(ns)
-
-    def close(self) -> None:
-        for ns in reversed(self.made):
-            ns.remove()
-        self.made.clear()
+def make_netns(prefix: str, stack: ExitStack) -> Netns:
+    """A fresh network namespace (lo up), removed when stack closes."""
+    ns = Netns(unique_name(f"kpb-{prefix}"))
+    subprocess.run(["ip", "netns", "add", ns.name], check=True)
+    stack.callback(ns.remove)
+    ns.run("ip", "link", "set", "lo", "up")
+    return ns
 
 
 @dataclass
@@ -221,29 +239,17 @@ class Daemon:
     """knit-proxyd in a node namespace."""
 
     ns: Netns
+    args: list[str]
     process: subprocess.Popen[bytes]
     log: Path
     started: float
     """time.time() just before the launch."""
 
     @classmethod
-    def start(
-        cls, ns: Netns, mode: str, kubeconfig: Path, log: Path, profile: Path | None
-    ) -> Daemon:
-        argv = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else [])]
-        argv += ["-m", "proxyd", "--proxy-mode", mode, "--kubeconfig", str(kubeconfig)]
-        argv += ["--hostname-override", NODE]
-        argv += ["--cluster-cidr", CLUSTER_CIDR, "--metrics-bind-address", "127.0.0.1:10249"]
+    def start(cls, ns: Netns, args: list[str], log: Path, profile: Path | None) -> Daemon:
+        python = ["-m", "cProfile", "-o", str(profile)] if profile else []
         started = time.time()
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                ["ip", "netns", "exec", ns.name, *argv],
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-        return cls(ns, process, log, started)
+        return cls(ns, args, launch_proxyd(ns, args, log, *python), log, started)
 
     def metrics(self) -> dict[str, float]:
         if self.process.poll() is not None:
@@ -257,15 +263,15 @@ class Daemon:
                 values[key] = float(value)
         return values
 
-    def wait_sync(
-        self, kind: str, before: dict[str, float], timeout: float
-    ) -> dict[str, float] | None:
-        """The metrics once a sync of `kind` (FULL or PARTIAL) ended after `before`."""
+    def wait_sync(self, kind: str, before: dict[str, float], timeout: float) -> dict[str, float]:
+        """The metrics once a sync of `kind` (FULL or PARTIAL) ended after `before`;
+        TimeoutError when none did within timeout."""
         count = f"{kind}_count"
-        return poll(
+        return eventually(
             lambda: (m := self.metrics()).get(count, 0) > before.get(count, 0) and m,
             timeout,
-            0.1,
+            f"a sync counted in {count}",
+            interval=0.1,
         )
 
     def memory_mib(self) -> tuple[float, float]:
@@ -290,7 +296,7 @@ def spent(after: dict[str, float], before: dict[str, float], kind: str) -> float
 
 class Mode(ABC):
     """What differs between the modes knit-proxyd is measured in: how its rules are read
-    back, loaded bare, looked up and changed."""
+    back, written bare (through the daemon's own wrapper), looked up and changed."""
 
     name: str
     loader: str
@@ -304,19 +310,25 @@ class Mode(ABC):
 
     @abstractmethod
     def save(self, ns: Netns) -> str:
-        """The rules the daemon wrote, as its bare load takes them."""
+        """The rules the daemon wrote."""
 
     @abstractmethod
-    def load(self, ns: Netns, rules: str) -> float:
-        """Seconds to load `rules` into ns."""
+    def scripts(self, saved: str, fresh: bool) -> list[str]:
+        """The transactions writing `saved` as a full sync of the daemon does: into a fresh
+        namespace, or (not fresh) over the same rules."""
 
     @abstractmethod
-    def reload(self, ns: Netns, rules: str) -> float:
-        """Seconds to load `rules` over themselves."""
+    def write(self, text: str) -> None:
+        """One transaction, by the daemon's wrapper, in the calling thread's namespace."""
 
-    @abstractmethod
-    def apply(self, ns: Netns, change: str) -> float:
-        """Seconds to load a change (from `change()`) over the rules ns holds."""
+    def load(self, ns: Netns, scripts: list[str]) -> float:
+        """Seconds to write the transactions into ns, from a thread inside it."""
+
+        def write_all() -> None:
+            for script in scripts:
+                self.write(script)
+
+        return in_netns(ns, lambda: timed(write_all))
 
     @abstractmethod
     def chain(self, ns: Netns, chain: str) -> str:
@@ -350,34 +362,39 @@ class Iptables(Mode):
 
     def __init__(self, flavour: str) -> None:
         self.flavour = flavour
-        self.loader = f"iptables-{flavour}-restore"
+        self.kernel = IptablesKernel(4, flavour)
+        self.loader = f"{self.kernel.restore_binary} --noflush"
 
     def prepare(self, node: Netns) -> None:
         if self.flavour == "legacy":
-            node.run("iptables-legacy", "-t", "mangle", "-N", LEGACY_HINT)
-        code = "from cni.firewall import detect_iptables_flavour as d; print(d())"
-        detected = node.run(sys.executable, "-c", code).stdout.strip()
+            node.run(self.kernel.binary, "-t", "mangle", "-N", LEGACY_HINT)
+        detected = in_netns(node, detect_iptables_flavour)
         assert detected == self.flavour, f"the node detects {detected}"
 
     def save(self, ns: Netns) -> str:
-        save = f"iptables-{self.flavour}-save"
-        return ns.run(save, "-t", "nat").stdout + ns.run(save, "-t", "filter").stdout
+        return in_netns(ns, lambda: self.kernel.save("nat") + self.kernel.save("filter"))
 
-    def load(self, ns: Netns, rules: str) -> float:
-        return self._restore(ns, rules)
+    def scripts(self, saved: str, fresh: bool) -> list[str]:
+        """Every chain rewritten (on nft, NFT_CHAINS_PER_RESTORE chains per restore, each
+        after the chains it jumps to), the jumps from built-in chains added when fresh."""
+        chains, hooks = saved_chains(saved)
+        per_script = NFT_CHAINS_PER_RESTORE if self.flavour == "nft" else len(chains)
+        scripts = []
+        for first in range(0, len(chains), per_script):
+            script = Script()
+            for table, chain, rules in chains[first : first + per_script]:
+                script.rewrite(table, chain, rules)
+            scripts.append(script)
+        if fresh:
+            for table, chain, rule in reversed(hooks):
+                scripts[-1].insert(table, chain, rule)
+        return [script.text() for script in scripts]
 
-    def reload(self, ns: Netns, rules: str) -> float:
-        return self._restore(ns, rules)
-
-    def apply(self, ns: Netns, change: str) -> float:
-        return self._restore(ns, change, "--noflush")
-
-    def _restore(self, ns: Netns, rules: str, *flags: str) -> float:
-        binary = f"iptables-{self.flavour}-restore"
-        return timed(lambda: ns.run(binary, "-w", "5", *flags, stdin=rules, timeout=3600))
+    def write(self, text: str) -> None:
+        self.kernel.restore(text)
 
     def chain(self, ns: Netns, chain: str) -> str:
-        return ns.run(f"iptables-{self.flavour}", "-w", "5", "-t", "nat", "-S", chain).stdout
+        return ns.run(self.kernel.binary, "-w", "5", "-t", "nat", "-S", chain).stdout
 
     def cluster_chain(self, name: str) -> str:
         return ServiceChains(ServicePortName("default", name, "", "TCP")).cluster
@@ -407,6 +424,48 @@ class Iptables(Mode):
         return f"rule {order.index(target) + 1} of {len(order)}"
 
 
+def saved_chains(
+    saved: str,
+) -> tuple[list[tuple[str, str, tuple[str, ...]]], list[tuple[str, str, str]]]:
+    """iptables-save output as ([(table, chain, rules)] of the chains that are not built in,
+    each after the chains it jumps to, a service's chains together as the daemon batches them;
+    [(table, built-in chain, rule)])."""
+    rules: dict[tuple[str, str], list[str]] = {}
+    hooks = []
+    table = ""
+    for line in saved.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+        elif line.startswith(":") and (name := line[1:].split(" ", 1)[0]) not in BUILTIN_CHAINS:
+            rules[(table, name)] = []
+        elif line.startswith("-A "):
+            _, name, rule = line.split(" ", 2)
+            if name in BUILTIN_CHAINS:
+                hooks.append((table, name, rule))
+            else:
+                rules[(table, name)].append(rule)
+    jumps = {
+        key: [
+            target
+            for rule in chain
+            if (m := JUMP.search(rule)) and (target := (key[0], m[1])) in rules
+        ]
+        for key, chain in rules.items()
+    }
+    jumped_to = {target for chain_jumps in jumps.values() for target in chain_jumps}
+    ordered: dict[tuple[str, str], None] = {}
+
+    def visit(key: tuple[str, str]) -> None:
+        if key not in ordered:
+            for target in jumps[key]:
+                visit(target)
+            ordered[key] = None
+
+    for key in sorted(rules, key=lambda key: key in jumped_to):  # from the chains none jumps to
+        visit(key)
+    return [(table, name, tuple(rules[(table, name)])) for table, name in ordered], hooks
+
+
 class Nftables(Mode):
     """The daemon's table `ip knit`, read and loaded with nft in namespaces."""
 
@@ -414,20 +473,20 @@ class Nftables(Mode):
     loader = "nft -f"
     judged = True
 
+    def __init__(self) -> None:
+        self.kernel = Nft(4)
+
     def prepare(self, node: Netns) -> None:
         """Nothing: the mode does not depend on the node's iptables."""
 
     def save(self, ns: Netns) -> str:
         return ns.run("nft", "list", "table", *NFT_TABLE, timeout=600).stdout
 
-    def load(self, ns: Netns, rules: str) -> float:
-        return timed(lambda: ns.run("nft", "-f", "-", stdin=rules, timeout=3600))
+    def scripts(self, saved: str, fresh: bool) -> list[str]:
+        return [saved if fresh else f"flush table {self.kernel.table}\n{saved}"]
 
-    def reload(self, ns: Netns, rules: str) -> float:
-        return self.load(ns, f"flush table {' '.join(NFT_TABLE)}\n{rules}")
-
-    def apply(self, ns: Netns, change: str) -> float:
-        return self.load(ns, change)
+    def write(self, text: str) -> None:
+        self.kernel.run(text)
 
     def chain(self, ns: Netns, chain: str) -> str:
         return ns.run("nft", "list", "chain", *NFT_TABLE, chain).stdout
@@ -464,9 +523,12 @@ def service_order(saved: str) -> list[str]:
 
 class OneServiceChange:
     """Replaces one endpoint of one service's slice at a time: in the API, and (rendered by the
-    daemon's code) as the mode's partial load of the same change."""
+    daemon's code, in the context the daemon's proxier builds for the node) as the mode's
+    partial load of the same change."""
 
-    def __init__(self, kube: Kube, mode: Mode, index: int, fresh: Iterator[str]) -> None:
+    def __init__(
+        self, kube: Kube, mode: Mode, daemon: Daemon, index: int, fresh: Iterator[str]
+    ) -> None:
         self.kube = kube
         self.mode = mode
         self.fresh = fresh
@@ -476,7 +538,11 @@ class OneServiceChange:
         spec = kube.call("GET", f"{SERVICES}/{self.name}")["spec"]
         port_name = ServicePortName("default", self.name, "", "TCP")
         self.port = ServicePort(port_name, (spec["clusterIP"],), PORT)
-        self.ctx = FamilyContext(family=4, node=NodeInfo(NODE), cluster_cidr=CLUSTER_CIDR)
+        node = parse_node(kube.call("GET", f"/api/v1/nodes/{NODE}"))
+        settings = load_config(daemon.args)
+        self.ctx = in_netns(  # the iptables proxier detects the flavour where it is made
+            daemon.ns, lambda: make_proxier(mode.name, settings, Metrics()).context(4, node)
+        )
         self.changes = 0
 
     def _plan(self) -> PortPlan:
@@ -588,13 +654,12 @@ class Bench:
         self.plane = plane
         self.kube = kube
         self.work = work
-        self.namespaces = Namespaces()
         self.report = Report()
         self.repeats = 1 if options.quick else 3
         self.fresh = (f"10.244.150.{host}" for host in itertools.count(1))
         """Addresses no endpoint had, for one-service changes."""
-        self.partial: dict[str, dict[int, float]] = {}
-        """mode -> N -> median partial sync of one-service changes."""
+        self.partial: dict[str, dict[int, tuple[float, float]]] = {}
+        """mode -> N -> (median partial sync, median bare load) of one-service changes."""
 
     def add(
         self,
@@ -615,16 +680,26 @@ class Bench:
         tag = f"{mode.name}-{size}"
         profile = self.work / f"proxyd-{tag}.prof" if self.options.profile else None
         with ExitStack() as stack:
-            node = self.namespaces.make("node")
-            stack.callback(self.namespaces.remove, node)
+            node = make_netns("node", stack)
             mode.prepare(node)
             forward = NetnsForward(node.name, self.plane.port)
             stack.callback(forward.stop)
             kubeconfig = self.plane.write_kubeconfig(
                 self.work / f"kubeconfig-{tag}", forward.listen_port
             )
-            log = self.work / f"proxyd-{tag}.log"
-            daemon = Daemon.start(node, mode.name, kubeconfig, log, profile)
+            folder = self.work / tag
+            (folder / "networks").mkdir(parents=True)
+            args = proxyd_args(
+                kubeconfig,
+                NODE,
+                CLUSTER_CIDR,
+                mode.name,
+                folder,
+                folder / "networks",
+                "--metrics-bind-address",
+                "127.0.0.1:10249",
+            )
+            daemon = Daemon.start(node, args, self.work / f"proxyd-{tag}.log", profile)
             stack.callback(daemon.stop)
             self.measure(size, mode, largest, daemon, stack)
         if profile is not None:
@@ -634,100 +709,133 @@ class Bench:
     def measure(
         self, size: int, mode: Mode, largest: bool, daemon: Daemon, stack: ExitStack
     ) -> None:
-        synced = daemon.wait_sync(FULL, {}, self.options.sync_timeout)
-        if synced is None:
+        try:
+            synced = daemon.wait_sync(FULL, {}, self.options.sync_timeout)
+        except TimeoutError:
             limit = f"> {self.options.sync_timeout:.0f} s"
             self.add(mode, size, "full sync at start (metric)", f"not done, {limit}")
             return
+        if (count := synced[f"{FULL}_count"]) != 1:
+            raise RuntimeError(f"{count:.0f} full syncs at start, not one")
         full = spent(synced, {}, FULL)
         rss, _ = daemon.memory_mib()
         self.add(mode, size, "daemon memory after start (VmRSS)", f"{rss:.0f} MiB")
         saved = mode.save(daemon.ns)
         wall = synced[LAST_SYNC] - daemon.started
-        anchor = self.bare_loads(size, mode, saved, full, wall)
-        stack.callback(self.namespaces.remove, anchor)
+        anchor = self.bare_loads(size, mode, saved, full, wall, stack)
         if full < FORCED_FULL_LIMIT:
-            self.forced_full_sync(size, mode, daemon, anchor, saved)
+            self.forced_full_syncs(size, mode, daemon, anchor, saved)
         else:
             print(f"  no forced full sync: the first took {secs(full)}")
         self.one_service_changes(size, mode, daemon, anchor)
         if largest:
-            self.connection_rate(size, mode, daemon, saved)
+            self.connection_rate(size, mode, daemon, saved, stack)
         rss, hwm = daemon.memory_mib()
         self.add(mode, size, "daemon memory at the end (VmRSS/peak)", f"{rss:.0f}/{hwm:.0f} MiB")
 
-    def bare_loads(self, size: int, mode: Mode, saved: str, full: float, wall: float) -> Netns:
-        """Time loading `saved` into fresh namespaces; return the last one, left loaded."""
+    def bare_loads(
+        self, size: int, mode: Mode, saved: str, full: float, wall: float, stack: ExitStack
+    ) -> Netns:
+        """Time loading `saved` into fresh namespaces; return the last one, left loaded until
+        stack closes."""
+        scripts = mode.scripts(saved, fresh=True)
         times = []
         for repeat in range(self.repeats):
-            ns = self.namespaces.make("anchor")
-            times.append(mode.load(ns, saved))
-            if repeat < self.repeats - 1:
-                self.namespaces.remove(ns)
+            with ExitStack() as attempt:
+                ns = make_netns("anchor", attempt)
+                times.append(mode.load(ns, scripts))
+                if repeat == self.repeats - 1:
+                    stack.enter_context(attempt.pop_all())
         bare = statistics.median(times)
-        what = f"bare {mode.loader} {secs(bare)}"
+        what = f"bare {mode.loader} {secs(bare)} (transactions: {len(scripts)})"
         print(f"  the daemon wrote {mode.summary(saved)}")
         goal = (f"<= {FULL_SYNC_GOAL}x", full / bare <= FULL_SYNC_GOAL)
         figure = "full sync at start (metric)"
         self.add(mode, size, figure, secs(full), what, ratio(full, bare), goal)
-        figure = "start to rules in kernel (wall)"
-        self.add(mode, size, figure, secs(wall), what, ratio(wall, bare))
+        self.add(mode, size, "start to rules in kernel (wall)", secs(wall))
+        self.add(mode, size, "start-up before the full sync (wall - metric)", secs(wall - full))
         return ns
 
-    def forced_full_sync(
+    def forced_full_syncs(
         self, size: int, mode: Mode, daemon: Daemon, anchor: Netns, saved: str
     ) -> None:
-        before = daemon.metrics()
-        zone = f"zone-{size}-{mode.name}"
-        self.kube.patch(f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {ZONE: zone}}})
-        after = daemon.wait_sync(FULL, before, self.options.sync_timeout)
-        bare = mode.reload(anchor, saved)
+        scripts = mode.scripts(saved, fresh=False)
+        figure = "full sync at steady state (metric, median)"
+        forced, bares = [], []
+        for repeat in range(self.repeats):
+            before = daemon.metrics()
+            zone = f"zone-{size}-{mode.name}-{repeat}"
+            self.kube.patch(f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {ZONE: zone}}})
+            try:
+                after = daemon.wait_sync(FULL, before, self.options.sync_timeout)
+            except TimeoutError:
+                limit = f"> {self.options.sync_timeout:.0f} s"
+                self.add(mode, size, figure, f"not done, {limit}")
+                return
+            if after[f"{FULL}_count"] != before[f"{FULL}_count"] + 1:
+                raise RuntimeError("more than one full sync after one change of the Node")
+            forced.append(spent(after, before, FULL))
+            bares.append(mode.load(anchor, scripts))
+        sync, bare = statistics.median(forced), statistics.median(bares)
         what = f"bare {mode.loader} over the same rules {secs(bare)}"
-        figure = "full sync at steady state (metric)"
-        if after is None:
-            self.add(mode, size, figure, f"not done, > {self.options.sync_timeout:.0f} s", what)
-            return
-        forced = spent(after, before, FULL)
-        goal = (f"<= {FULL_SYNC_GOAL}x", forced / bare <= FULL_SYNC_GOAL)
-        self.add(mode, size, figure, secs(forced), what, ratio(forced, bare), goal)
+        goal = (f"<= {FULL_SYNC_GOAL}x", sync / bare <= FULL_SYNC_GOAL)
+        self.add(mode, size, figure, secs(sync), what, ratio(sync, bare), goal)
 
     def one_service_changes(self, size: int, mode: Mode, daemon: Daemon, anchor: Netns) -> None:
+        """Changes measured by metrics and the daemon's timestamp; then, when a look at the
+        kernel is cheap, as many changes polled from outside (not mixed: polling costs)."""
         node = daemon.ns
-        change = OneServiceChange(self.kube, mode, size // 2, self.fresh)
+        change = OneServiceChange(self.kube, mode, daemon, size // 2, self.fresh)
 
         def programmed(target: str) -> bool:
             return target in mode.chain(node, change.chain)
 
-        poll_cost = timed(lambda: programmed(""))
-        outside = poll_cost < OUTSIDE_POLL_LIMIT
-        syncs, bares = [], []
-        latencies: dict[str, list[float]] = {"polled from outside": [], "daemon's timestamp": []}
-        for _ in range(5 if self.options.quick else 10):
+        def one(polled: bool) -> None:
+            """One change, its figures added to latencies, or (not polled) syncs and bares."""
             time.sleep(1.0)  # the daemon's default --min-sync-period, since the last sync
             before = daemon.metrics()
             target, script = change.apply()
             patched, patched_at = time.monotonic(), time.time()
-            if outside:
-                if poll(lambda t=target: programmed(t), 60, 0.005) is None:
-                    raise RuntimeError(f"{target} not in {change.chain} 60 s after the PATCH")
+            if polled:
+                eventually(
+                    lambda: programmed(target),
+                    60,
+                    f"{target} in {change.chain}",
+                    interval=0.005,
+                )
                 latencies["polled from outside"].append(time.monotonic() - patched)
             after = daemon.wait_sync(PARTIAL, before, 60)
-            assert after is not None and programmed(target), f"{target} was not programmed"
-            latencies["daemon's timestamp"].append(after[LAST_SYNC] - patched_at)
-            syncs.append(spent(after, before, PARTIAL))
-            bares.append(mode.apply(anchor, script))
-        bare = statistics.median(bares)
-        what = f"bare {mode.loader} of the change {ms(bare)}"
-        self.partial.setdefault(mode.name, {})[size] = statistics.median(syncs)
+            assert programmed(target), f"{target} was not programmed"
+            bare = mode.load(anchor, [script])
+            assert mode.chain(anchor, change.chain) == mode.chain(node, change.chain), (
+                f"the bare change left {change.chain} unlike the daemon's"
+            )
+            if not polled:
+                latencies["daemon's timestamp"].append(after[LAST_SYNC] - patched_at)
+                syncs.append(spent(after, before, PARTIAL))
+                bares.append(bare)
+
+        poll_cost = timed(lambda: programmed(""))
+        outside = poll_cost < OUTSIDE_POLL_LIMIT
+        syncs: list[float] = []
+        bares: list[float] = []
+        latencies: dict[str, list[float]] = {"daemon's timestamp": [], "polled from outside": []}
+        changes = 5 if self.options.quick else 10
+        for polled in [False] * changes + [True] * (changes if outside else 0):
+            one(polled)
+        self.partial.setdefault(mode.name, {})[size] = (
+            statistics.median(syncs),
+            statistics.median(bares),
+        )
         goal = f"< {ms(CHANGE_GOAL)}"
         for label, values in (("median", statistics.median), ("max", max)):
-            sync = values(syncs)
+            sync, bare = values(syncs), values(bares)
             self.add(
                 mode,
                 size,
                 f"one-service change: partial sync ({label}, metric)",
                 ms(sync),
-                what,
+                f"bare {mode.loader} of the change ({label}) {ms(bare)}",
                 ratio(sync, bare),
                 (goal, sync < CHANGE_GOAL) if label == "median" else None,
             )
@@ -746,32 +854,43 @@ class Bench:
         print(f"  ({look}{'' if outside else ', too much to poll without disturbing the daemon'})")
 
     def size_growth(self, sizes: list[int], modes: list[Mode]) -> None:
-        """The partial sync at the largest N against the smallest's, for each mode."""
+        """The partial sync at the largest N against the smallest's, for each mode, beside the
+        bare load's growth."""
+        smallest, largest = sizes[0], sizes[-1]
         for mode in modes:
             medians = self.partial.get(mode.name, {})
-            smallest, largest = sizes[0], sizes[-1]
             if smallest != largest and smallest in medians and largest in medians:
-                growth = medians[largest] / medians[smallest]
+                (sync_small, bare_small), (sync_large, bare_large) = (
+                    medians[smallest],
+                    medians[largest],
+                )
+                growth = sync_large / sync_small
                 self.add(
                     mode,
                     largest,
-                    f"one-service change: partial sync (median) against N={smallest}",
-                    ms(medians[largest]),
-                    f"N={smallest}: {ms(medians[smallest])}",
-                    ratio(medians[largest], medians[smallest]),
-                    (f"<= {SIZE_GROWTH_GOAL}x", growth <= SIZE_GROWTH_GOAL),
+                    f"one-service change: growth of the median from N={smallest}",
+                    f"{ratio(sync_large, sync_small)} ({ms(sync_small)} to {ms(sync_large)})",
+                    f"bare {mode.loader} {ratio(bare_large, bare_small)} "
+                    f"({ms(bare_small)} to {ms(bare_large)})",
+                    goal=(f"<= {SIZE_GROWTH_GOAL}x", growth <= SIZE_GROWTH_GOAL),
                 )
 
-    def connection_rate(self, size: int, mode: Mode, daemon: Daemon, saved: str) -> None:
+    def connection_rate(
+        self, size: int, mode: Mode, daemon: Daemon, saved: str, stack: ExitStack
+    ) -> None:
         node = daemon.ns
         target = mode.connection_target(saved, size)
-        client_ns = self.attach(node)
-        plain_client = self.attach(self.namespaces.make("plain"))
+        client_ns = self.attach(node, stack)
+        plain_client = self.attach(make_netns("plain", stack), stack)
         slice_endpoints = [endpoint(ip, REMOTE_NODE) for ip in BACKENDS[:ENDPOINTS]]
         self.kube.patch(f"{SLICES}/{target}-ipv4", {"endpoints": slice_endpoints})
         chain = mode.cluster_chain(target)
-        if poll(lambda: BACKENDS[0] in mode.chain(node, chain), 60, 0.05) is None:
-            raise RuntimeError(f"the backends did not reach {chain}")
+        eventually(
+            lambda: BACKENDS[0] in mode.chain(node, chain),
+            60,
+            f"the backends in {chain}",
+            interval=0.05,
+        )
         dispatch = mode.dispatch(node, target)
         cluster_ip = self.kube.call("GET", f"{SERVICES}/{target}")["spec"]["clusterIP"]
         loads = {
@@ -779,36 +898,52 @@ class Bench:
             "direct": (client_ns, BACKENDS[-1], TARGET_PORT),
             "plain": (plain_client, BACKENDS[-1], TARGET_PORT),
         }
-        seconds = 1.0 if self.options.quick else 2.0
+        seconds, repeats = (1.0, 2) if self.options.quick else (2.0, 5)
         rates: dict[str, list[float]] = {kind: [] for kind in loads}
-        for _ in range(self.repeats):
+        for _ in range(repeats):
             for kind, (ns, host, port) in loads.items():
                 out = ns.run(sys.executable, "-c", CLIENT_LOOP, host, str(port), str(seconds))
                 rates[kind].append(float(out.stdout))
         rate = {kind: statistics.median(values) for kind, values in rates.items()}
-        plain = f"direct, through a node without rules {rate['plain']:.0f}/s"
+        spread = {
+            kind: f"{min(values):.0f}/{rate[kind]:.0f}/{max(values):.0f}/s"
+            for kind, values in rates.items()
+        }
+        how = f"min/median/max of {repeats} x {seconds:.0f} s"
+        plain = f"direct, through a node without rules {spread['plain']}"
+        direct = f"direct to the backend, through this node {spread['direct']}"
         share = rate["service"] / rate["plain"]
+        figure = f"TCP connections/s via ClusterIP ({how})"
         self.add(
             mode,
             size,
-            "TCP connections/s via ClusterIP",
-            f"{rate['service']:.0f}/s, {dispatch}",
+            figure,
+            f"{spread['service']}, {dispatch}",
             plain,
             ratio(rate["service"], rate["plain"]),
-            (f">= {CONNECTION_GOAL:.0%} of direct", share >= CONNECTION_GOAL),
+            (f">= {CONNECTION_GOAL:.0%} of direct without rules", share >= CONNECTION_GOAL),
         )
         self.add(
             mode,
             size,
-            "TCP connections/s direct to the backend, through this node",
-            f"{rate['direct']:.0f}/s",
+            f"{figure}, against direct through this node",
+            spread["service"],
+            direct,
+            ratio(rate["service"], rate["direct"]),
+        )
+        self.add(
+            mode,
+            size,
+            f"TCP connections/s direct to the backend, through this node ({how})",
+            spread["direct"],
             plain,
             ratio(rate["direct"], rate["plain"]),
         )
 
-    def attach(self, node: Netns) -> Netns:
-        """A client and a backend (serving on all BACKENDS) routed through node: the client."""
-        client_ns, backend = self.namespaces.make("client"), self.namespaces.make("backend")
+    def attach(self, node: Netns, stack: ExitStack) -> Netns:
+        """A client and a backend (serving on all BACKENDS) routed through node, both removed
+        when stack closes: the client."""
+        client_ns, backend = make_netns("client", stack), make_netns("backend", stack)
         veth(node, "cl0", client_ns, CLIENT_GATEWAY, [CLIENT])
         veth(node, "be0", backend, BACKEND_GATEWAY, BACKENDS)
         node.run("sysctl", "-qw", "net.ipv4.ip_forward=1")
@@ -816,13 +951,11 @@ class Bench:
             ["ip", "netns", "exec", backend.name, sys.executable, "-c", SERVER, str(TARGET_PORT)],
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=die_with_parent,
         )
         backend.servers.append(server)
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         return client_ns
-
-    def close(self) -> None:
-        self.namespaces.close()
 
 
 MODES = ("iptables", "nftables")
@@ -849,7 +982,10 @@ def main() -> None:
         parser.error(f"unknown modes {', '.join(sorted(unknown))} (one of {', '.join(MODES)})")
     available: dict[str, Mode] = {"iptables": Iptables(options.flavour), "nftables": Nftables()}
     modes = [available[name] for name in names]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda number, _: sys.exit(128 + number))
+    began_at = revision()
+    print(f"at {began_at}", flush=True)
     with tempfile.TemporaryDirectory(prefix="knit-proxy-bench-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         plane = start(work / "controlplane")
@@ -859,7 +995,6 @@ def main() -> None:
         kube = Kube(api)
         kube.call("POST", "/api/v1/nodes", node_object(NODE))
         bench = Bench(options, plane, kube, work)
-        stack.callback(bench.close)
         created = 0
         for size in sizes:
             took = create_services(kube, range(created, size))
@@ -871,12 +1006,15 @@ def main() -> None:
             for mode in modes:
                 bench.size(size, mode, size == sizes[-1])
         bench.size_growth(sizes, modes)
-    revision = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
-    ).stdout.strip()
     print(f"\n{bench.report.table()}\n")
     print(f"{bench.report.comparison([mode.name for mode in modes])}\n")
-    print(f"command: {shlex.join(sys.orig_argv)} (at {revision})")
+    print(
+        "connection goal: the ClusterIP's rate against direct through a node without rules; "
+        "against direct through the same node in the row after it"
+    )
+    print(f"command: {shlex.join(sys.orig_argv)} (at {began_at})")
+    if (ended_at := revision()) != began_at:
+        print(f"WARNING: the tree changed during the run: {began_at} at the start, {ended_at} now")
 
 
 if __name__ == "__main__":

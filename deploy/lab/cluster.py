@@ -52,8 +52,11 @@ def in_ns(ns: str, *argv: str, check: bool = True, timeout: float = 60) -> str:
     return sh("ip", "netns", "exec", ns, *argv, check=check, timeout=timeout)
 
 
-def eventually(check: Callable[[], T], timeout: float = 15, what: str = "condition") -> T:
-    """The first truthy result of check(); TimeoutError naming the last error after timeout."""
+def eventually(
+    check: Callable[[], T], timeout: float = 15, what: str = "condition", interval: float = 0.2
+) -> T:
+    """The first truthy result of check(), tried every `interval` seconds; TimeoutError naming
+    the last error after timeout."""
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while True:
@@ -65,7 +68,7 @@ def eventually(check: Callable[[], T], timeout: float = 15, what: str = "conditi
             last = err
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout:.0f}s (last error: {last!r})")
-        time.sleep(0.2)
+        time.sleep(interval)
 
 
 @dataclass(frozen=True)

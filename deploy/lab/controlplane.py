@@ -156,7 +156,7 @@ def _free_port() -> int:
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: no locks taken, the libc function was looked up beforehand."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -238,7 +238,7 @@ def _launch(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=None if detach else _die_with_parent,
+            preexec_fn=None if detach else die_with_parent,
         )
     (state_dir / f"{name}.pid").write_text(f"{proc.pid}\n")
     return proc

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from deploy.lab.cluster import eventually
+from deploy.lab.controlplane import die_with_parent
 from tests.conftest import ROOT, Netns
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, bridge_conf
 
@@ -53,32 +54,20 @@ class ProxyNode:
         return self.node.ns
 
     def start(self, *extra: str) -> None:
-        self.args = [
-            "--kubeconfig",
-            str(self.kubeconfig),
-            "--hostname-override",
+        self.args = proxyd_args(
+            self.kubeconfig,
             self.name,
-            "--cluster-cidr",
             CLUSTER_CIDRS,
+            self.mode,
+            self.log_path.parent,
+            self.node.data_dir,
             "--min-sync-period",
             "100ms",
             "--v",
             "4",
-            *node_paths(self.log_path.parent, self.node.data_dir),
-            "--routing",
-            "none",
-            "--proxy-mode",
-            self.mode,
             *extra,
-        ]
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns.name, sys.executable, "-m", "proxyd", *self.args],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
+        self.process = launch_proxyd(self.ns, self.args, self.log_path)
         eventually(lambda: self.metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds") > 0)
 
     def stop(self) -> None:
@@ -161,6 +150,48 @@ def node_paths(folder: Path, data_dir: Path, socket: str = "") -> list[str]:
         "--cni-bundle",
         "",
     ]
+
+
+def proxyd_args(
+    kubeconfig: Path,
+    name: str,
+    cluster_cidrs: str,
+    mode: str,
+    folder: Path,
+    data_dir: Path,
+    *extra: str,
+) -> list[str]:
+    """knit-proxyd's flags for a node namespace: its CNI files under folder and data_dir
+    (node_paths), none of the host's, and no routes to other nodes."""
+    return [
+        "--kubeconfig",
+        str(kubeconfig),
+        "--hostname-override",
+        name,
+        "--cluster-cidr",
+        cluster_cidrs,
+        *node_paths(folder, data_dir),
+        "--routing",
+        "none",
+        "--proxy-mode",
+        mode,
+        *extra,
+    ]
+
+
+def launch_proxyd(ns: Netns, args: list[str], log: Path, *python: str) -> subprocess.Popen[bytes]:
+    """knit-proxyd in ns (`ip netns exec` execs it: the pid is the daemon's), its output
+    appended to log, killed when the launching thread ends; `python`: interpreter options
+    before `-m proxyd`."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns.name, sys.executable, *python, "-m", "proxyd", *args],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            preexec_fn=die_with_parent,
+        )
 
 
 def setup_node(
