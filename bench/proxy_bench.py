@@ -331,12 +331,8 @@ class Mode(ABC):
         return in_netns(ns, lambda: timed(write_all))
 
     @abstractmethod
-    def chain(self, ns: Netns, chain: str) -> str:
-        """One chain, listed."""
-
-    @abstractmethod
-    def cluster_chain(self, name: str) -> str:
-        """The chain holding the endpoints of the service `name`."""
+    def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
+        """The endpoints the kernel holds for the service `name`, as listed."""
 
     @abstractmethod
     def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
@@ -393,11 +389,9 @@ class Iptables(Mode):
     def write(self, text: str) -> None:
         self.kernel.restore(text)
 
-    def chain(self, ns: Netns, chain: str) -> str:
+    def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
+        chain = ServiceChains(ServicePortName("default", name, "", "TCP")).cluster
         return ns.run(self.kernel.binary, "-w", "5", "-t", "nat", "-S", chain).stdout
-
-    def cluster_chain(self, name: str) -> str:
-        return ServiceChains(ServicePortName("default", name, "", "TCP")).cluster
 
     def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
         def rules(plan: PortPlan) -> RuleSet:
@@ -488,22 +482,22 @@ class Nftables(Mode):
     def write(self, text: str) -> None:
         self.kernel.run(text)
 
-    def chain(self, ns: Netns, chain: str) -> str:
-        return ns.run("nft", "list", "chain", *NFT_TABLE, chain).stdout
-
-    def cluster_chain(self, name: str) -> str:
-        return nftables_render.ServiceNames(ServicePortName("default", name, "", "TCP")).cluster
+    def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
+        """The elements of the endpoint map keyed by the service's cluster IP."""
+        keys = ", ".join(f"{cluster_ip} . {PORT} . {index}" for index in range(ENDPOINTS))
+        endpoint_map = nftables_render.IPS.endpoint_map(local=False, proto="tcp")
+        return ns.run("nft", "get", "element", *NFT_TABLE, endpoint_map, f"{{ {keys} }}").stdout
 
     def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
         name = after.port.name
-        old = TableState(
+        table = TableState(
             nftables_render.render_base(ctx),
             {name: nftables_render.render_service(before, ctx)},
         )
-        full_transaction(ctx.family, old, set(), set())  # fills in the claims, as the daemon's
-        new = old.copy()
-        new.services[name] = nftables_render.render_service(after, ctx)
-        return partial_transaction(ctx.family, old, new, [name])
+        full_transaction(ctx.family, table, set(), set())  # fills in the claims, as the daemon's
+        return partial_transaction(
+            ctx.family, table, {name: nftables_render.render_service(after, ctx)}
+        )
 
     def summary(self, saved: str) -> str:
         chains = len(CHAIN_LINE.findall(saved))
@@ -513,7 +507,7 @@ class Nftables(Mode):
         return service_name(size - 1)
 
     def dispatch(self, node: Netns, target: str) -> str:
-        return "one verdict-map lookup"
+        return "a verdict-map lookup, then an endpoint-map lookup"
 
 
 def service_order(saved: str) -> list[str]:
@@ -533,11 +527,11 @@ class OneServiceChange:
         self.mode = mode
         self.fresh = fresh
         self.name = service_name(index)
-        self.chain = mode.cluster_chain(self.name)
         self.endpoints = kube.call("GET", f"{SLICES}/{self.name}-ipv4")["endpoints"]
         spec = kube.call("GET", f"{SERVICES}/{self.name}")["spec"]
+        self.cluster_ip = spec["clusterIP"]
         port_name = ServicePortName("default", self.name, "", "TCP")
-        self.port = ServicePort(port_name, (spec["clusterIP"],), PORT)
+        self.port = ServicePort(port_name, (self.cluster_ip,), PORT)
         node = parse_node(kube.call("GET", f"/api/v1/nodes/{NODE}"))
         settings = load_config(daemon.args)
         self.ctx = in_netns(  # the iptables proxier detects the flavour where it is made
@@ -557,15 +551,19 @@ class OneServiceChange:
         assert plan is not None
         return plan
 
+    def listed(self, ns: Netns) -> str:
+        """The service's endpoints as ns's kernel holds them."""
+        return self.mode.endpoints(ns, self.name, self.cluster_ip)
+
     def apply(self) -> tuple[str, str]:
-        """Patch the slice; return (the new endpoint as the rules name it, the change)."""
+        """Patch the slice; return (the new endpoint's address, the change)."""
         before = self._plan()
         new_ip = next(self.fresh)
         self.endpoints[self.changes % ENDPOINTS] = endpoint(new_ip, REMOTE_NODE)
         self.changes += 1
         script = self.mode.change(self.ctx, before, self._plan())
         self.kube.patch(f"{SLICES}/{self.name}-ipv4", {"endpoints": self.endpoints})
-        return f"{new_ip}:{TARGET_PORT}", script
+        return new_ip, script
 
 
 def veth(node: Netns, name: str, pod: Netns, gateway: str, addresses: list[str]) -> None:
@@ -788,7 +786,7 @@ class Bench:
         change = OneServiceChange(self.kube, mode, daemon, size // 2, self.fresh)
 
         def programmed(target: str) -> bool:
-            return target in mode.chain(node, change.chain)
+            return target in change.listed(node)
 
         def one(polled: bool) -> None:
             """One change, its figures added to latencies, or (not polled) syncs and bares."""
@@ -800,15 +798,15 @@ class Bench:
                 eventually(
                     lambda: programmed(target),
                     60,
-                    f"{target} in {change.chain}",
+                    f"{target} among {change.name}'s endpoints",
                     interval=0.005,
                 )
                 latencies["polled from outside"].append(time.monotonic() - patched)
             after = daemon.wait_sync(PARTIAL, before, 60)
             assert programmed(target), f"{target} was not programmed"
             bare = mode.load(anchor, [script])
-            assert mode.chain(anchor, change.chain) == mode.chain(node, change.chain), (
-                f"the bare change left {change.chain} unlike the daemon's"
+            assert change.listed(anchor) == change.listed(node), (
+                f"the bare change left {change.name}'s endpoints unlike the daemon's"
             )
             if not polled:
                 latencies["daemon's timestamp"].append(after[LAST_SYNC] - patched_at)
@@ -850,7 +848,7 @@ class Bench:
                         ms(latency),
                         goal=(goal, latency < CHANGE_GOAL) if label == "median" else None,
                     )
-        look = f"one look at {change.chain} costs {ms(poll_cost)}"
+        look = f"one look at {change.name}'s endpoints costs {ms(poll_cost)}"
         print(f"  ({look}{'' if outside else ', too much to poll without disturbing the daemon'})")
 
     def size_growth(self, sizes: list[int], modes: list[Mode]) -> None:
@@ -884,15 +882,14 @@ class Bench:
         plain_client = self.attach(make_netns("plain", stack), stack)
         slice_endpoints = [endpoint(ip, REMOTE_NODE) for ip in BACKENDS[:ENDPOINTS]]
         self.kube.patch(f"{SLICES}/{target}-ipv4", {"endpoints": slice_endpoints})
-        chain = mode.cluster_chain(target)
+        cluster_ip = self.kube.call("GET", f"{SERVICES}/{target}")["spec"]["clusterIP"]
         eventually(
-            lambda: BACKENDS[0] in mode.chain(node, chain),
+            lambda: BACKENDS[0] in mode.endpoints(node, target, cluster_ip),
             60,
-            f"the backends in {chain}",
+            f"the backends among {target}'s endpoints",
             interval=0.05,
         )
         dispatch = mode.dispatch(node, target)
-        cluster_ip = self.kube.call("GET", f"{SERVICES}/{target}")["spec"]["clusterIP"]
         loads = {
             "service": (client_ns, cluster_ip, PORT),
             "direct": (client_ns, BACKENDS[-1], TARGET_PORT),

@@ -3,11 +3,12 @@ table holds (for full syncs).
 
 Why text through `nft -f` (see the README's "Why each library"): nft's parser and its
 compiler to netlink are the reference implementation of the rule language and a transaction
-is atomic; a one-service change at 10,000 services cost the same through libnftables
-in-process (ctypes) as through the `nft` process, and libnftables' JSON input goes through the
-same library and cache (not measured separately). What costs is nft's cache: before each
-transaction nft reads every chain and set of the family from the kernel, so the rule layout
-keeps the number of chains small (see render.py).
+is atomic. What a transaction costs beyond the kernel's own work is nft's cache: before each
+one, nft 1.0.6 reads every chain of the table (about 14 ms for 10,000 chains, measured with
+strace), and the kernel validates every chain reachable from the hooks after a transaction
+that adds a jump or a DNAT (about 38 ms for 10,000 chains of 11 rules). The element-only
+layout (see render.py) keeps both small; a change through libnftables in-process (ctypes)
+cost the same as through the `nft` process.
 """
 
 from __future__ import annotations

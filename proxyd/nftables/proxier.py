@@ -1,5 +1,5 @@
 """The nftables proxier: one table per family, written by one nft transaction per sync that
-holds only what the changed service ports own (or everything, on a full sync)."""
+holds only what the changed service ports own or use (or everything, on a full sync)."""
 
 from __future__ import annotations
 
@@ -36,14 +36,15 @@ class NftablesProxier(Proxier):
                 text = full_transaction(family, new, kernel.chains(), kernel.sets())
             else:
                 assert old is not None
-                new = old.copy()
-                for name in changed:
-                    new.services.pop(name, None)
-                    if name in plans:
-                        new.services[name] = render_service(plans[name], ctx)
-                text = partial_transaction(family, old, new, changed)
+                new = old
+                updates = {
+                    name: render_service(plans[name], ctx) if name in plans else None
+                    for name in changed
+                }
+                text = partial_transaction(family, new, updates)
             kernel.run(text)
         except NftError as err:
+            self._written[family] = None
             raise ProgramError(str(err)) from err
         self._written[family] = new
         return full

@@ -1,12 +1,20 @@
 """Pure rendering: port plans of one family -> the nftables objects they need.
 
-One table per family (`ip knit`, `ip6 knit`). New connections find their service through
-verdict maps keyed on address . protocol . port (and protocol . port for NodePorts), so the
-first packet costs the same at 10 services as at 10,000; each service port owns its chains
-(service-, local-, external-, firewall-) and map elements, so a change to one
-service rewrites only those. Behaviour matches the iptables mode rule for rule: reject when
-no endpoint exists, drop when a Local policy finds none here, the same masquerade marks, the
-loadBalancerSourceRanges firewall, and session affinity through per-endpoint dynamic sets.
+One table per family (`ip knit`, `ip6 knit`). A service port lives in map and set elements,
+not in rules: new connections find their frontend through verdict maps keyed on
+address . protocol . port (protocol . port for NodePorts), masquerade through sets of
+frontends, and an endpoint through a shared `spread-...-N` chain that draws a random index
+below N (the frontend's endpoint count) and DNATs to the endpoint map's element for
+frontend . index. So the first packet costs the same at 10 services as at 10,000, and a change
+to one service adds and removes elements only (or points its frontend at another spread
+chain): the kernel validates every chain reachable from the hooks after a transaction that
+adds a jump or a DNAT, and nft reads every chain before each transaction, so both stay cheap
+because the table holds few chains and rules whatever the number of services.
+
+Two kinds of service port own chains: session affinity (a cascade over per-endpoint timed
+sets, `service-`/`local-` chains) and loadBalancerSourceRanges (`firewall-` chains). Behaviour
+matches the iptables mode: reject when no endpoint exists, drop when a Local policy finds
+none here, the same masquerade marks, the firewall, and affinity.
 """
 
 from __future__ import annotations
@@ -27,8 +35,14 @@ NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
 FIREWALL_IPS = "firewall-ips"
 HAIRPIN = "hairpin"
 """Endpoint . endpoint: a connection DNATed back to its own source is masqueraded."""
+MASQUERADE_IPS = "masquerade-ips"
+"""Address frontends whose traffic is always masqueraded."""
+MASQUERADE_NODEPORTS = "masquerade-nodeports"
+CLUSTER_IPS = "cluster-ips"
+"""Cluster-IP frontends, masqueraded when the source is outside the cluster CIDR."""
 
 SERVICES = "services"
+NODEPORTS = "nodeports"
 MARK_MASQ = "mark-for-masquerade"
 MASQUERADING = "masquerading"
 REJECT = "reject-chain"
@@ -38,17 +52,95 @@ FIREWALL_CHECK = "firewall-check"
 
 Rules = tuple[str, ...]
 Element = tuple[str, str]
-"""(key, verdict) of a verdict-map element; the verdict is empty in a plain set."""
+"""(key, value) of a map element: a verdict or endpoint data; empty in a plain set."""
+
+
+PROTOCOLS = ("tcp", "udp", "sctp")
+
+
+@dataclass(frozen=True)
+class FrontendKind:
+    """Address frontends (cluster, external and LB IPs) or NodePorts: how their key is read
+    from a packet and the maps and chains keyed that way."""
+
+    name: str
+    dispatch: str
+    """Frontend -> where its connections go."""
+    unreachable: str
+    """Frontend -> what happens without an endpoint to go to."""
+    masquerade: str
+
+    @property
+    def external_local(self) -> str:
+        """Shared chain choosing between cluster and local endpoints for a Local policy."""
+        return f"external-local-{self.name}"
+
+    def spread_map(self, local: bool) -> str:
+        """Frontend -> its spread, for a Local policy's external traffic."""
+        return f"{'local' if local else 'cluster'}-spread-{self.name}"
+
+    def endpoint_map(self, local: bool, proto: str) -> str:
+        """Frontend . index -> endpoint address . port, one map per protocol: nft 1.0.6
+        cannot use a map whose `typeof` data reads `th dport` once the map is in the kernel."""
+        return f"{'local-' if local else ''}endpoints-{self.name}-{proto}"
+
+    def key(self, l3: str) -> str:
+        """The frontend as a dispatch map's key."""
+        if self.name == "ips":
+            return f"{l3} daddr . meta l4proto . th dport"
+        return "meta l4proto . th dport"
+
+    def endpoint_key(self, l3: str, proto: str) -> str:
+        """The frontend as an endpoint map's key, the random index left out."""
+        if self.name == "ips":
+            return f"{l3} daddr . {proto} dport"
+        return f"{proto} dport"
+
+
+IPS = FrontendKind("ips", SERVICE_IPS, NO_ENDPOINT_EXTERNAL, MASQUERADE_IPS)
+NODEPORT_KIND = FrontendKind(
+    "nodeports", SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS, MASQUERADE_NODEPORTS
+)
+
+
+@dataclass(frozen=True, order=True)
+class Spread:
+    """The shared chain sending a new connection to one of `count` endpoints of its frontend,
+    at random, through the endpoint map of the frontend's kind and protocol."""
+
+    kind: str
+    local: bool
+    proto: str
+    count: int
+
+    @property
+    def frontends(self) -> FrontendKind:
+        return IPS if self.kind == IPS.name else NODEPORT_KIND
+
+    @property
+    def name(self) -> str:
+        return f"spread-{'local-' if self.local else ''}{self.kind}-{self.proto}-{self.count}"
+
+    def rules(self, family: int) -> Rules:
+        l3, _ = _addr(family)
+        key = self.frontends.endpoint_key(l3, self.proto)
+        endpoints = self.frontends.endpoint_map(self.local, self.proto)
+        return (
+            f"meta l4proto {self.proto} dnat to {key} . numgen random mod {self.count} "
+            f"map @{endpoints}",
+        )
 
 
 @dataclass(frozen=True)
 class ServiceObjects:
-    """What one service port owns in one family's table."""
+    """What one service port owns or uses in one family's table."""
 
     chains: dict[str, Rules] = field(default_factory=dict)
     elements: dict[str, frozenset[Element]] = field(default_factory=dict)
     sets: dict[str, str] = field(default_factory=dict)
     """Affinity sets: name -> declaration."""
+    spreads: frozenset[Spread] = frozenset()
+    """Shared spread chains its frontends go to."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +164,7 @@ def _addr(family: int) -> tuple[str, str]:
 
 
 class ServiceNames:
-    """Names of one service port's chains and sets; hashed prefix, readable suffix."""
+    """Names of one service port's own chains and sets; hashed prefix, readable suffix."""
 
     def __init__(self, name: ServicePortName) -> None:
         proto = name.protocol.lower()
@@ -80,7 +172,6 @@ class ServiceNames:
         self._hash = short_hash(f"{name}{proto}", 8)
         self.cluster = f"service-{self._hash}-{self._base}"
         self.local = f"local-{self._hash}-{self._base}"
-        self.external = f"external-{self._hash}-{self._base}"
         self.firewall = f"firewall-{self._hash}-{self._base}"
 
     def affinity(self, endpoint: Endpoint, timeout: int) -> str:
@@ -97,34 +188,22 @@ def _dnat_target(endpoint: Endpoint) -> str:
     return f"{endpoint.ip}:{endpoint.port}"
 
 
-def _spread(
-    plan: PortPlan, endpoints: tuple[Endpoint, ...], names: ServiceNames, l3: str
-) -> list[str]:
-    """Rules sending a new connection to one endpoint: the remembered one under affinity,
-    else one at random.
-
-    The random choice is a cascade (endpoint i with probability 1/(count - i)) ending in the
-    DNAT itself, not a numgen into an anonymous verdict map and per-endpoint chains: the
-    kernel's loop check walks every set of the table for each jump it adds, and nft reads
-    every chain of the family before each transaction, so both would make the cost of a
-    change grow with the number of services."""
+def _sticky(plan: PortPlan, endpoints: tuple[Endpoint, ...], names: ServiceNames, l3: str) -> Rules:
+    """Session affinity: the endpoint remembered for the source, else one at random (endpoint
+    i with probability 1/(count - i)), remembered from then on."""
     proto = plan.port.protocol.lower()
     timeout = plan.port.affinity_timeout
 
     def to(endpoint: Endpoint) -> str:
-        remember = (
-            f"update @{names.affinity(endpoint, timeout)} {{ {l3} saddr }} " if timeout else ""
-        )
+        remember = f"update @{names.affinity(endpoint, timeout)} {{ {l3} saddr }} "
         return f"{remember}meta l4proto {proto} dnat to {_dnat_target(endpoint)}"
 
-    rules = []
-    if timeout:
-        rules += [f"{l3} saddr @{names.affinity(e, timeout)} {to(e)}" for e in endpoints]
+    rules = [f"{l3} saddr @{names.affinity(e, timeout)} {to(e)}" for e in endpoints]
     count = len(endpoints)
     for index, endpoint in enumerate(endpoints[:-1]):
         rules.append(f"numgen random mod {count - index} 0 {to(endpoint)}")
     rules.append(to(endpoints[-1]))
-    return rules
+    return tuple(rules)
 
 
 def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
@@ -132,67 +211,68 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
     names = ServiceNames(port.name)
     l3, addr_type = _addr(ctx.family)
     proto = port.protocol.lower()
-    chains: dict[str, list[str]] = {}
+    chains: dict[str, Rules] = {}
     elements: dict[str, set[Element]] = {}
+    spreads: set[Spread] = set()
 
-    def element(map_name: str, key: str, verdict: str) -> None:
-        elements.setdefault(map_name, set()).add((key, verdict))
+    def element(map_name: str, key: str, value: str = "") -> None:
+        elements.setdefault(map_name, set()).add((key, value))
+
+    def spread(kind: FrontendKind, frontend: str, local: bool) -> str:
+        """The verdict taking new connections to `frontend` (address . port, or the node
+        port) to its endpoints."""
+        endpoints = plan.local if local else plan.cluster
+        if port.affinity_timeout:
+            chain = names.local if local else names.cluster
+            chains[chain] = _sticky(plan, endpoints, names, l3)
+            return f"goto {chain}"
+        shared = Spread(kind.name, local, proto, len(endpoints))
+        spreads.add(shared)
+        for index, endpoint in enumerate(endpoints):
+            address = f"{endpoint.ip} . {endpoint.port}"
+            element(kind.endpoint_map(local, proto), f"{frontend} . {index}", address)
+        return f"goto {shared.name}"
 
     no_endpoints = "drop" if plan.no_endpoint_verdict == "drop" else f"goto {REJECT}"
-    internal_chain = names.local if port.internal_policy_local else names.cluster
-    external_policy_chain = names.local if port.external_policy_local else names.cluster
 
     cluster_key = f"{plan.cluster_ip} . {proto} . {port.port}"
     if plan.has_internal:
-        element(SERVICE_IPS, cluster_key, f"goto {internal_chain}")
-        match = f"{l3} daddr {plan.cluster_ip} {proto} dport {port.port}"
+        to_endpoints = spread(IPS, f"{plan.cluster_ip} . {port.port}", port.internal_policy_local)
+        element(SERVICE_IPS, cluster_key, to_endpoints)
         if ctx.masquerade_all:
-            chains.setdefault(internal_chain, []).append(f"{match} jump {MARK_MASQ}")
+            element(MASQUERADE_IPS, cluster_key)
         elif ctx.cluster_cidr:
-            chains.setdefault(internal_chain, []).append(
-                f"{match} {l3} saddr != {ctx.cluster_cidr} jump {MARK_MASQ}"
-            )
+            element(CLUSTER_IPS, cluster_key)
     else:
         element(NO_ENDPOINT_SERVICES, cluster_key, no_endpoints)
 
-    def external_frontend(dispatch: str, unreachable: str, key: str) -> None:
-        if plan.has_endpoints:
-            element(dispatch, key, f"goto {names.external}")
+    def external(kind: FrontendKind, key: str, frontend: str) -> None:
+        if plan.has_endpoints and port.external_policy_local:
+            element(kind.dispatch, key, f"goto {kind.external_local}")
+            if plan.cluster:
+                element(kind.spread_map(False), key, spread(kind, frontend, False))
+            if plan.local:
+                element(kind.spread_map(True), key, spread(kind, frontend, True))
+        elif plan.has_endpoints and plan.cluster:
+            element(kind.masquerade, key)
+            element(kind.dispatch, key, spread(kind, frontend, False))
         if not plan.has_external:
-            element(unreachable, key, no_endpoints)
+            element(kind.unreachable, key, no_endpoints)
 
     for ip in (*plan.external_ips, *plan.load_balancer_ips):
-        external_frontend(SERVICE_IPS, NO_ENDPOINT_EXTERNAL, f"{ip} . {proto} . {port.port}")
+        external(IPS, f"{ip} . {proto} . {port.port}", f"{ip} . {port.port}")
+    if port.node_port:
+        external(NODEPORT_KIND, f"{proto} . {port.node_port}", str(port.node_port))
     if plan.uses_firewall:
         for ip in plan.load_balancer_ips:
             element(FIREWALL_IPS, f"{ip} . {proto} . {port.port}", f"goto {names.firewall}")
         sources = ", ".join(plan.firewall_sources)
         allowed = f"{l3} saddr != {{ {sources} }} " if sources else ""
-        chains[names.firewall] = [f"{allowed}counter drop"]
+        chains[names.firewall] = (f"{allowed}counter drop",)
 
-    if port.node_port:
-        external_frontend(SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS, f"{proto} . {port.node_port}")
-
-    if plan.uses_external:
-        rules = chains.setdefault(names.external, [])
-        if not port.external_policy_local:
-            rules.append(f"jump {MARK_MASQ}")
-        else:
-            if ctx.cluster_cidr and plan.cluster:
-                rules.append(f"{l3} saddr {ctx.cluster_cidr} goto {names.cluster}")
-            rules.append(f"fib saddr type local jump {MARK_MASQ}")
-            if plan.cluster:
-                rules.append(f"fib saddr type local goto {names.cluster}")
-        if plan.has_external:
-            rules.append(f"goto {external_policy_chain}")
-
-    if plan.cluster:
-        chains.setdefault(names.cluster, []).extend(_spread(plan, plan.cluster, names, l3))
-    if plan.local:
-        chains.setdefault(names.local, []).extend(_spread(plan, plan.local, names, l3))
     sets: dict[str, str] = {}
     for endpoint in plan.reachable:
-        element(HAIRPIN, f"{endpoint.ip} . {endpoint.ip}", "")
+        element(HAIRPIN, f"{endpoint.ip} . {endpoint.ip}")
         if port.affinity_timeout:
             sets[names.affinity(endpoint, port.affinity_timeout)] = (
                 f"{{ type {addr_type} ; flags dynamic,timeout ; "
@@ -200,9 +280,10 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
             )
 
     return ServiceObjects(
-        chains={name: tuple(rules) for name, rules in chains.items()},
+        chains=chains,
         elements={name: frozenset(items) for name, items in elements.items()},
         sets=sets,
+        spreads=frozenset(spreads),
     )
 
 
@@ -233,14 +314,31 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         NO_ENDPOINT_NODEPORTS: by_port,
         FIREWALL_IPS: by_address,
         HAIRPIN: f"{{ type {addr_type} . {addr_type} ; }}",
+        MASQUERADE_IPS: f"{{ type {addr_type} . inet_proto . inet_service ; }}",
+        MASQUERADE_NODEPORTS: "{ type inet_proto . inet_service ; }",
+        CLUSTER_IPS: f"{{ type {addr_type} . inet_proto . inet_service ; }}",
     }
-    dispatch = f"{l3} daddr . meta l4proto . th dport vmap"
+    for kind, declaration in ((IPS, by_address), (NODEPORT_KIND, by_port)):
+        for local in (False, True):
+            maps[kind.spread_map(local)] = declaration
+            for proto in PROTOCOLS:
+                key = f"{kind.endpoint_key(l3, proto)} . numgen random mod 1"
+                maps[kind.endpoint_map(local, proto)] = (
+                    f"{{ typeof {key} : {l3} daddr . {proto} dport ; }}"
+                )
+    address_key = IPS.key(l3)
+    port_key = NODEPORT_KIND.key(l3)
     nodeports = _nodeport_match(ctx)
-    services = [f"{dispatch} @{SERVICE_IPS}"]
-    external_check = [f"{dispatch} @{NO_ENDPOINT_EXTERNAL}"]
+    services = [f"{address_key} @{MASQUERADE_IPS} jump {MARK_MASQ}"]
+    if ctx.cluster_cidr and not ctx.masquerade_all:
+        services.append(
+            f"{address_key} @{CLUSTER_IPS} {l3} saddr != {ctx.cluster_cidr} jump {MARK_MASQ}"
+        )
+    services.append(f"{address_key} vmap @{SERVICE_IPS}")
+    external_check = [f"{address_key} vmap @{NO_ENDPOINT_EXTERNAL}"]
     if nodeports is not None:
-        services.append(f"{nodeports} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}")
-        external_check.append(f"{nodeports} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS}")
+        services.append(f"{nodeports} jump {NODEPORTS}")
+        external_check.append(f"{nodeports} {port_key} vmap @{NO_ENDPOINT_NODEPORTS}")
     new = "ct state new"
     input_rules = [f"{new} jump {EXTERNAL_CHECK}"]
     output_rules = [f"{new} jump {FIREWALL_CHECK}", f"{new} jump {CLUSTER_IPS_CHECK}"]
@@ -248,6 +346,12 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         input_rules.append(f"{new} ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 drop")
     chains: dict[str, Rules] = {
         SERVICES: tuple(services),
+        NODEPORTS: (
+            f"{port_key} @{MASQUERADE_NODEPORTS} jump {MARK_MASQ}",
+            f"{port_key} vmap @{SERVICE_NODEPORTS}",
+        ),
+        IPS.external_local: _external_local(IPS, ctx),
+        NODEPORT_KIND.external_local: _external_local(NODEPORT_KIND, ctx),
         MARK_MASQ: (f"meta mark set meta mark | {mark}",),
         MASQUERADING: (
             f"ct status dnat {l3} saddr . {l3} daddr @{HAIRPIN} masquerade fully-random",
@@ -256,9 +360,9 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
             "masquerade fully-random",
         ),
         REJECT: ("reject",),
-        CLUSTER_IPS_CHECK: (f"{dispatch} @{NO_ENDPOINT_SERVICES}",),
+        CLUSTER_IPS_CHECK: (f"{address_key} vmap @{NO_ENDPOINT_SERVICES}",),
         EXTERNAL_CHECK: tuple(external_check),
-        FIREWALL_CHECK: (f"{dispatch} @{FIREWALL_IPS}",),
+        FIREWALL_CHECK: (f"{address_key} vmap @{FIREWALL_IPS}",),
         "nat-prerouting": (f"jump {SERVICES}",),
         "nat-output": (f"jump {SERVICES}",),
         "nat-postrouting": (f"jump {MASQUERADING}",),
@@ -281,3 +385,17 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         "filter-output": "type filter hook output priority -110",
     }
     return BaseObjects(maps=maps, chains=chains, hooks=hooks)
+
+
+def _external_local(kind: FrontendKind, ctx: FamilyContext) -> Rules:
+    """External traffic of a Local-policy frontend: pods and the node itself may use any
+    endpoint (the node's own traffic masqueraded), the rest only this node's."""
+    l3, _ = _addr(ctx.family)
+    to_cluster = f"{kind.key(l3)} vmap @{kind.spread_map(False)}"
+    from_pods = [f"{l3} saddr {ctx.cluster_cidr} {to_cluster}"] if ctx.cluster_cidr else []
+    return (
+        *from_pods,
+        f"fib saddr type local jump {MARK_MASQ}",
+        f"fib saddr type local {to_cluster}",
+        f"{kind.key(l3)} vmap @{kind.spread_map(True)}",
+    )

@@ -3,9 +3,10 @@ written to what is wanted.
 
 A full sync declares the whole table, flushes the chains and maps that exist and refills
 them, and removes stale chains and sets (affinity sets that stay keep their entries). A
-partial sync touches only the changed service ports: their chains (added, rewritten or
-removed), their map elements (added or removed) and their affinity sets, so its cost does not
-depend on how many services exist.
+partial sync touches only the changed service ports: their map elements (added or removed),
+the shared spread chains that gain their first user or lose their last, and the chains and
+affinity sets of ports that own some, so its cost does not depend on how many services
+exist.
 
 Two services may claim the same map key (the same external IP and port, say); the first
 claimant by name owns it, and when it lets go the next one takes over.
@@ -18,7 +19,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from proxyd.model import ServicePortName
-from proxyd.nftables.render import TABLE, BaseObjects, Element, ServiceObjects, family_name
+from proxyd.nftables.render import (
+    TABLE,
+    BaseObjects,
+    Element,
+    ServiceObjects,
+    Spread,
+    family_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +43,8 @@ class TableState:
     claims: dict[MapKey, dict[ServicePortName, str]] = field(default_factory=dict)
     """Who wants each map key, with the verdict each wants."""
     owners: dict[MapKey, ServicePortName] = field(default_factory=dict)
-
-    def copy(self) -> TableState:
-        return TableState(
-            self.base,
-            dict(self.services),
-            {key: dict(wanted) for key, wanted in self.claims.items()},
-            dict(self.owners),
-        )
+    spread_users: dict[Spread, int] = field(default_factory=dict)
+    """How many service ports go through each spread chain written."""
 
 
 class Transaction:
@@ -67,6 +69,9 @@ class Transaction:
     def remove_sets(self, names: Iterable[str]) -> None:
         self.teardown += [f"delete set {self.prefix} {name}" for name in names]
 
+    def spread(self, spread: Spread, family: int) -> None:
+        self.chain(spread.name, spread.rules(family), exists=False)
+
     def text(self) -> str:
         lines = [*self.declarations, *self.rules, *self.removals, *self.additions, *self.teardown]
         return "\n".join(lines) + "\n" if lines else ""
@@ -82,15 +87,23 @@ def _add_elements(tx: Transaction, elements: dict[str, list[Element]]) -> None:
 
 
 def _claim(state: TableState, name: ServicePortName, objects: ServiceObjects) -> None:
+    claims = state.claims
     for map_name, items in objects.elements.items():
         for key, verdict in items:
-            state.claims.setdefault((map_name, key), {})[name] = verdict
+            map_key = (map_name, key)
+            wanted = claims.get(map_key)
+            if wanted is None:
+                claims[map_key] = {name: verdict}
+            else:
+                wanted[name] = verdict
 
 
 def _owner(state: TableState, map_key: MapKey) -> tuple[ServicePortName, str] | None:
     wanted = state.claims.get(map_key)
     if not wanted:
         return None
+    if len(wanted) == 1:
+        return next(iter(wanted.items()))
     name = min(wanted)
     if len(set(wanted.values())) > 1:
         others = ", ".join(str(n) for n in sorted(wanted) if n != name)
@@ -105,7 +118,7 @@ def full_transaction(
     tx = Transaction(family)
     tx.declarations.append(f"add table {tx.prefix}")
     for name, declaration in state.base.maps.items():
-        kind = "map" if ": verdict" in declaration else "set"
+        kind = "map" if " : " in declaration else "set"
         tx.declarations.append(f"add {kind} {tx.prefix} {name} {declaration}")
         tx.declarations.append(f"flush {kind} {tx.prefix} {name}")
     for name, hook in state.base.hooks.items():
@@ -121,17 +134,23 @@ def full_transaction(
         wanted_chains.add(name)
     state.claims.clear()
     state.owners.clear()
+    state.spread_users.clear()
     for service, objects in state.services.items():
         for name, rules in objects.chains.items():
             tx.chain(name, rules, name in existing_chains)
             wanted_chains.add(name)
+        for spread in objects.spreads:
+            state.spread_users[spread] = state.spread_users.get(spread, 0) + 1
         _claim(state, service, objects)
-    elements: dict[str, list[Element]] = {}
+    for spread in sorted(state.spread_users):
+        tx.chain(spread.name, spread.rules(family), spread.name in existing_chains)
+        wanted_chains.add(spread.name)
+    elements: dict[str, list[Element]] = {name: [] for name in state.base.maps}
     for map_key in state.claims:
         owner = _owner(state, map_key)
         if owner is not None:
             state.owners[map_key] = owner[0]
-            elements.setdefault(map_key[0], []).append((map_key[1], owner[1]))
+            elements[map_key[0]].append((map_key[1], owner[1]))
     _add_elements(tx, elements)
     tx.remove_chains(sorted(existing_chains - wanted_chains))
     tx.remove_sets(sorted(existing_sets - wanted_sets))
@@ -139,48 +158,70 @@ def full_transaction(
 
 
 def partial_transaction(
-    family: int, old: TableState, new: TableState, changed: Iterable[ServicePortName]
+    family: int, state: TableState, updates: dict[ServicePortName, ServiceObjects | None]
 ) -> str:
-    """Write what the changed service ports' objects differ by; updates new's claims/owners
-    (new starts as old.copy() with the changed ports' objects replaced)."""
+    """Write what the updated service ports' objects differ by (None: the port is gone), and
+    record them in `state`, which is no longer the kernel's when the transaction fails."""
     tx = Transaction(family)
     stale_chains: list[str] = []
     stale_sets: list[str] = []
-    touched: set[MapKey] = set()
-    for service in sorted(set(changed)):
-        before = old.services.get(service) or ServiceObjects()
-        after = new.services.get(service) or ServiceObjects()
-        for name, declaration in after.sets.items():
+    was: dict[MapKey, tuple[ServicePortName, str] | None] = {}
+    spread_users_before: dict[Spread, int] = {}
+    for service, after in sorted(updates.items()):
+        before = state.services.get(service) or ServiceObjects()
+        now = after or ServiceObjects()
+        for name, declaration in now.sets.items():
             if name not in before.sets:
                 tx.declarations.append(f"add set {tx.prefix} {name} {declaration}")
-        for name, rules in after.chains.items():
+        for name, rules in now.chains.items():
             if before.chains.get(name) != rules:
                 tx.chain(name, rules, name in before.chains)
-        stale_chains += [name for name in before.chains if name not in after.chains]
-        stale_sets += [name for name in before.sets if name not in after.sets]
+        stale_chains += [name for name in before.chains if name not in now.chains]
+        stale_sets += [name for name in before.sets if name not in now.sets]
+        for spread in before.spreads ^ now.spreads:
+            users = state.spread_users.get(spread, 0)
+            spread_users_before.setdefault(spread, users)
+            state.spread_users[spread] = users + (1 if spread in now.spreads else -1)
+        keys = {
+            (m, key)
+            for objects in (before, now)
+            for m, items in objects.elements.items()
+            for key, _ in items
+        }
+        for map_key in keys:
+            if map_key not in was:
+                owner = state.owners.get(map_key)
+                was[map_key] = (owner, state.claims[map_key][owner]) if owner else None
         for map_name, items in before.elements.items():
             for key, _ in items:
-                new.claims[(map_name, key)].pop(service, None)
-                touched.add((map_name, key))
-        _claim(new, service, after)
-        touched.update((m, key) for m, items in after.elements.items() for key, _ in items)
-    additions: dict[str, list[Element]] = {}
-    for map_key in sorted(touched):
-        now = _owner(new, map_key)
-        was = old.owners.get(map_key)
-        then = (was, old.claims[map_key][was]) if was is not None else None
-        if not new.claims.get(map_key):
-            new.claims.pop(map_key, None)
-        if now is None:
-            new.owners.pop(map_key, None)
+                state.claims[(map_name, key)].pop(service, None)
+        _claim(state, service, now)
+        if after is None:
+            state.services.pop(service, None)
         else:
-            new.owners[map_key] = now[0]
-        if now == then:
+            state.services[service] = after
+    for spread, users in sorted(spread_users_before.items()):
+        if not users and state.spread_users[spread]:
+            tx.spread(spread, family)
+        elif users and not state.spread_users[spread]:
+            stale_chains.append(spread.name)
+        if not state.spread_users[spread]:
+            del state.spread_users[spread]
+    additions: dict[str, list[Element]] = {}
+    for map_key, then in sorted(was.items()):
+        now_owner = _owner(state, map_key)
+        if not state.claims.get(map_key):
+            state.claims.pop(map_key, None)
+        if now_owner is None:
+            state.owners.pop(map_key, None)
+        else:
+            state.owners[map_key] = now_owner[0]
+        if now_owner == then:
             continue
         if then is not None:
             tx.removals.append(f"delete element {tx.prefix} {map_key[0]} {{ {map_key[1]} }}")
-        if now is not None:
-            additions.setdefault(map_key[0], []).append((map_key[1], now[1]))
+        if now_owner is not None:
+            additions.setdefault(map_key[0], []).append((map_key[1], now_owner[1]))
     _add_elements(tx, additions)
     tx.remove_chains(stale_chains)
     tx.remove_sets(stale_sets)

@@ -98,7 +98,9 @@ def dnat_to(proxy_node: ProxyNode, proto: str, ip: str, port: int, target: str) 
     """Whether the datapath sends (ip, proto, port) to target (ip:port)."""
     rules = proxy_node.rules()
     if proxy_node.mode == "nftables":
-        return f"{ip} . {proto} . {port}" in rules and f"{proto} dnat to {target}" in rules
+        address, target_port = target.rsplit(":", 1)
+        endpoint = f"{ip} . {port} . 0 : {address} . {target_port}"
+        return f"{ip} . {proto} . {port}" in rules and endpoint in rules
     if proxy_node.mode == "ipvs":
         return f"ipvs {ip} {proto} {port} ".lower() in rules.lower()
     lines = rules.splitlines()

@@ -27,19 +27,24 @@ def state(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> TableState:
     return table
 
 
-def test_cluster_ip_dispatches_through_the_map_and_spreads_in_one_chain() -> None:
-    names = ServiceNames(NAME)
+def test_a_cluster_ip_is_elements_only_and_spreads_through_a_shared_chain() -> None:
     rendered = objects(PORT, READY)
-    assert rendered.elements["service-ips"] == {("10.96.0.10 . tcp . 80", f"goto {names.cluster}")}
-    assert rendered.chains[names.cluster] == (
-        "ip daddr 10.96.0.10 tcp dport 80 ip saddr != 10.244.0.0/16 jump mark-for-masquerade",
-        "numgen random mod 2 0 meta l4proto tcp dnat to 10.244.1.5:8080",
-        "meta l4proto tcp dnat to 10.244.2.5:8080",
-    )
+    assert rendered.chains == {}, "no chain of its own"
+    assert rendered.elements["service-ips"] == {("10.96.0.10 . tcp . 80", "goto spread-ips-tcp-2")}
+    assert rendered.elements["cluster-ips"] == {("10.96.0.10 . tcp . 80", "")}
+    assert rendered.elements["endpoints-ips-tcp"] == {
+        ("10.96.0.10 . 80 . 0", "10.244.1.5 . 8080"),
+        ("10.96.0.10 . 80 . 1", "10.244.2.5 . 8080"),
+    }
     assert rendered.elements["hairpin"] == {
         ("10.244.1.5 . 10.244.1.5", ""),
         ("10.244.2.5 . 10.244.2.5", ""),
     }
+    (spread,) = rendered.spreads
+    assert spread.rules(4) == (
+        "meta l4proto tcp dnat to ip daddr . tcp dport . numgen random mod 2 "
+        "map @endpoints-ips-tcp",
+    )
 
 
 def test_no_endpoints_rejects_and_a_local_policy_without_local_endpoints_drops() -> None:
@@ -52,8 +57,17 @@ def test_no_endpoints_rejects_and_a_local_policy_without_local_endpoints_drops()
     rendered = objects(local, READY[1:])
     assert rendered.elements["no-endpoint-nodeports"] == {("tcp . 30080", "drop")}
     assert rendered.elements["no-endpoint-external"] == {("203.0.113.5 . tcp . 80", "drop")}
-    external = rendered.chains[ServiceNames(NAME).external]
-    assert "ip saddr 10.244.0.0/16 goto" in external[0], "pods still reach the service"
+    assert rendered.elements["service-ips"] >= {
+        ("203.0.113.5 . tcp . 80", "goto external-local-ips")
+    }
+    assert rendered.elements["cluster-spread-ips"] == {
+        ("203.0.113.5 . tcp . 80", "goto spread-ips-tcp-1")
+    }, "pods and the node still reach the service"
+    assert "local-spread-ips" not in rendered.elements
+    assert "masquerade-ips" not in rendered.elements, "Local keeps the client's address"
+    assert render_base(CTX).chains["external-local-ips"][0] == (
+        "ip saddr 10.244.0.0/16 ip daddr . meta l4proto . th dport vmap @cluster-spread-ips"
+    )
 
 
 def test_affinity_remembers_each_endpoint_in_a_timed_set() -> None:
@@ -63,8 +77,9 @@ def test_affinity_remembers_each_endpoint_in_a_timed_set() -> None:
     assert len(rendered.sets) == 2
     assert all("timeout 30s" in declaration for declaration in rendered.sets.values())
     first = names.affinity(READY[0], 30)
-    rules = rendered.chains[names.cluster]
-    assert rules[1].startswith(f"ip saddr @{first} update @{first}")
+    assert rendered.elements["service-ips"] == {("10.96.0.10 . tcp . 80", f"goto {names.cluster}")}
+    assert rendered.chains[names.cluster][0].startswith(f"ip saddr @{first} update @{first}")
+    assert not rendered.spreads
     assert names.affinity(READY[0], 60) != first, "a new timeout makes a new set"
 
 
@@ -81,40 +96,53 @@ def test_load_balancer_source_ranges_guard_the_vip() -> None:
 
 
 def test_ipv6_uses_its_own_keywords_and_names_without_colons() -> None:
-    rendered = objects(PORT, (Endpoint("fd10::5", 8080),), CTX6)
-    chain = ServiceNames(NAME).cluster
-    assert rendered.chains[chain][-1] == "meta l4proto tcp dnat to [fd10::5]:8080"
-    assert all(":" not in name for name in rendered.chains)
+    sticky = dataclasses.replace(PORT, affinity_timeout=30)
+    endpoints = (Endpoint("fd10::5", 8080),)
+    rendered = objects(PORT, endpoints, CTX6)
+    assert rendered.elements["endpoints-ips-tcp"] == {("fd00::10 . 80 . 0", "fd10::5 . 8080")}
+    names = ServiceNames(NAME)
+    affinity = names.affinity(endpoints[0], 30)
+    assert affinity.endswith("__fd10..5/8080")
+    assert objects(sticky, endpoints, CTX6).chains[names.cluster][-1] == (
+        f"update @{affinity} {{ ip6 saddr }} meta l4proto tcp dnat to [fd10::5]:8080"
+    )
     assert render_base(CTX6).maps["service-ips"].startswith("{ type ipv6_addr")
 
 
-def test_a_changed_endpoint_rewrites_only_its_service() -> None:
+def test_a_changed_endpoint_changes_only_its_elements() -> None:
     other = ServicePort(ServicePortName("ns", "other", "", "TCP"), ("10.96.0.11",), 80)
-    old = state((PORT, READY), (other, READY))
-    new = old.copy()
-    new.services[NAME] = objects(PORT, (READY[0], Endpoint("10.244.3.5", 8080)))
-    text = partial_transaction(4, old, new, [NAME])
-    assert f"flush chain ip knit {ServiceNames(NAME).cluster}" in text
-    assert "other" not in text
-    assert "delete element ip knit hairpin { 10.244.2.5 . 10.244.2.5 }" not in text, (
-        "the other service still uses that endpoint"
-    )
-    assert "add element ip knit hairpin { 10.244.3.5 . 10.244.3.5 }" in text
-    assert "service-ips" not in text, "the dispatch element did not change"
+    table = state((PORT, READY), (other, READY))
+    moved = (READY[0], Endpoint("10.244.3.5", 8080))
+    lines = partial_transaction(4, table, {NAME: objects(PORT, moved)}).splitlines()
+    assert lines == [
+        "delete element ip knit endpoints-ips-tcp { 10.96.0.10 . 80 . 1 }",
+        "add element ip knit endpoints-ips-tcp { 10.96.0.10 . 80 . 1 : 10.244.3.5 . 8080 }",
+        "add element ip knit hairpin { 10.244.3.5 . 10.244.3.5 }",
+    ], "the other service still uses 10.244.2.5; the dispatch element stays"
+
+
+def test_spread_chains_come_with_their_first_user_and_go_with_their_last() -> None:
+    other = ServicePort(ServicePortName("ns", "other", "", "TCP"), ("10.96.0.11",), 80)
+    table = state((PORT, READY), (other, READY))
+    text = partial_transaction(4, table, {NAME: objects(PORT, READY[:1])})
+    assert "add chain ip knit spread-ips-tcp-1" in text
+    assert "spread-ips-tcp-2" not in text.replace("goto spread-ips-tcp-2", ""), "other uses it"
+    lines = partial_transaction(4, table, {other.name: None}).splitlines()
+    element = lines.index("delete element ip knit service-ips { 10.96.0.11 . tcp . 80 }")
+    assert lines.index("delete chain ip knit spread-ips-tcp-2") > element
 
 
 def test_a_deleted_service_loses_its_elements_then_its_chains() -> None:
-    old = state((PORT, READY))
-    new = old.copy()
-    del new.services[NAME]
-    lines = partial_transaction(4, old, new, [NAME]).splitlines()
+    sticky = dataclasses.replace(PORT, affinity_timeout=30)
+    table = state((sticky, READY))
+    lines = partial_transaction(4, table, {NAME: None}).splitlines()
     chain = ServiceNames(NAME).cluster
     element = lines.index("delete element ip knit service-ips { 10.96.0.10 . tcp . 80 }")
     assert lines.index(f"flush chain ip knit {chain}") > element
     assert lines.index(f"delete chain ip knit {chain}") > lines.index(
         f"flush chain ip knit {chain}"
     )
-    assert not new.owners and not new.claims
+    assert not table.owners and not table.claims and not table.services
 
 
 def test_a_shared_external_ip_passes_to_the_next_claimant() -> None:
@@ -122,24 +150,22 @@ def test_a_shared_external_ip_passes_to_the_next_claimant() -> None:
     first = dataclasses.replace(PORT, external_ips=shared)
     second_name = ServicePortName("ns", "zz", "http", "TCP")
     second = ServicePort(second_name, ("10.96.0.12",), 80, external_ips=shared)
-    old = state((first, READY), (second, READY))
+    table = state((first, READY), (second, READY[:1]))
     key = ("service-ips", "203.0.113.7 . tcp . 80")
-    assert old.owners[key] == NAME
-    new = old.copy()
-    del new.services[NAME]
-    text = partial_transaction(4, old, new, [NAME])
+    assert table.owners[key] == NAME
+    text = partial_transaction(4, table, {NAME: None})
     assert "delete element ip knit service-ips { 203.0.113.7 . tcp . 80 }" in text
-    takeover = f"203.0.113.7 . tcp . 80 : goto {ServiceNames(second_name).external}"
-    assert takeover in text
-    assert new.owners[key] == second_name
+    assert "203.0.113.7 . tcp . 80 : goto spread-ips-tcp-1" in text
+    assert table.owners[key] == second_name
 
 
 def test_full_sync_flushes_what_exists_and_removes_what_is_stale() -> None:
     table = state((PORT, READY))
-    chain = ServiceNames(NAME).cluster
-    text = full_transaction(4, table, {chain, "services", "service-OLD-ns/gone/tcp/"}, {"hairpin"})
-    assert f"flush chain ip knit {chain}" in text
-    assert f"add chain ip knit {chain}" not in text
+    spread = "spread-ips-tcp-2"
+    text = full_transaction(4, table, {spread, "services", "service-OLD-ns/gone/tcp/"}, {"hairpin"})
+    assert f"flush chain ip knit {spread}" in text
+    assert f"add chain ip knit {spread}" not in text
     assert "delete chain ip knit service-OLD-ns/gone/tcp/" in text
     assert "delete set" not in text, "the table's own sets stay"
     assert "flush map ip knit service-ips" in text and "flush set ip knit hairpin" in text
+    assert "flush map ip knit endpoints-ips-tcp" in text
