@@ -69,9 +69,6 @@ class Transaction:
     def remove_sets(self, names: Iterable[str]) -> None:
         self.teardown += [f"delete set {self.prefix} {name}" for name in names]
 
-    def spread(self, spread: Spread, family: int) -> None:
-        self.chain(spread.name, spread.rules(family), exists=False)
-
     def text(self) -> str:
         lines = [*self.declarations, *self.rules, *self.removals, *self.additions, *self.teardown]
         return "\n".join(lines) + "\n" if lines else ""
@@ -191,7 +188,7 @@ def partial_transaction(
         for map_key in keys:
             if map_key not in was:
                 owner = state.owners.get(map_key)
-                was[map_key] = (owner, state.claims[map_key][owner]) if owner else None
+                was[map_key] = None if owner is None else (owner, state.claims[map_key][owner])
         for map_name, items in before.elements.items():
             for key, _ in items:
                 state.claims[(map_name, key)].pop(service, None)
@@ -202,7 +199,7 @@ def partial_transaction(
             state.services[service] = after
     for spread, users in sorted(spread_users_before.items()):
         if not users and state.spread_users[spread]:
-            tx.spread(spread, family)
+            tx.chain(spread.name, spread.rules(family), exists=False)
         elif users and not state.spread_users[spread]:
             stale_chains.append(spread.name)
         if not state.spread_users[spread]:
