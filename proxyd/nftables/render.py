@@ -58,7 +58,7 @@ Element = tuple[str, str]
 PROTOCOLS = ("tcp", "udp", "sctp")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class FrontendKind:
     """Address frontends (cluster, external and LB IPs) or NodePorts: how their key is read
     from a packet and the maps and chains keyed that way."""
@@ -108,18 +108,15 @@ class Spread:
     """The shared chain sending a new connection to one of `count` endpoints of its frontend,
     at random, through the endpoint map of the frontend's kind and protocol."""
 
-    kind: str
+    frontends: FrontendKind
     local: bool
     proto: str
     count: int
 
     @property
-    def frontends(self) -> FrontendKind:
-        return IPS if self.kind == IPS.name else NODEPORT_KIND
-
-    @property
     def name(self) -> str:
-        return f"spread-{'local-' if self.local else ''}{self.kind}-{self.proto}-{self.count}"
+        kind = self.frontends.name
+        return f"spread-{'local-' if self.local else ''}{kind}-{self.proto}-{self.count}"
 
     def rules(self, family: int) -> Rules:
         l3, _ = _addr(family)
@@ -226,7 +223,7 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
             chain = names.local if local else names.cluster
             chains[chain] = _sticky(plan, endpoints, names, l3)
             return f"goto {chain}"
-        shared = Spread(kind.name, local, proto, len(endpoints))
+        shared = Spread(kind, local, proto, len(endpoints))
         spreads.add(shared)
         for index, endpoint in enumerate(endpoints):
             address = f"{endpoint.ip} . {endpoint.port}"
@@ -335,12 +332,12 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
             f"{address_key} @{CLUSTER_IPS} {l3} saddr != {ctx.cluster_cidr} jump {MARK_MASQ}"
         )
     services.append(f"{address_key} vmap @{SERVICE_IPS}")
-    external_check = [f"{address_key} vmap @{NO_ENDPOINT_EXTERNAL}"]
-    if nodeports is not None:
-        services.append(f"{nodeports} jump {NODEPORTS}")
-        external_check.append(f"{nodeports} {port_key} vmap @{NO_ENDPOINT_NODEPORTS}")
     new = "ct state new"
     input_rules = [f"{new} jump {EXTERNAL_CHECK}"]
+    if nodeports is not None:
+        services.append(f"{nodeports} jump {NODEPORTS}")
+        # A NodePort left without endpoints is a packet for the node itself: input sees it.
+        input_rules.append(f"{new} {nodeports} {port_key} vmap @{NO_ENDPOINT_NODEPORTS}")
     output_rules = [f"{new} jump {FIREWALL_CHECK}", f"{new} jump {CLUSTER_IPS_CHECK}"]
     if ctx.family == 4 and ctx.localhost_nodeports:
         input_rules.append(f"{new} ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 drop")
@@ -361,7 +358,7 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         ),
         REJECT: ("reject",),
         CLUSTER_IPS_CHECK: (f"{address_key} vmap @{NO_ENDPOINT_SERVICES}",),
-        EXTERNAL_CHECK: tuple(external_check),
+        EXTERNAL_CHECK: (f"{address_key} vmap @{NO_ENDPOINT_EXTERNAL}",),
         FIREWALL_CHECK: (f"{address_key} vmap @{FIREWALL_IPS}",),
         "nat-prerouting": (f"jump {SERVICES}",),
         "nat-output": (f"jump {SERVICES}",),
