@@ -69,6 +69,8 @@ class FrontendKind:
     unreachable: str
     """Frontend -> what happens without an endpoint to go to."""
     masquerade: str
+    by_address: bool
+    """Keyed by destination address . protocol . port; else by protocol . port."""
 
     @property
     def external_local(self) -> str:
@@ -86,20 +88,18 @@ class FrontendKind:
 
     def key(self, l3: str) -> str:
         """The frontend as a dispatch map's key."""
-        if self.name == "ips":
-            return f"{l3} daddr . meta l4proto . th dport"
-        return "meta l4proto . th dport"
+        address = f"{l3} daddr . " if self.by_address else ""
+        return f"{address}meta l4proto . th dport"
 
     def endpoint_key(self, l3: str, proto: str) -> str:
         """The frontend as an endpoint map's key, the random index left out."""
-        if self.name == "ips":
-            return f"{l3} daddr . {proto} dport"
-        return f"{proto} dport"
+        address = f"{l3} daddr . " if self.by_address else ""
+        return f"{address}{proto} dport"
 
 
-IPS = FrontendKind("ips", SERVICE_IPS, NO_ENDPOINT_EXTERNAL, MASQUERADE_IPS)
+IPS = FrontendKind("ips", SERVICE_IPS, NO_ENDPOINT_EXTERNAL, MASQUERADE_IPS, by_address=True)
 NODEPORT_KIND = FrontendKind(
-    "nodeports", SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS, MASQUERADE_NODEPORTS
+    "nodeports", SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS, MASQUERADE_NODEPORTS, by_address=False
 )
 
 
