@@ -8,7 +8,7 @@ and the caller logs and skips it.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 PROTOCOLS = ("TCP", "UDP", "SCTP")
@@ -24,7 +24,7 @@ class InvalidObject(ValueError):
     """An API object the proxy cannot program; the message says why."""
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class ServicePortName:
     namespace: str
     name: str
@@ -35,7 +35,7 @@ class ServicePortName:
         return f"{self.namespace}/{self.name}:{self.port}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ServicePort:
     """One port of one Service, with everything its rules depend on."""
 
@@ -72,7 +72,7 @@ class ServicePort:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     ip: str
     port: int
@@ -88,14 +88,14 @@ class Endpoint:
         return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SlicePort:
     name: str
     port: int
     protocol: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EndpointSlice:
     namespace: str
     name: str
@@ -104,7 +104,7 @@ class EndpointSlice:
     endpoints: tuple[Endpoint, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     name: str
     zone: str = ""
@@ -271,7 +271,7 @@ def endpoints_for(port: ServicePort, slices: list[EndpointSlice]) -> tuple[Endpo
             if slice_port.name != port.name.port or slice_port.protocol != port.protocol:
                 continue
             for endpoint in endpoint_slice.endpoints:
-                placed = Endpoint(**{**endpoint.__dict__, "port": slice_port.port})
+                placed = replace(endpoint, port=slice_port.port)
                 key = (placed.ip, placed.port)
                 previous = chosen.get(key)
                 if previous is None or (previous.terminating and not placed.terminating):

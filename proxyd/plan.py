@@ -14,7 +14,7 @@ from proxyd.model import Endpoint, NodeInfo, ServicePort
 from proxyd.topology import categorize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FamilyContext:
     """Node-wide settings of one address family."""
 
@@ -33,7 +33,7 @@ class FamilyContext:
         return (":" in address) == (self.family == 6)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PortPlan:
     """One service port in one family: its frontends and the endpoints behind them."""
 
@@ -114,15 +114,15 @@ def plan_port(
     cluster_ip = next((ip for ip in port.cluster_ips if ctx.of_family(ip)), None)
     if cluster_ip is None:
         return None
-    endpoints = tuple(e for e in endpoints if ctx.of_family(e.ip))
+    v6 = ctx.family == 6
+    endpoints = tuple(e for e in endpoints if (":" in e.ip) == v6)
     categorized = categorize(port, endpoints, ctx.node)
     source_ranges = tuple(cidr for cidr in port.source_ranges if ctx.of_family(cidr))
-    networks = [ipaddress.ip_network(s) for s in source_ranges]
-    node_inside = any(
-        ipaddress.ip_address(a) in net
+    node_inside = bool(source_ranges) and any(
+        ipaddress.ip_address(a) in ipaddress.ip_network(cidr)
         for a in ctx.node.addresses
         if ctx.of_family(a)
-        for net in networks
+        for cidr in source_ranges
     )
     return PortPlan(
         port=port,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from proxyd.model import Endpoint, NodeInfo, ServicePort
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Categorized:
     cluster: tuple[Endpoint, ...]
     """Endpoints for Cluster traffic policies (empty when no policy is Cluster)."""
@@ -27,19 +27,23 @@ def _filter(
     return tuple(e for e in endpoints if keep(e))
 
 
-def _topology_filter(endpoints: tuple[Endpoint, ...], node: NodeInfo) -> Callable[[Endpoint], bool]:
-    """Use hints only when every ready endpoint has one and some hint names this node/zone."""
+def _topology_filter(
+    endpoints: tuple[Endpoint, ...], node: NodeInfo
+) -> Callable[[Endpoint], bool] | None:
+    """Use hints only when every ready endpoint has one and some hint names this node/zone;
+    None: every endpoint is in."""
     ready = [e for e in endpoints if e.ready]
-    if ready and all(e.node_hints for e in ready) and any(node.name in e.node_hints for e in ready):
+    if not ready or not (ready[0].node_hints or ready[0].zone_hints):
+        return None
+    if all(e.node_hints for e in ready) and any(node.name in e.node_hints for e in ready):
         return lambda e: node.name in e.node_hints
     if (
-        ready
-        and node.zone
+        node.zone
         and all(e.zone_hints for e in ready)
         and any(node.zone in e.zone_hints for e in ready)
     ):
         return lambda e: node.zone in e.zone_hints
-    return lambda e: True
+    return None
 
 
 def categorize(port: ServicePort, endpoints: tuple[Endpoint, ...], node: NodeInfo) -> Categorized:
@@ -47,7 +51,10 @@ def categorize(port: ServicePort, endpoints: tuple[Endpoint, ...], node: NodeInf
     any_usable = False
     if port.uses_cluster_endpoints:
         in_topology = _topology_filter(endpoints, node)
-        cluster = _filter(endpoints, lambda e: e.ready and in_topology(e))
+        if in_topology is None:
+            cluster = tuple(e for e in endpoints if e.ready)
+        else:
+            cluster = _filter(endpoints, lambda e: e.ready and in_topology(e))
         if not cluster:
             cluster = _filter(endpoints, lambda e: e.serving and e.terminating)
         any_usable = bool(cluster)
