@@ -6,7 +6,7 @@ from __future__ import annotations
 from proxyd.metrics import Metrics
 from proxyd.model import ServicePortName
 from proxyd.nftables.kernel import Nft, NftError
-from proxyd.nftables.render import render_base, render_service
+from proxyd.nftables.render import PortContext, Renderer, render_base
 from proxyd.nftables.transaction import TableState, full_transaction, partial_transaction
 from proxyd.plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
@@ -19,6 +19,7 @@ class NftablesProxier(Proxier):
         super().__init__(options, families, metrics)
         self.kernel = {family: Nft(family) for family in families}
         self._written: dict[int, TableState | None] = dict.fromkeys(families)
+        self._renderers = {family: Renderer() for family in families}
 
     def _program(
         self, ctx: FamilyContext, plans: Plans, changed: set[ServicePortName], full: bool
@@ -26,21 +27,17 @@ class NftablesProxier(Proxier):
         family = ctx.family
         kernel = self.kernel[family]
         base = render_base(ctx)
+        renderer = self._renderers[family]
         old = self._written[family]
         full = full or old is None or old.base != base
         try:
             if full:
-                new = TableState(base)
-                for name, plan in plans.items():
-                    new.services[name] = render_service(plan, ctx)
+                new = TableState(base, renderer.render_all(plans, PortContext.of(ctx)))
                 text = full_transaction(family, new, kernel.chains(), kernel.sets())
             else:
                 assert old is not None
                 new = old
-                updates = {
-                    name: render_service(plans[name], ctx) if name in plans else None
-                    for name in changed
-                }
+                updates = renderer.render_changed(plans, changed)
                 text = partial_transaction(family, new, updates)
             kernel.run(text)
         except NftError as err:

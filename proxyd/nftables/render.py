@@ -19,7 +19,9 @@ none here, the same masquerade marks, the firewall, and affinity.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from proxyd.model import Endpoint, ServicePortName
 from proxyd.naming import short_hash
@@ -51,14 +53,12 @@ EXTERNAL_CHECK = "external-services-check"
 FIREWALL_CHECK = "firewall-check"
 
 Rules = tuple[str, ...]
-Element = tuple[str, str]
-"""(key, value) of a map element: a verdict or endpoint data; empty in a plain set."""
 
 
 PROTOCOLS = ("tcp", "udp", "sctp")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class FrontendKind:
     """Address frontends (cluster, external and LB IPs) or NodePorts: how their key is read
     from a packet and the maps and chains keyed that way."""
@@ -103,7 +103,7 @@ NODEPORT_KIND = FrontendKind(
 )
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class Spread:
     """The shared chain sending a new connection to one of `count` endpoints of its frontend,
     at random, through the endpoint map of the frontend's kind and protocol."""
@@ -128,19 +128,22 @@ class Spread:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ServiceObjects:
     """What one service port owns or uses in one family's table."""
 
     chains: dict[str, Rules] = field(default_factory=dict)
-    elements: dict[str, frozenset[Element]] = field(default_factory=dict)
+    elements: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Map -> key -> the value (a verdict, or an endpoint) the port wants there."""
+    members: dict[str, frozenset[str]] = field(default_factory=dict)
+    """Plain set -> the elements the port wants in it."""
     sets: dict[str, str] = field(default_factory=dict)
     """Affinity sets: name -> declaration."""
     spreads: frozenset[Spread] = frozenset()
     """Shared spread chains its frontends go to."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BaseObjects:
     """The table's fixed part: maps, hooked chains and the shared helper chains."""
 
@@ -161,15 +164,28 @@ def _addr(family: int) -> tuple[str, str]:
 
 
 class ServiceNames:
-    """Names of one service port's own chains and sets; hashed prefix, readable suffix."""
+    """Names of one service port's own chains and sets; hashed prefix, readable suffix. Only
+    ports with affinity or a firewall have any, so the hash is computed on first use."""
 
     def __init__(self, name: ServicePortName) -> None:
-        proto = name.protocol.lower()
-        self._base = f"{name.namespace}/{name.name}/{proto}/{name.port}"
-        self._hash = short_hash(f"{name}{proto}", 8)
-        self.cluster = f"service-{self._hash}-{self._base}"
-        self.local = f"local-{self._hash}-{self._base}"
-        self.firewall = f"firewall-{self._hash}-{self._base}"
+        self._name = name
+        self._base = f"{name.namespace}/{name.name}/{name.protocol.lower()}/{name.port}"
+
+    @cached_property
+    def _hash(self) -> str:
+        return short_hash(f"{self._name}{self._name.protocol.lower()}", 8)
+
+    @property
+    def cluster(self) -> str:
+        return f"service-{self._hash}-{self._base}"
+
+    @property
+    def local(self) -> str:
+        return f"local-{self._hash}-{self._base}"
+
+    @property
+    def firewall(self) -> str:
+        return f"firewall-{self._hash}-{self._base}"
 
     def affinity(self, endpoint: Endpoint, timeout: int) -> str:
         """The endpoint's affinity set, named after the timeout too: a new timeout makes a
@@ -203,17 +219,74 @@ def _sticky(plan: PortPlan, endpoints: tuple[Endpoint, ...], names: ServiceNames
     return tuple(rules)
 
 
-def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
+@dataclass(frozen=True, slots=True)
+class PortContext:
+    """What a service port's objects depend on besides its plan: the family and settings fixed
+    for the daemon's life, nothing about the node (the plan holds what the node decides)."""
+
+    family: int
+    cluster_cidr: str
+    masquerade_all: bool
+
+    @classmethod
+    def of(cls, ctx: FamilyContext) -> PortContext:
+        return cls(ctx.family, ctx.cluster_cidr, ctx.masquerade_all)
+
+
+class Renderer:
+    """Renders one family's service ports, keeping a port's objects while its plan and the
+    context stay equal: a full sync re-renders only the ports that changed (a plan compares
+    cheaply, its endpoints being the tracker's own objects)."""
+
+    def __init__(self) -> None:
+        self._ctx: PortContext | None = None
+        self._rendered: dict[ServicePortName, tuple[PortPlan, ServiceObjects]] = {}
+
+    def render_all(
+        self, plans: Mapping[ServicePortName, PortPlan], ctx: PortContext
+    ) -> dict[ServicePortName, ServiceObjects]:
+        """Every port's objects (a full sync's); the ports not in `plans` are forgotten."""
+        kept = self._rendered if ctx == self._ctx else {}
+        self._ctx = ctx
+        self._rendered = {name: self._render(plan, kept.get(name)) for name, plan in plans.items()}
+        return {name: objects for name, (_, objects) in self._rendered.items()}
+
+    def render_changed(
+        self, plans: Mapping[ServicePortName, PortPlan], names: Iterable[ServicePortName]
+    ) -> dict[ServicePortName, ServiceObjects | None]:
+        """The objects of the ports named (None: gone from `plans`), in the last context."""
+        changed: dict[ServicePortName, ServiceObjects | None] = {}
+        for name in names:
+            plan = plans.get(name)
+            if plan is None:
+                self._rendered.pop(name, None)
+                changed[name] = None
+            else:
+                self._rendered[name] = self._render(plan, self._rendered.get(name))
+                changed[name] = self._rendered[name][1]
+        return changed
+
+    def _render(
+        self, plan: PortPlan, kept: tuple[PortPlan, ServiceObjects] | None
+    ) -> tuple[PortPlan, ServiceObjects]:
+        assert self._ctx is not None
+        if kept is not None and kept[0] == plan:
+            return plan, kept[1]
+        return plan, render_service(plan, self._ctx)
+
+
+def render_service(plan: PortPlan, ctx: PortContext) -> ServiceObjects:
     port = plan.port
     names = ServiceNames(port.name)
     l3, addr_type = _addr(ctx.family)
     proto = port.protocol.lower()
     chains: dict[str, Rules] = {}
-    elements: dict[str, set[Element]] = {}
+    elements: dict[str, dict[str, str]] = {}
+    members: dict[str, set[str]] = {}
     spreads: set[Spread] = set()
 
-    def element(map_name: str, key: str, value: str = "") -> None:
-        elements.setdefault(map_name, set()).add((key, value))
+    def element(map_name: str, key: str, value: str) -> None:
+        elements.setdefault(map_name, {})[key] = value
 
     def spread(kind: FrontendKind, frontend: str, local: bool) -> str:
         """The verdict taking new connections to `frontend` (address . port, or the node
@@ -225,10 +298,13 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
             return f"goto {chain}"
         shared = Spread(kind, local, proto, len(endpoints))
         spreads.add(shared)
+        targets = elements.setdefault(kind.endpoint_map(local, proto), {})
         for index, endpoint in enumerate(endpoints):
-            address = f"{endpoint.ip} . {endpoint.port}"
-            element(kind.endpoint_map(local, proto), f"{frontend} . {index}", address)
+            targets[f"{frontend} . {index}"] = f"{endpoint.ip} . {endpoint.port}"
         return f"goto {shared.name}"
+
+    def member(set_name: str, key: str) -> None:
+        members.setdefault(set_name, set()).add(key)
 
     no_endpoints = "drop" if plan.no_endpoint_verdict == "drop" else f"goto {REJECT}"
 
@@ -237,9 +313,9 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
         to_endpoints = spread(IPS, f"{plan.cluster_ip} . {port.port}", port.internal_policy_local)
         element(SERVICE_IPS, cluster_key, to_endpoints)
         if ctx.masquerade_all:
-            element(MASQUERADE_IPS, cluster_key)
+            member(MASQUERADE_IPS, cluster_key)
         elif ctx.cluster_cidr:
-            element(CLUSTER_IPS, cluster_key)
+            member(CLUSTER_IPS, cluster_key)
     else:
         element(NO_ENDPOINT_SERVICES, cluster_key, no_endpoints)
 
@@ -251,7 +327,7 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
             if plan.local:
                 element(kind.spread_map(True), key, spread(kind, frontend, True))
         elif plan.has_endpoints and plan.cluster:
-            element(kind.masquerade, key)
+            member(kind.masquerade, key)
             element(kind.dispatch, key, spread(kind, frontend, False))
         if not plan.has_external:
             element(kind.unreachable, key, no_endpoints)
@@ -267,10 +343,11 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
         allowed = f"{l3} saddr != {{ {sources} }} " if sources else ""
         chains[names.firewall] = (f"{allowed}counter drop",)
 
+    if plan.reachable:
+        members[HAIRPIN] = {f"{e.ip} . {e.ip}" for e in plan.reachable}
     sets: dict[str, str] = {}
-    for endpoint in plan.reachable:
-        element(HAIRPIN, f"{endpoint.ip} . {endpoint.ip}")
-        if port.affinity_timeout:
+    if port.affinity_timeout:
+        for endpoint in plan.reachable:
             sets[names.affinity(endpoint, port.affinity_timeout)] = (
                 f"{{ type {addr_type} ; flags dynamic,timeout ; "
                 f"timeout {port.affinity_timeout}s ; }}"
@@ -278,7 +355,8 @@ def render_service(plan: PortPlan, ctx: FamilyContext) -> ServiceObjects:
 
     return ServiceObjects(
         chains=chains,
-        elements={name: frozenset(items) for name, items in elements.items()},
+        elements=elements,
+        members={name: frozenset(keys) for name, keys in members.items()},
         sets=sets,
         spreads=frozenset(spreads),
     )

@@ -3,35 +3,32 @@ written to what is wanted.
 
 A full sync declares the whole table, flushes the chains and maps that exist and refills
 them, and removes stale chains and sets (affinity sets that stay keep their entries). A
-partial sync touches only the changed service ports: their map elements (added or removed),
-the shared spread chains that gain their first user or lose their last, and the chains and
-affinity sets of ports that own some, so its cost does not depend on how many services
-exist.
+partial sync touches only the changed service ports: their map and set elements (added or
+removed), the shared spread chains that gain their first user or lose their last, and the
+chains and affinity sets of ports that own some, so its cost does not depend on how many
+services exist.
 
-Two services may claim the same map key (the same external IP and port, say); the first
-claimant by name owns it, and when it lets go the next one takes over.
+Two services may want the same map key (the same external IP and port, say); the first by
+name owns it, and when it lets go the next one takes over. A plain set holds an element while
+any service port wants it (the hairpin entry of an endpoint several services share).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from proxyd.model import ServicePortName
-from proxyd.nftables.render import (
-    TABLE,
-    BaseObjects,
-    Element,
-    ServiceObjects,
-    Spread,
-    family_name,
-)
+from proxyd.nftables.render import TABLE, BaseObjects, ServiceObjects, Spread, family_name
 
 log = logging.getLogger(__name__)
 
 MapKey = tuple[str, str]
 """(map, element key)."""
+Owned = tuple[ServicePortName, str]
+"""The owner of a map key and the value it wants there."""
 
 
 @dataclass
@@ -40,11 +37,70 @@ class TableState:
 
     base: BaseObjects
     services: dict[ServicePortName, ServiceObjects] = field(default_factory=dict)
-    claims: dict[MapKey, dict[ServicePortName, str]] = field(default_factory=dict)
-    """Who wants each map key, with the verdict each wants."""
-    owners: dict[MapKey, ServicePortName] = field(default_factory=dict)
-    spread_users: dict[Spread, int] = field(default_factory=dict)
+    owners: dict[str, dict[str, Owned]] = field(default_factory=dict)
+    """Map -> key -> the service port whose value the element holds, and that value."""
+    rivals: dict[MapKey, set[ServicePortName]] = field(default_factory=dict)
+    """Every service port wanting a map key that more than one wants."""
+    members: dict[str, Counter[str]] = field(default_factory=dict)
+    """Plain set -> element -> how many service ports want it."""
+    spread_users: Counter[Spread] = field(default_factory=Counter)
     """How many service ports go through each spread chain written."""
+
+    def owned(self, map_name: str, key: str) -> Owned | None:
+        return self.owners.get(map_name, {}).get(key)
+
+    def holds(self, set_name: str, key: str) -> bool:
+        return key in self.members.get(set_name, ())
+
+    def claim(self, service: ServicePortName, objects: ServiceObjects) -> None:
+        """Record what `objects` (already in `services`) want."""
+        for map_name, items in objects.elements.items():
+            owners = self.owners.setdefault(map_name, {})
+            if owners.keys().isdisjoint(items):
+                owners.update({key: (service, value) for key, value in items.items()})
+                continue
+            for key, value in items.items():
+                owned = owners.setdefault(key, (service, value))
+                if owned[0] is not service:
+                    self._contest(map_name, key, owned, (service, value))
+        for set_name, keys in objects.members.items():
+            counts = self.members.get(set_name)
+            if counts is None:
+                counts = self.members[set_name] = Counter()
+            counts.update(keys)
+
+    def _contest(self, map_name: str, key: str, owned: Owned, other: Owned) -> None:
+        self.rivals.setdefault((map_name, key), {owned[0]}).add(other[0])
+        first = min(owned, other)
+        if owned[1] != other[1]:
+            names = (owned[0], other[0], first[0])
+            log.warning("%s %s is wanted by %s and %s; %s keeps it", map_name, key, *names)
+        self.owners[map_name][key] = first
+
+    def release(self, service: ServicePortName, objects: ServiceObjects) -> None:
+        """Forget what `objects` wanted."""
+        for map_name, items in objects.elements.items():
+            owners = self.owners[map_name]
+            for key in items:
+                rivals = self.rivals.get((map_name, key))
+                if rivals is None:
+                    del owners[key]
+                    continue
+                rivals.discard(service)
+                first = min(rivals)
+                owners[key] = (first, self.services[first].elements[map_name][key])
+                if len(rivals) == 1:
+                    del self.rivals[(map_name, key)]
+            if not owners:
+                del self.owners[map_name]
+        for set_name, keys in objects.members.items():
+            counts = self.members[set_name]
+            counts.subtract(keys)
+            for key in keys:
+                if not counts[key]:
+                    del counts[key]
+            if not counts:
+                del self.members[set_name]
 
 
 class Transaction:
@@ -61,6 +117,12 @@ class Transaction:
         self.declarations.append(f"{verb} chain {self.prefix} {name}")
         self.rules += [f"add rule {self.prefix} {name} {rule}" for rule in rules]
 
+    def add_elements(self, name: str, elements: Iterable[str]) -> None:
+        """Elements as nft writes them: `key` in a set, `key : value` in a map."""
+        body = ", ".join(elements)
+        if body:
+            self.additions.append(f"add element {self.prefix} {name} {{ {body} }}")
+
     def remove_chains(self, names: Iterable[str]) -> None:
         names = list(names)
         self.teardown[:0] = [f"flush chain {self.prefix} {name}" for name in names]
@@ -74,44 +136,10 @@ class Transaction:
         return "\n".join(lines) + "\n" if lines else ""
 
 
-def _add_elements(tx: Transaction, elements: dict[str, list[Element]]) -> None:
-    for map_name, items in sorted(elements.items()):
-        if items:
-            body = ", ".join(
-                f"{key} : {verdict}" if verdict else key for key, verdict in sorted(items)
-            )
-            tx.additions.append(f"add element {tx.prefix} {map_name} {{ {body} }}")
-
-
-def _claim(state: TableState, name: ServicePortName, objects: ServiceObjects) -> None:
-    claims = state.claims
-    for map_name, items in objects.elements.items():
-        for key, verdict in items:
-            map_key = (map_name, key)
-            wanted = claims.get(map_key)
-            if wanted is None:
-                claims[map_key] = {name: verdict}
-            else:
-                wanted[name] = verdict
-
-
-def _owner(state: TableState, map_key: MapKey) -> tuple[ServicePortName, str] | None:
-    wanted = state.claims.get(map_key)
-    if not wanted:
-        return None
-    if len(wanted) == 1:
-        return next(iter(wanted.items()))
-    name = min(wanted)
-    if len(set(wanted.values())) > 1:
-        others = ", ".join(str(n) for n in sorted(wanted) if n != name)
-        log.warning("%s %s is claimed by %s too; %s keeps it", *map_key, others, name)
-    return name, wanted[name]
-
-
 def full_transaction(
     family: int, state: TableState, existing_chains: set[str], existing_sets: set[str]
 ) -> str:
-    """Write `state` whole over whatever the table holds; fills in state's claims/owners."""
+    """Write `state` whole over whatever the table holds; fills in what state says is claimed."""
     tx = Transaction(family)
     tx.declarations.append(f"add table {tx.prefix}")
     for name, declaration in state.base.maps.items():
@@ -129,26 +157,23 @@ def full_transaction(
     for name, rules in state.base.chains.items():
         tx.chain(name, rules, name in existing_chains or name in state.base.hooks)
         wanted_chains.add(name)
-    state.claims.clear()
     state.owners.clear()
+    state.rivals.clear()
+    state.members.clear()
     state.spread_users.clear()
     for service, objects in state.services.items():
         for name, rules in objects.chains.items():
             tx.chain(name, rules, name in existing_chains)
             wanted_chains.add(name)
-        for spread in objects.spreads:
-            state.spread_users[spread] = state.spread_users.get(spread, 0) + 1
-        _claim(state, service, objects)
+        state.spread_users.update(objects.spreads)
+        state.claim(service, objects)
     for spread in sorted(state.spread_users):
         tx.chain(spread.name, spread.rules(family), spread.name in existing_chains)
         wanted_chains.add(spread.name)
-    elements: dict[str, list[Element]] = {name: [] for name in state.base.maps}
-    for map_key in state.claims:
-        owner = _owner(state, map_key)
-        if owner is not None:
-            state.owners[map_key] = owner[0]
-            elements[map_key[0]].append((map_key[1], owner[1]))
-    _add_elements(tx, elements)
+    for map_name, owners in sorted(state.owners.items()):
+        tx.add_elements(map_name, (f"{key} : {value}" for key, (_, value) in owners.items()))
+    for set_name, counts in sorted(state.members.items()):
+        tx.add_elements(set_name, counts)
     tx.remove_chains(sorted(existing_chains - wanted_chains))
     tx.remove_sets(sorted(existing_sets - wanted_sets))
     return tx.text()
@@ -162,7 +187,8 @@ def partial_transaction(
     tx = Transaction(family)
     stale_chains: list[str] = []
     stale_sets: list[str] = []
-    was: dict[MapKey, tuple[ServicePortName, str] | None] = {}
+    owned_before: dict[MapKey, Owned | None] = {}
+    held_before: dict[MapKey, bool] = {}
     spread_users_before: dict[Spread, int] = {}
     for service, after in sorted(updates.items()):
         before = state.services.get(service) or ServiceObjects()
@@ -176,27 +202,24 @@ def partial_transaction(
         stale_chains += [name for name in before.chains if name not in now.chains]
         stale_sets += [name for name in before.sets if name not in now.sets]
         for spread in before.spreads ^ now.spreads:
-            users = state.spread_users.get(spread, 0)
+            users = state.spread_users[spread]
             spread_users_before.setdefault(spread, users)
             state.spread_users[spread] = users + (1 if spread in now.spreads else -1)
-        keys = {
-            (m, key)
-            for objects in (before, now)
-            for m, items in objects.elements.items()
-            for key, _ in items
-        }
-        for map_key in keys:
-            if map_key not in was:
-                owner = state.owners.get(map_key)
-                was[map_key] = None if owner is None else (owner, state.claims[map_key][owner])
-        for map_name, items in before.elements.items():
-            for key, _ in items:
-                state.claims[(map_name, key)].pop(service, None)
-        _claim(state, service, now)
+        for objects in (before, now):
+            for map_name, items in objects.elements.items():
+                for key in items:
+                    if (map_name, key) not in owned_before:
+                        owned_before[(map_name, key)] = state.owned(map_name, key)
+            for set_name, keys in objects.members.items():
+                for key in keys:
+                    if (set_name, key) not in held_before:
+                        held_before[(set_name, key)] = state.holds(set_name, key)
+        state.release(service, before)
         if after is None:
             state.services.pop(service, None)
         else:
             state.services[service] = after
+        state.claim(service, now)
     for spread, users in sorted(spread_users_before.items()):
         if not users and state.spread_users[spread]:
             tx.chain(spread.name, spread.rules(family), exists=False)
@@ -204,22 +227,22 @@ def partial_transaction(
             stale_chains.append(spread.name)
         if not state.spread_users[spread]:
             del state.spread_users[spread]
-    additions: dict[str, list[Element]] = {}
-    for map_key, then in sorted(was.items()):
-        now_owner = _owner(state, map_key)
-        if not state.claims.get(map_key):
-            state.claims.pop(map_key, None)
-        if now_owner is None:
-            state.owners.pop(map_key, None)
-        else:
-            state.owners[map_key] = now_owner[0]
-        if now_owner == then:
+    additions: dict[str, list[str]] = {}
+    for (map_name, key), then in sorted(owned_before.items()):
+        owned = state.owned(map_name, key)
+        if owned == then:
             continue
         if then is not None:
-            tx.removals.append(f"delete element {tx.prefix} {map_key[0]} {{ {map_key[1]} }}")
-        if now_owner is not None:
-            additions.setdefault(map_key[0], []).append((map_key[1], now_owner[1]))
-    _add_elements(tx, additions)
+            tx.removals.append(f"delete element {tx.prefix} {map_name} {{ {key} }}")
+        if owned is not None:
+            additions.setdefault(map_name, []).append(f"{key} : {owned[1]}")
+    for (set_name, key), held in sorted(held_before.items()):
+        if held and not state.holds(set_name, key):
+            tx.removals.append(f"delete element {tx.prefix} {set_name} {{ {key} }}")
+        elif not held and state.holds(set_name, key):
+            additions.setdefault(set_name, []).append(key)
+    for name, elements in sorted(additions.items()):
+        tx.add_elements(name, elements)
     tx.remove_chains(stale_chains)
     tx.remove_sets(stale_sets)
     return tx.text()

@@ -6,7 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 from proxyd.model import Endpoint, ServicePort, ServicePortName
-from proxyd.nftables.render import ServiceNames, ServiceObjects, render_base, render_service
+from proxyd.nftables.render import (
+    PortContext,
+    Renderer,
+    ServiceNames,
+    ServiceObjects,
+    render_base,
+    render_service,
+)
 from proxyd.nftables.transaction import TableState, full_transaction, partial_transaction
 from proxyd.plan import FamilyContext
 from tests.unit.example_service import CTX, CTX6, NAME, PORT, READY, planned
@@ -15,7 +22,7 @@ from tests.unit.example_service import CTX, CTX6, NAME, PORT, READY, planned
 def objects(
     port: ServicePort, endpoints: tuple[Endpoint, ...], ctx: FamilyContext = CTX
 ) -> ServiceObjects:
-    return render_service(planned(port, endpoints, ctx), ctx)
+    return render_service(planned(port, endpoints, ctx), PortContext.of(ctx))
 
 
 def state(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> TableState:
@@ -30,16 +37,13 @@ def state(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> TableState:
 def test_a_cluster_ip_is_elements_only_and_spreads_through_a_shared_chain() -> None:
     rendered = objects(PORT, READY)
     assert rendered.chains == {}, "no chain of its own"
-    assert rendered.elements["service-ips"] == {("10.96.0.10 . tcp . 80", "goto spread-ips-tcp-2")}
-    assert rendered.elements["cluster-ips"] == {("10.96.0.10 . tcp . 80", "")}
+    assert rendered.elements["service-ips"] == {"10.96.0.10 . tcp . 80": "goto spread-ips-tcp-2"}
+    assert rendered.members["cluster-ips"] == {"10.96.0.10 . tcp . 80"}
     assert rendered.elements["endpoints-ips-tcp"] == {
-        ("10.96.0.10 . 80 . 0", "10.244.1.5 . 8080"),
-        ("10.96.0.10 . 80 . 1", "10.244.2.5 . 8080"),
+        "10.96.0.10 . 80 . 0": "10.244.1.5 . 8080",
+        "10.96.0.10 . 80 . 1": "10.244.2.5 . 8080",
     }
-    assert rendered.elements["hairpin"] == {
-        ("10.244.1.5 . 10.244.1.5", ""),
-        ("10.244.2.5 . 10.244.2.5", ""),
-    }
+    assert rendered.members["hairpin"] == {"10.244.1.5 . 10.244.1.5", "10.244.2.5 . 10.244.2.5"}
     (spread,) = rendered.spreads
     assert spread.rules(4) == (
         "meta l4proto tcp dnat to ip daddr . tcp dport . numgen random mod 2 "
@@ -49,22 +53,20 @@ def test_a_cluster_ip_is_elements_only_and_spreads_through_a_shared_chain() -> N
 
 def test_no_endpoints_rejects_and_a_local_policy_without_local_endpoints_drops() -> None:
     assert objects(PORT, ()).elements == {
-        "no-endpoint-services": {("10.96.0.10 . tcp . 80", "goto reject-chain")}
+        "no-endpoint-services": {"10.96.0.10 . tcp . 80": "goto reject-chain"}
     }
     local = dataclasses.replace(
         PORT, node_port=30080, external_ips=("203.0.113.5",), external_policy_local=True
     )
     rendered = objects(local, READY[1:])
-    assert rendered.elements["no-endpoint-nodeports"] == {("tcp . 30080", "drop")}
-    assert rendered.elements["no-endpoint-external"] == {("203.0.113.5 . tcp . 80", "drop")}
-    assert rendered.elements["service-ips"] >= {
-        ("203.0.113.5 . tcp . 80", "goto external-local-ips")
-    }
+    assert rendered.elements["no-endpoint-nodeports"] == {"tcp . 30080": "drop"}
+    assert rendered.elements["no-endpoint-external"] == {"203.0.113.5 . tcp . 80": "drop"}
+    assert rendered.elements["service-ips"]["203.0.113.5 . tcp . 80"] == "goto external-local-ips"
     assert rendered.elements["cluster-spread-ips"] == {
-        ("203.0.113.5 . tcp . 80", "goto spread-ips-tcp-1")
+        "203.0.113.5 . tcp . 80": "goto spread-ips-tcp-1"
     }, "pods and the node still reach the service"
     assert "local-spread-ips" not in rendered.elements
-    assert "masquerade-ips" not in rendered.elements, "Local keeps the client's address"
+    assert "masquerade-ips" not in rendered.members, "Local keeps the client's address"
     assert render_base(CTX).chains["external-local-ips"][0] == (
         "ip saddr 10.244.0.0/16 ip daddr . meta l4proto . th dport vmap @cluster-spread-ips"
     )
@@ -77,7 +79,7 @@ def test_affinity_remembers_each_endpoint_in_a_timed_set() -> None:
     assert len(rendered.sets) == 2
     assert all("timeout 30s" in declaration for declaration in rendered.sets.values())
     first = names.affinity(READY[0], 30)
-    assert rendered.elements["service-ips"] == {("10.96.0.10 . tcp . 80", f"goto {names.cluster}")}
+    assert rendered.elements["service-ips"] == {"10.96.0.10 . tcp . 80": f"goto {names.cluster}"}
     assert rendered.chains[names.cluster][0].startswith(f"ip saddr @{first} update @{first}")
     assert not rendered.spreads
     assert names.affinity(READY[0], 60) != first, "a new timeout makes a new set"
@@ -89,9 +91,7 @@ def test_load_balancer_source_ranges_guard_the_vip() -> None:
     )
     rendered = objects(lb, READY)
     names = ServiceNames(NAME)
-    assert rendered.elements["firewall-ips"] == {
-        ("203.0.113.9 . tcp . 80", f"goto {names.firewall}")
-    }
+    assert rendered.elements["firewall-ips"] == {"203.0.113.9 . tcp . 80": f"goto {names.firewall}"}
     assert rendered.chains[names.firewall] == ("ip saddr != { 198.18.0.0/24 } counter drop",)
 
 
@@ -99,7 +99,7 @@ def test_ipv6_uses_its_own_keywords_and_names_without_colons() -> None:
     sticky = dataclasses.replace(PORT, affinity_timeout=30)
     endpoints = (Endpoint("fd10::5", 8080),)
     rendered = objects(PORT, endpoints, CTX6)
-    assert rendered.elements["endpoints-ips-tcp"] == {("fd00::10 . 80 . 0", "fd10::5 . 8080")}
+    assert rendered.elements["endpoints-ips-tcp"] == {"fd00::10 . 80 . 0": "fd10::5 . 8080"}
     names = ServiceNames(NAME)
     affinity = names.affinity(endpoints[0], 30)
     assert affinity.endswith("__fd10..5/8080")
@@ -142,7 +142,7 @@ def test_a_deleted_service_loses_its_elements_then_its_chains() -> None:
     assert lines.index(f"delete chain ip knit {chain}") > lines.index(
         f"flush chain ip knit {chain}"
     )
-    assert not table.owners and not table.claims and not table.services
+    assert not table.owners and not table.rivals and not table.members and not table.services
 
 
 def test_a_shared_external_ip_passes_to_the_next_claimant() -> None:
@@ -151,12 +151,13 @@ def test_a_shared_external_ip_passes_to_the_next_claimant() -> None:
     second_name = ServicePortName("ns", "zz", "http", "TCP")
     second = ServicePort(second_name, ("10.96.0.12",), 80, external_ips=shared)
     table = state((first, READY), (second, READY[:1]))
-    key = ("service-ips", "203.0.113.7 . tcp . 80")
-    assert table.owners[key] == NAME
+    key = "203.0.113.7 . tcp . 80"
+    assert table.owners["service-ips"][key][0] == NAME
     text = partial_transaction(4, table, {NAME: None})
     assert "delete element ip knit service-ips { 203.0.113.7 . tcp . 80 }" in text
     assert "203.0.113.7 . tcp . 80 : goto spread-ips-tcp-1" in text
-    assert table.owners[key] == second_name
+    assert table.owners["service-ips"][key][0] == second_name
+    assert not table.rivals
 
 
 def test_full_sync_flushes_what_exists_and_removes_what_is_stale() -> None:
@@ -169,3 +170,27 @@ def test_full_sync_flushes_what_exists_and_removes_what_is_stale() -> None:
     assert "delete set" not in text, "the table's own sets stay"
     assert "flush map ip knit service-ips" in text and "flush set ip knit hairpin" in text
     assert "flush map ip knit endpoints-ips-tcp" in text
+
+
+def test_a_full_sync_renders_again_only_the_ports_whose_plans_changed() -> None:
+    other = ServicePort(ServicePortName("ns", "other", "", "TCP"), ("10.96.0.11",), 80)
+    renderer = Renderer()
+    port_ctx = PortContext.of(CTX)
+    first = renderer.render_all(
+        {NAME: planned(PORT, READY), other.name: planned(other, READY)}, port_ctx
+    )
+    rezoned = dataclasses.replace(CTX, node=dataclasses.replace(CTX.node, zone="zone-b"))
+    again = renderer.render_all(
+        {NAME: planned(PORT, READY, rezoned), other.name: planned(other, READY[:1], rezoned)},
+        PortContext.of(rezoned),
+    )
+    assert again[NAME] is first[NAME], "an equal plan keeps its objects"
+    assert again[other.name] == objects(other, READY[:1])
+    assert renderer.render_all({other.name: planned(other, READY[:1])}, port_ctx).keys() == {
+        other.name
+    }
+    assert renderer.render_changed({}, [other.name]) == {other.name: None}
+    masquerading = PortContext.of(dataclasses.replace(CTX, masquerade_all=True))
+    assert renderer.render_all({NAME: planned(PORT, READY)}, masquerading)[NAME] == render_service(
+        planned(PORT, READY), masquerading
+    ), "another context renders afresh"
