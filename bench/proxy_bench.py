@@ -13,8 +13,10 @@ the run's folder, no routing) and is measured:
   `nft -f` of `nft list table ip knit`); the wall time from its start to the rules being in
   the kernel, and the start-up before the full sync (wall minus metric); then full syncs at
   steady state (forced by changing the Node's zone, medians of several) against bare reloads
-  of the same rules over themselves (nftables: `flush table` and the listing, in one
-  transaction);
+  of the same rules over themselves (nftables: `delete table` and the listing, in one
+  transaction: nft's `flush table` empties the chains but leaves every set and map element
+  in place, so a reload after it would only re-add what is there, where the daemon's full
+  sync replaces the maps' contents);
 - its resident memory (VmRSS of the interpreter);
 - one-service changes (one endpoint of one EndpointSlice replaced): the partial sync's own
   metric against a bare load of the same change, rendered by the daemon's code in the context
@@ -477,7 +479,7 @@ class Nftables(Mode):
         return ns.run("nft", "list", "table", *NFT_TABLE, timeout=600).stdout
 
     def scripts(self, saved: str, fresh: bool) -> list[str]:
-        return [saved if fresh else f"flush table {self.kernel.table}\n{saved}"]
+        return [saved if fresh else f"delete table {self.kernel.table}\n{saved}"]
 
     def write(self, text: str) -> None:
         self.kernel.run(text)
@@ -490,13 +492,14 @@ class Nftables(Mode):
 
     def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
         name = after.port.name
+        port_ctx = nftables_render.PortContext.of(ctx)
         table = TableState(
             nftables_render.render_base(ctx),
-            {name: nftables_render.render_service(before, ctx)},
+            {name: nftables_render.render_service(before, port_ctx)},
         )
         full_transaction(ctx.family, table, set(), set())  # fills in the claims, as the daemon's
         return partial_transaction(
-            ctx.family, table, {name: nftables_render.render_service(after, ctx)}
+            ctx.family, table, {name: nftables_render.render_service(after, port_ctx)}
         )
 
     def summary(self, saved: str) -> str:
