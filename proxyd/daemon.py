@@ -30,7 +30,7 @@ from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
-from proxyd.proxier import Proxier, ProxyOptions
+from proxyd.proxier import Proxier, ProxyOptions, collect_deferred_garbage
 from proxyd.runner import BoundedFrequencyRunner
 from proxyd.tracker import ClusterState
 
@@ -166,6 +166,8 @@ class Daemon:
         self.metrics.no_local_endpoints.labels(traffic_policy="external").set(external)
         self.health.updated()
         self.health_servers.update(result.health_checks)
+        if result.full:
+            collect_deferred_garbage()
         log.info(
             "%s sync of %d changed services in %.1f ms",
             "full" if result.full else "partial",

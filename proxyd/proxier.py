@@ -64,6 +64,12 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def collect_deferred_garbage() -> None:
+    """The collection a full sync put off, at a known moment after it: left to chance, it
+    walked the whole heap inside a later partial sync (0.3-0.5 s at 10,000 services)."""
+    gc.collect()
+
+
 def _family_of(cidr: str) -> int:
     return ipaddress.ip_network(cidr, strict=False).version
 
