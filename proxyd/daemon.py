@@ -16,7 +16,7 @@ from kubernetes import config as kubeconfig
 
 from cni import install, server, sysctl
 from cni.errors import CniError
-from proxyd import watch
+from proxyd import collector, watch
 from proxyd.config import MODES, Config, ConfigError, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
 from proxyd.iptables.chains import owned_by_kube_proxy
@@ -30,7 +30,7 @@ from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
-from proxyd.proxier import Proxier, ProxyOptions, collect_deferred_garbage
+from proxyd.proxier import Proxier, ProxyOptions
 from proxyd.runner import BoundedFrequencyRunner
 from proxyd.tracker import ClusterState
 
@@ -140,6 +140,13 @@ class Daemon:
         if not self.state.ready():
             log.debug("waiting for the first lists of Services and EndpointSlices")
             return
+        with collector.paused():
+            full = self._sync_changes()
+        if full:
+            collector.collect_deferred()
+
+    def _sync_changes(self) -> bool:
+        """Program what changed and record it; returns whether the sync was full."""
         changes = self.state.take()
         self.metrics.service_changes.inc(changes.service_changes)
         self.metrics.endpoint_changes.inc(changes.endpoint_changes)
@@ -151,7 +158,7 @@ class Daemon:
         except Exception:
             log.exception("sync failed; a full sync follows")
             self.runner.retry_after(max(self.config.min_sync_period, 1.0))
-            return
+            return False
         elapsed = time.monotonic() - start
         self.metrics.sync_duration.observe(elapsed)
         (
@@ -166,14 +173,13 @@ class Daemon:
         self.metrics.no_local_endpoints.labels(traffic_policy="external").set(external)
         self.health.updated()
         self.health_servers.update(result.health_checks)
-        if result.full:
-            collect_deferred_garbage()
         log.info(
             "%s sync of %d changed services in %.1f ms",
             "full" if result.full else "partial",
             len(changes.services),
             elapsed * 1000,
         )
+        return result.full
 
     def run(self) -> None:
         self._set_sysctls()

@@ -7,13 +7,10 @@ kernel) and `cleanup`.
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from proxyd import conntrack
@@ -47,27 +44,6 @@ class SyncResult:
 
 class ProgramError(RuntimeError):
     """The kernel refused a sync's changes; the next sync of that family is full."""
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Hold off Python's cyclic garbage collector: a sync allocates hundreds of thousands of
-    small acyclic objects (plans, rendered rules, claims), and each collection they trigger
-    walks every object still alive, the informers' caches included (40% of the Python part of
-    an nftables full sync at 10,000 services, measured with the collector off)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def collect_deferred_garbage() -> None:
-    """The collection a full sync put off, at a known moment after it: left to chance, it
-    walked the whole heap inside a later partial sync (0.3-0.5 s at 10,000 services)."""
-    gc.collect()
 
 
 def _family_of(cidr: str) -> int:
@@ -125,10 +101,6 @@ class Proxier(ABC):
 
     def sync(self, changes: Changes) -> SyncResult:
         """Program the changes; raises ProgramError when the kernel refused them."""
-        with _collector_paused():
-            return self._sync(changes)
-
-    def _sync(self, changes: Changes) -> SyncResult:
         changed: set[ServicePortName] = set()
         fresh: dict[ServicePortName, tuple[ServicePort, ServiceView]] = {}
         for key, view in changes.services.items():

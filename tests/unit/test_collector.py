@@ -1,0 +1,21 @@
+"""The garbage collector held off around syncs (pure)."""
+
+from __future__ import annotations
+
+import gc
+
+from proxyd import collector
+
+
+def test_the_collector_is_held_off_and_left_as_it_was() -> None:
+    assert gc.isenabled()
+    with collector.paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector.paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "a collector turned off stays off"
+    finally:
+        gc.enable()
