@@ -6,7 +6,9 @@ part of an nftables full sync at 10,000 services, measured with the collector of
 runs with the collector held off, and the collection it put off runs at a known moment after
 a full sync, once its metrics are recorded (0.4 s at 10,000 services, timed with
 `gc.callbacks`): left to chance, it landed in a later partial sync (a 306 ms one-service
-change in one bench run).
+change in one bench run). The informers' lists are read and parsed with the collector held
+off too (10,000 Services and EndpointSlices: 2.2 s -> 1.1 s, in a scratch run of the same
+code).
 """
 
 from __future__ import annotations

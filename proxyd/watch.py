@@ -19,6 +19,8 @@ from typing import Any
 
 from kubernetes.client import ApiClient
 
+from proxyd import collector
+
 log = logging.getLogger(__name__)
 
 PAGE_SIZE = 500
@@ -142,8 +144,9 @@ class Reflector:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                items, resource_version = self.list()
-                self._on_replace(items)
+                with collector.paused():
+                    items, resource_version = self.list()
+                    self._on_replace(items)
                 backoff = 0.5
                 self._watch(resource_version)
             except Gone as err:
