@@ -114,8 +114,7 @@ def plan_port(
     cluster_ip = next((ip for ip in port.cluster_ips if ctx.of_family(ip)), None)
     if cluster_ip is None:
         return None
-    v6 = ctx.family == 6
-    endpoints = tuple(e for e in endpoints if (":" in e.ip) == v6)
+    endpoints = tuple(e for e in endpoints if ctx.of_family(e.ip))
     categorized = categorize(port, endpoints, ctx.node)
     source_ranges = tuple(cidr for cidr in port.source_ranges if ctx.of_family(cidr))
     node_inside = bool(source_ranges) and any(
