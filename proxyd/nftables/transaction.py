@@ -95,8 +95,8 @@ class TableState:
                 del self.owners[map_name]
         for set_name, keys in objects.members.items():
             counts = self.members[set_name]
-            counts.subtract(keys)
             for key in keys:
+                counts[key] -= 1
                 if not counts[key]:
                     del counts[key]
             if not counts:
