@@ -32,7 +32,9 @@ and at the largest N:
   ClusterIP (iptables: the one whose rule is the last service rule of KNIT-SERVICES; nftables:
   the same service, any one costs one verdict-map lookup), against two directs: the backend
   reached through a node namespace without any rules (the goal's), and the backend reached
-  directly through the same node.
+  directly through the same node; and against the least a NAT datapath does, a node whose
+  only rule is one verdict-map lookup DNATing the same address to the same endpoints (the
+  connection tracking every NAT needs, without anything of knit's).
 
 The run ends with every figure as measured, then a table comparing the modes per N with the
 nftables mode's goals marked met or not: connections through a ClusterIP at the largest N at
@@ -569,6 +571,26 @@ class OneServiceChange:
         return new_ip, script
 
 
+def one_lookup_dnat(address: str) -> str:
+    """A table DNATing new connections to address:PORT to one of the target's endpoints, at
+    random, through one verdict-map lookup: the least a NAT datapath does."""
+    endpoints = ", ".join(f"{index} : {ip}" for index, ip in enumerate(BACKENDS[:ENDPOINTS]))
+    return f"""table ip one-lookup {{
+  map services {{
+    type ipv4_addr . inet_proto . inet_service : verdict
+    elements = {{ {address} . tcp . {PORT} : goto endpoints }}
+  }}
+  chain endpoints {{
+    meta l4proto tcp dnat to numgen random mod {ENDPOINTS} map {{ {endpoints} }} : {TARGET_PORT}
+  }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat
+    ip daddr . meta l4proto . th dport vmap @services
+  }}
+}}
+"""
+
+
 def veth(node: Netns, name: str, pod: Netns, gateway: str, addresses: list[str]) -> None:
     """A veth from the node (NAME, holding the gateway) to the pod (eth0, the addresses)."""
     node.run("ip", "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", pod.name)
@@ -892,11 +914,15 @@ class Bench:
             f"the backends among {target}'s endpoints",
             interval=0.05,
         )
+        nat_node = make_netns("nat", stack)
+        nat_node.run("nft", "-f", "-", stdin=one_lookup_dnat(cluster_ip))
+        nat_client = self.attach(nat_node, stack)
         dispatch = mode.dispatch(node, target)
         loads = {
             "service": (client_ns, cluster_ip, PORT),
             "direct": (client_ns, BACKENDS[-1], TARGET_PORT),
             "plain": (plain_client, BACKENDS[-1], TARGET_PORT),
+            "nat": (nat_client, cluster_ip, PORT),
         }
         seconds, repeats = (1.0, 2) if self.options.quick else (2.0, 5)
         rates: dict[str, list[float]] = {kind: [] for kind in loads}
@@ -938,6 +964,14 @@ class Bench:
             spread["direct"],
             plain,
             ratio(rate["direct"], rate["plain"]),
+        )
+        self.add(
+            mode,
+            size,
+            f"{figure}, against one verdict-map DNAT through a node without other rules",
+            spread["service"],
+            f"one-lookup DNAT {spread['nat']}",
+            ratio(rate["service"], rate["nat"]),
         )
 
     def attach(self, node: Netns, stack: ExitStack) -> Netns:
@@ -1010,7 +1044,8 @@ def main() -> None:
     print(f"{bench.report.comparison([mode.name for mode in modes])}\n")
     print(
         "connection goal: the ClusterIP's rate against direct through a node without rules; "
-        "against direct through the same node in the row after it"
+        "in the rows after it, against direct through the same node and against one "
+        "verdict-map DNAT through a node without other rules"
     )
     print(f"command: {shlex.join(sys.orig_argv)} (at {began_at})")
     if (ended_at := revision()) != began_at:
