@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxyd.model import PROTOCOLS
+
 DUMMY = "knit-ipvs0"
-PROTOCOLS = ("TCP", "UDP", "SCTP")
 
 CHAIN_PREFIX = "KNIT-IPVS-"
 SERVICES = "KNIT-IPVS-SERVICES"

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from proxyd.model import PROTOCOLS as SERVICE_PROTOCOLS
 from proxyd.model import Endpoint, ServicePortName
 from proxyd.naming import short_hash
 from proxyd.plan import FamilyContext, PortPlan
@@ -55,7 +56,8 @@ FIREWALL_CHECK = "firewall-check"
 Rules = tuple[str, ...]
 
 
-PROTOCOLS = ("tcp", "udp", "sctp")
+PROTOCOLS = tuple(protocol.lower() for protocol in SERVICE_PROTOCOLS)
+"""As nft names them."""
 
 
 @dataclass(frozen=True, order=True, slots=True)
