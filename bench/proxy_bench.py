@@ -124,7 +124,7 @@ SYNC_LOGGED = {
     FULL: re.compile(r"knit-proxyd: full sync of "),
     PARTIAL: re.compile(r"knit-proxyd: partial sync of [1-9]"),
 }
-"""The daemon's log line after each kind of sync."""
+"""The line the daemon logs after each kind of sync (Daemon._sync_changes in proxyd/daemon.py)."""
 ZONE = "topology.kubernetes.io/zone"
 LEGACY_HINT = "KUBE-IPTABLES-HINT"
 NFT_TABLE = ("ip", nftables_render.TABLE)
