@@ -19,3 +19,13 @@ def test_the_collector_is_held_off_and_left_as_it_was() -> None:
         assert not gc.isenabled(), "a collector turned off stays off"
     finally:
         gc.enable()
+
+
+def test_overlapping_pauses_hold_it_off_until_the_last_ends() -> None:
+    listing, sync = collector.paused(), collector.paused()
+    listing.__enter__()
+    sync.__enter__()
+    listing.__exit__(None, None, None)
+    assert not gc.isenabled(), "the sync that began during the list still runs without it"
+    sync.__exit__(None, None, None)
+    assert gc.isenabled()
