@@ -10,13 +10,14 @@ the run's folder, no routing) and is measured:
   exactly the rules it wrote into a fresh namespace, through the daemon's own wrappers from a
   thread inside that namespace (iptables: `restore --noflush` of iptables-save of its nat and
   filter tables, on the nft flavour in batches of the daemon's chains per restore; nftables:
-  `nft -f` of `nft list table ip knit`); the wall time from its start to the rules being in
-  the kernel, and the start-up before the full sync (wall minus metric); then full syncs at
-  steady state (forced by changing the Node's zone, medians of several) against bare reloads
-  of the same rules over themselves (nftables: `delete table` and the listing, in one
-  transaction: nft's `flush table` empties the chains but leaves every set and map element
-  in place, so a reload after it would only re-add what is there, where the daemon's full
-  sync replaces the maps' contents);
+  `nft -f` of `nft list table ip knit`, one transaction, where the daemon writes its table,
+  which has no chains yet, in chunks loaded while the next is made); the wall time from its
+  start to the rules being in the kernel, and the start-up before the full sync (wall minus
+  metric); then full syncs at steady state (forced by changing the Node's zone, medians of
+  several) against bare reloads of the same rules over themselves (nftables: `delete table` and
+  the listing, in one transaction: nft's `flush table` empties the chains but leaves every set
+  and map element in place, so a reload after it would only re-add what is there, where the
+  daemon's full sync replaces the maps' contents);
 - its resident memory (VmRSS of the interpreter);
 - one-service changes (one endpoint of one EndpointSlice replaced): the partial sync's own
   metric against a bare load of the same change, rendered by the daemon's code in the context

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections.abc import Iterable
 
 from proxyd.nftables.render import TABLE, family_name
 
@@ -32,13 +33,23 @@ class Nft:
         self.table = f"{family_name(family)} {table}"
 
     def run(self, text: str) -> None:
-        if not text:
-            return
-        proc = subprocess.run(
-            ["nft", "-f", "-"], input=text, capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0:
-            raise NftError(f"nft -f failed: {proc.stderr.strip()[:2000]}")
+        self.run_each((text,))
+
+    def run_each(self, texts: Iterable[str]) -> None:
+        """Run transactions in order, nft loading each while the caller makes the next (nft
+        reads its whole input before it parses any, so the making of one transaction's text
+        cannot overlap its load). Stops at the first refused."""
+        loading: subprocess.Popen[str] | None = None
+        try:
+            for text in texts:
+                if loading is not None:
+                    loaded, loading = loading, None
+                    _finish(loaded)
+                if text:
+                    loading = _start(text)
+        finally:
+            if loading is not None:
+                _finish(loading)
 
     def _list(self, what: str, pattern: re.Pattern[str]) -> set[str]:
         proc = subprocess.run(
@@ -70,3 +81,28 @@ class Nft:
             ["nft", "delete", "table", *self.table.split()], capture_output=True, check=False
         )
         return proc.returncode == 0
+
+
+def _start(text: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        ["nft", "-f", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(text)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # nft ended before reading it all; its stderr says why
+    return proc
+
+
+def _finish(proc: subprocess.Popen[str]) -> None:
+    assert proc.stderr is not None
+    errors = proc.stderr.read()
+    proc.stderr.close()
+    if proc.wait() != 0:
+        raise NftError(f"nft -f failed: {errors.strip()[:2000]}")

@@ -244,14 +244,22 @@ class Renderer:
         self._ctx: PortContext | None = None
         self._rendered: dict[ServicePortName, tuple[PortPlan, ServiceObjects]] = {}
 
-    def render_all(
-        self, plans: Mapping[ServicePortName, PortPlan], ctx: PortContext
-    ) -> dict[ServicePortName, ServiceObjects]:
-        """Every port's objects (a full sync's); the ports not in `plans` are forgotten."""
+    def begin_full(self, plans: Mapping[ServicePortName, PortPlan], ctx: PortContext) -> None:
+        """A full sync's start: forget the ports not in `plans`, and every port rendered in
+        another context."""
         kept = self._rendered if ctx == self._ctx else {}
         self._ctx = ctx
-        self._rendered = {name: self._render(plan, kept.get(name)) for name, plan in plans.items()}
-        return {name: objects for name, (_, objects) in self._rendered.items()}
+        self._rendered = {name: kept[name] for name in plans if name in kept}
+
+    def render(
+        self, plans: Mapping[ServicePortName, PortPlan], names: Iterable[ServicePortName]
+    ) -> dict[ServicePortName, ServiceObjects]:
+        """The objects of the ports named, every one in `plans`, in the last context."""
+        rendered: dict[ServicePortName, ServiceObjects] = {}
+        for name in names:
+            self._rendered[name] = self._render(plans[name], self._rendered.get(name))
+            rendered[name] = self._rendered[name][1]
+        return rendered
 
     def render_changed(
         self, plans: Mapping[ServicePortName, PortPlan], names: Iterable[ServicePortName]
@@ -259,13 +267,11 @@ class Renderer:
         """The objects of the ports named (None: gone from `plans`), in the last context."""
         changed: dict[ServicePortName, ServiceObjects | None] = {}
         for name in names:
-            plan = plans.get(name)
-            if plan is None:
+            if name in plans:
+                changed.update(self.render(plans, (name,)))
+            else:
                 self._rendered.pop(name, None)
                 changed[name] = None
-            else:
-                self._rendered[name] = self._render(plan, self._rendered.get(name))
-                changed[name] = self._rendered[name][1]
         return changed
 
     def _render(

@@ -1,12 +1,16 @@
-"""Pure: the nft transaction (`nft -f` text, one atomic batch) taking the table from what was
-written to what is wanted.
+"""Pure: the nft transactions (`nft -f` text, each one atomic batch) taking the table from what
+was written to what is wanted: one per sync, or several when a full sync writes a table that
+has no chains yet.
 
 A full sync declares the whole table, flushes the chains and maps that exist and refills
 them, and removes stale chains and sets (affinity sets that stay keep their entries). A
 partial sync touches only the changed service ports: their map and set elements (added or
 removed), the shared spread chains that gain their first user or lose their last, and the
 chains and affinity sets of ports that own some, so its cost does not depend on how many
-services exist.
+services exist. A table without chains is in no hook, so no packet depends on it: a full
+sync writing one declares the fixed part, then adds the service ports a chunk at a time, each
+chunk as a partial sync adds its ports (each port whole in one), which lets nft load one chunk
+while Python makes the next.
 
 Two services may want the same map key (the same external IP and port, say); the first by
 name owns it, and when it lets go the next one takes over. A plain set holds an element while
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from proxyd.model import ServicePortName
@@ -179,8 +183,22 @@ def full_transaction(
     return tx.text()
 
 
+def fresh_transactions(
+    family: int,
+    state: TableState,
+    chunks: Iterable[Mapping[ServicePortName, ServiceObjects]],
+    existing_sets: set[str],
+) -> Iterator[str]:
+    """Write a table that has no chains: `state`'s fixed part (it holds no service ports yet),
+    then each chunk of ports, recorded in `state` as they are written."""
+    assert not state.services
+    yield full_transaction(family, state, set(), existing_sets)
+    for chunk in chunks:
+        yield partial_transaction(family, state, chunk)
+
+
 def partial_transaction(
-    family: int, state: TableState, updates: dict[ServicePortName, ServiceObjects | None]
+    family: int, state: TableState, updates: Mapping[ServicePortName, ServiceObjects | None]
 ) -> str:
     """Write what the updated service ports' objects differ by (None: the port is gone), and
     record them in `state`, which is no longer the kernel's when the transaction fails."""

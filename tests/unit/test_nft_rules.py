@@ -14,8 +14,13 @@ from proxyd.nftables.render import (
     render_base,
     render_service,
 )
-from proxyd.nftables.transaction import TableState, full_transaction, partial_transaction
-from proxyd.plan import FamilyContext
+from proxyd.nftables.transaction import (
+    TableState,
+    fresh_transactions,
+    full_transaction,
+    partial_transaction,
+)
+from proxyd.plan import FamilyContext, PortPlan
 from tests.unit.example_service import CTX, CTX6, NAME, PORT, READY, planned
 
 
@@ -172,25 +177,56 @@ def test_full_sync_flushes_what_exists_and_removes_what_is_stale() -> None:
     assert "flush map ip knit endpoints-ips-tcp" in text
 
 
+def render_full(
+    renderer: Renderer, plans: dict[ServicePortName, PortPlan], ctx: PortContext
+) -> dict[ServicePortName, ServiceObjects]:
+    renderer.begin_full(plans, ctx)
+    return renderer.render(plans, plans)
+
+
 def test_a_full_sync_renders_again_only_the_ports_whose_plans_changed() -> None:
     other = ServicePort(ServicePortName("ns", "other", "", "TCP"), ("10.96.0.11",), 80)
     renderer = Renderer()
     port_ctx = PortContext.of(CTX)
-    first = renderer.render_all(
-        {NAME: planned(PORT, READY), other.name: planned(other, READY)}, port_ctx
+    first = render_full(
+        renderer, {NAME: planned(PORT, READY), other.name: planned(other, READY)}, port_ctx
     )
     rezoned = dataclasses.replace(CTX, node=dataclasses.replace(CTX.node, zone="zone-b"))
-    again = renderer.render_all(
+    again = render_full(
+        renderer,
         {NAME: planned(PORT, READY, rezoned), other.name: planned(other, READY[:1], rezoned)},
         PortContext.of(rezoned),
     )
     assert again[NAME] is first[NAME], "an equal plan keeps its objects"
     assert again[other.name] == objects(other, READY[:1])
-    assert renderer.render_all({other.name: planned(other, READY[:1])}, port_ctx).keys() == {
-        other.name
-    }
-    assert renderer.render_changed({}, [other.name]) == {other.name: None}
+    renderer.begin_full({other.name: planned(other, READY[:1])}, port_ctx)
+    assert renderer.render({NAME: planned(PORT, READY)}, [NAME])[NAME] is not first[NAME], (
+        "a port left out of a full sync is forgotten"
+    )
+    assert renderer.render_changed({}, [NAME]) == {NAME: None}
     masquerading = PortContext.of(dataclasses.replace(CTX, masquerade_all=True))
-    assert renderer.render_all({NAME: planned(PORT, READY)}, masquerading)[NAME] == render_service(
-        planned(PORT, READY), masquerading
-    ), "another context renders afresh"
+    assert render_full(renderer, {NAME: planned(PORT, READY)}, masquerading)[
+        NAME
+    ] == render_service(planned(PORT, READY), masquerading), "another context renders afresh"
+
+
+def test_a_table_without_chains_is_written_in_chunks_that_end_as_one_full_sync() -> None:
+    shared = ("203.0.113.7",)
+    ports = [
+        dataclasses.replace(PORT, external_ips=shared, affinity_timeout=30),
+        ServicePort(ServicePortName("ns", "a", "", "TCP"), ("10.96.0.11",), 80),
+        ServicePort(
+            ServicePortName("ns", "zz", "", "TCP"), ("10.96.0.12",), 80, external_ips=shared
+        ),
+    ]
+    whole = state(*((port, READY) for port in ports))
+    chunked = TableState(render_base(CTX))
+    chunks = [{port.name: objects(port, READY)} for port in sorted(ports, key=lambda p: p.name)]
+    texts = list(fresh_transactions(4, chunked, chunks, set()))
+    assert texts[0] == full_transaction(4, TableState(render_base(CTX)), set(), set())
+    assert len(texts) == 4 and not any("delete" in text for text in texts[1:]), (
+        "in name order, no chunk takes a key over from an earlier one"
+    )
+    assert chunked.services == whole.services
+    assert chunked.owners == whole.owners and chunked.rivals == whole.rivals
+    assert chunked.members == whole.members and chunked.spread_users == whole.spread_users

@@ -1,0 +1,122 @@
+"""The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a
+full sync into a table without chains, written in chunks, leaves in the kernel what one
+transaction over an existing table leaves; a refused transaction stops the ones after it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+
+from proxyd.metrics import Metrics
+from proxyd.model import ServicePort, ServicePortName
+from proxyd.nftables import proxier as nftables_proxier
+from proxyd.nftables.kernel import Nft, NftError
+from proxyd.nftables.proxier import NftablesProxier
+from proxyd.proxier import ProxyOptions
+from proxyd.tracker import Changes, ServiceView
+from tests.conftest import Netns
+from tests.unit.example_service import NODE, PORT, READY
+
+OPTIONS = ProxyOptions(cluster_cidrs=("10.244.0.0/16",))
+SHARED_IP = ("203.0.113.7",)
+PORTS = (
+    dataclasses.replace(PORT, external_ips=SHARED_IP, affinity_timeout=30),
+    ServicePort(ServicePortName("ns", "a", "", "TCP"), ("10.96.0.11",), 80, node_port=30080),
+    ServicePort(
+        ServicePortName("ns", "lb", "", "TCP"),
+        ("10.96.0.12",),
+        443,
+        load_balancer_ips=("198.51.100.9",),
+        source_ranges=("192.0.2.0/24",),
+    ),
+    ServicePort(ServicePortName("ns", "udp", "dns", "UDP"), ("10.96.0.13",), 53),
+    ServicePort(
+        ServicePortName("ns", "zz", "", "TCP"), ("10.96.0.14",), 80, external_ips=SHARED_IP
+    ),
+)
+
+
+def changes(ports: Iterable[ServicePort]) -> Changes:
+    services = {
+        (port.name.namespace, port.name.name): ServiceView([port], {port: READY}) for port in ports
+    }
+    return Changes(services=services, node=NODE)
+
+
+def table(ns: Netns) -> list[str]:
+    """The table's objects with handles left out and elements sorted."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items() if key != "handle"}
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        return value
+
+    listing = json.loads(ns.run("nft", "-j", "list", "table", "ip", "knit").stdout)["nftables"]
+    objects = []
+    for entry in listing:
+        entry = plain(entry)
+        for kind in ("set", "map"):
+            if "elem" in entry.get(kind, {}):
+                entry[kind]["elem"] = sorted(entry[kind]["elem"], key=json.dumps)
+        objects.append(json.dumps(entry, sort_keys=True))
+    return sorted(objects)
+
+
+def transactions_of(sync: Callable[[], object]) -> list[str]:
+    """The transactions `sync` ran, in order."""
+    ran: list[str] = []
+    run_each = Nft.run_each
+
+    def recorded(self: Nft, texts: Iterable[str]) -> None:
+        def recording() -> Iterable[str]:
+            for text in texts:
+                ran.append(text)
+                yield text
+
+        run_each(self, recording())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Nft, "run_each", recorded)
+        sync()
+    return ran
+
+
+def test_chunks_into_a_table_without_chains_leave_what_one_transaction_leaves(
+    make_netns: Callable[[str], Netns], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nftables_proxier, "FRESH_CHUNK", 2)
+    chunked, whole = make_netns("knit-nft"), make_netns("knit-nft")
+    with chunked.entered():
+        proxier = NftablesProxier(OPTIONS, (4,), Metrics())
+        written = transactions_of(lambda: proxier.sync(changes(PORTS)))
+    assert len(written) == 4, "the fixed part, then 5 ports 2 at a time"
+    with whole.entered():
+        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(()))
+        proxier = NftablesProxier(OPTIONS, (4,), Metrics())
+        assert len(transactions_of(lambda: proxier.sync(changes(PORTS)))) == 1
+    assert table(chunked) == table(whole)
+    assert any("198.51.100.9" in entry for entry in table(chunked)), "the firewall's element"
+
+
+def test_a_refused_transaction_stops_the_ones_after_it(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns = make_netns("knit-nft")
+    made: list[str] = []
+
+    def texts() -> Iterable[str]:
+        for text in ("add table ip first", "add chain ip missing c", "add table ip after"):
+            made.append(text)
+            yield text
+
+    with ns.entered(), pytest.raises(NftError, match="missing"):
+        Nft(4).run_each(texts())
+    assert len(made) == 3, "the next is made while nft loads one"
+    tables = ns.run("nft", "list", "tables").stdout.split("\n")
+    assert tables == ["table ip first", ""]
