@@ -184,15 +184,16 @@ def full_transaction(
 
 
 def fresh_transactions(
-    family: int,
-    state: TableState,
-    chunks: Iterable[Mapping[ServicePortName, ServiceObjects]],
-    existing_sets: set[str],
+    family: int, state: TableState, chunks: Iterable[Mapping[ServicePortName, ServiceObjects]]
 ) -> Iterator[str]:
-    """Write a table that has no chains: `state`'s fixed part (it holds no service ports yet),
-    then each chunk of ports, recorded in `state` as they are written."""
+    """Write a table that has no chains: `state`'s fixed part (it holds no service ports yet)
+    in place of whatever sets the table has, then each chunk of ports, recorded in `state` as
+    they are written."""
     assert not state.services
-    yield full_transaction(family, state, set(), existing_sets)
+    prefix = f"{family_name(family)} {TABLE}"
+    yield f"add table {prefix}\ndelete table {prefix}\n" + full_transaction(
+        family, state, set(), set()
+    )
     for chunk in chunks:
         yield partial_transaction(family, state, chunk)
 

@@ -1,6 +1,7 @@
 """The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a
 full sync into a table without chains, written in chunks, leaves in the kernel what one
-transaction over an existing table leaves; a refused transaction stops the ones after it."""
+transaction over an existing table leaves (a set the table had is gone); a refused
+transaction stops the ones after it."""
 
 from __future__ import annotations
 
@@ -90,17 +91,19 @@ def transactions_of(sync: Callable[[], object]) -> list[str]:
 def test_chunks_into_a_table_without_chains_leave_what_one_transaction_leaves(
     make_netns: Callable[[str], Netns], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(nftables_proxier, "FRESH_CHUNK", 2)
+    monkeypatch.setattr(nftables_proxier, "FIRST_CHUNK", 1)
+    monkeypatch.setattr(nftables_proxier, "LARGEST_CHUNK", 2)
     chunked, whole = make_netns("knit-nft"), make_netns("knit-nft")
+    chunked.run("nft", "add table ip knit { set stray { type ipv4_addr ; } ; }")
     with chunked.entered():
         proxier = NftablesProxier(OPTIONS, (4,), Metrics())
         written = transactions_of(lambda: proxier.sync(changes(PORTS)))
-    assert len(written) == 4, "the fixed part, then 5 ports 2 at a time"
+    assert len(written) == 4, "the fixed part, then 5 ports: 1, 2 and 2"
     with whole.entered():
         NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(()))
         proxier = NftablesProxier(OPTIONS, (4,), Metrics())
         assert len(transactions_of(lambda: proxier.sync(changes(PORTS)))) == 1
-    assert table(chunked) == table(whole)
+    assert table(chunked) == table(whole), "the same objects, and the stray set gone"
     assert any("198.51.100.9" in entry for entry in table(chunked)), "the firewall's element"
 
 

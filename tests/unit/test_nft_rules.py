@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from proxyd.model import Endpoint, ServicePort, ServicePortName
+from proxyd.nftables import proxier as nftables_proxier
 from proxyd.nftables.render import (
     PortContext,
     Renderer,
@@ -222,11 +223,21 @@ def test_a_table_without_chains_is_written_in_chunks_that_end_as_one_full_sync()
     whole = state(*((port, READY) for port in ports))
     chunked = TableState(render_base(CTX))
     chunks = [{port.name: objects(port, READY)} for port in sorted(ports, key=lambda p: p.name)]
-    texts = list(fresh_transactions(4, chunked, chunks, set()))
-    assert texts[0] == full_transaction(4, TableState(render_base(CTX)), set(), set())
+    texts = list(fresh_transactions(4, chunked, chunks))
+    fixed_part = full_transaction(4, TableState(render_base(CTX)), set(), set())
+    assert texts[0] == f"add table ip knit\ndelete table ip knit\n{fixed_part}", (
+        "whatever sets a table without chains holds go"
+    )
     assert len(texts) == 4 and not any("delete" in text for text in texts[1:]), (
         "in name order, no chunk takes a key over from an earlier one"
     )
     assert chunked.services == whole.services
     assert chunked.owners == whole.owners and chunked.rivals == whole.rivals
     assert chunked.members == whole.members and chunked.spread_users == whole.spread_users
+
+
+def test_chunks_of_a_fresh_table_start_small_and_double_up_to_the_largest() -> None:
+    names = [ServicePortName("ns", f"s{index}", "", "TCP") for index in range(2500)]
+    sizes = [len(chunk) for chunk in nftables_proxier.chunks(names)]
+    assert sizes == [100, 200, 400, 800, 1000]
+    assert [name for chunk in nftables_proxier.chunks(names) for name in chunk] == names
