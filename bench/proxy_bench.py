@@ -96,7 +96,7 @@ from proxyd.iptables.restore import RuleSet, Script, partial_script
 from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, ServicePort, ServicePortName, parse_node
 from proxyd.nftables import render as nftables_render
-from proxyd.nftables.kernel import Nft
+from proxyd.nftables.kernel import CHAIN_LINE, Nft
 from proxyd.nftables.transaction import TableState, full_transaction, partial_transaction
 from proxyd.plan import FamilyContext, PortPlan, plan_port
 from tests.conftest import ROOT, Netns, unique_name
@@ -143,7 +143,6 @@ SIZE_GROWTH_GOAL = 1.5
 CONNECTION_GOAL = 0.8
 """nftables: connections/s through a ClusterIP at the largest N, as a share of direct through
 a node without rules."""
-CHAIN_LINE = re.compile(r"^\s*chain (\S+) \{", re.MULTILINE)
 CLUSTER_IP_RULE = re.compile(r'^-A KNIT-SERVICES .*--comment "default/([^:]+): cluster IP"')
 T = TypeVar("T")
 SERVER = """
