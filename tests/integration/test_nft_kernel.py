@@ -123,3 +123,20 @@ def test_a_refused_transaction_stops_the_ones_after_it(
     assert len(made) == 3, "the next is made while nft loads one"
     tables = ns.run("nft", "list", "tables").stdout.split("\n")
     assert tables == ["table ip first", ""]
+
+
+def test_the_names_listed_are_our_tables_chains_and_named_sets(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns = make_netns("knit-nft")
+    ns.run(
+        "nft",
+        "add table ip knit { set s { type ipv4_addr ; } ; map m { type ipv4_addr : verdict ; } ; "
+        "chain c { ip saddr { 192.0.2.1, 192.0.2.2 } drop ; } ; } ; "
+        "add table ip other { set o { type ipv4_addr ; } ; chain oc { } ; } ; "
+        "add table ip6 knit { set s6 { type ipv6_addr ; } ; chain c6 { } ; }",
+    )
+    with ns.entered():
+        assert (Nft(4).chains(), Nft(4).sets()) == ({"c"}, {"s"})
+        assert (Nft(6).chains(), Nft(6).sets()) == ({"c6"}, {"s6"})
+        assert Nft(4, "missing").chains() == set()
