@@ -6,18 +6,19 @@ an EndpointSlice of 10 endpoints on another node. For each N and each mode (--mo
 both), knit-proxyd starts in a fresh node namespace (with the tests' flags: its CNI files in
 the run's folder, no routing) and is measured:
 
-- full sync: the daemon's own metric (exactly one full sync at start), against a bare load of
-  exactly the rules it wrote into a fresh namespace, through the daemon's own wrappers from a
+- full sync: the daemon's own metric (exactly one full sync at start, which writes both
+  families, the IPv6 rules being the fixed part only), against a bare load of exactly the rules
+  it wrote, in both families, into a fresh namespace, through the daemon's own wrappers from a
   thread inside that namespace (iptables: `restore --noflush` of iptables-save of its nat and
-  filter tables, on the nft flavour in batches of the daemon's chains per restore; nftables:
-  `nft -f` of `nft list table ip knit`, one transaction, where the daemon writes its table,
-  which has no chains yet, in chunks loaded while the next is made); the wall time from its
-  start to the rules being in the kernel, and the start-up before the full sync (wall minus
-  metric); then full syncs at steady state (forced by changing the Node's zone, medians of
-  several) against bare reloads of the same rules over themselves (nftables: `delete table` and
-  the listing, in one transaction: nft's `flush table` empties the chains but leaves every set
-  and map element in place, so a reload after it would only re-add what is there, where the
-  daemon's full sync replaces the maps' contents);
+  filter tables, then the same in IPv6, on the nft flavour in batches of the daemon's chains per
+  restore; nftables: `nft -f` of `nft list table ip knit` and `... ip6 knit`, one transaction,
+  where the daemon writes each table, which has no chains yet, in chunks loaded while the next
+  is made); the wall time from its start to the rules being in the kernel, and the start-up
+  before the full sync (wall minus metric); then full syncs at steady state (forced by changing
+  the Node's zone, medians of several) against bare reloads of the same rules over themselves
+  (nftables: `delete table` of both and the listings, in one transaction: nft's `flush table`
+  empties the chains but leaves every set and map element in place, so a reload after it
+  would only re-add what is there, where the daemon's full sync replaces the maps' contents);
 - its resident memory (VmRSS of the interpreter);
 - one-service changes (one endpoint of one EndpointSlice replaced): the partial sync's own
   metric against a bare load of the same change, rendered by the daemon's code in the context
@@ -86,7 +87,7 @@ from deploy.lab.cluster import eventually
 from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent, start
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from proxyd.config import load as load_config
-from proxyd.daemon import make_proxier
+from proxyd.daemon import FAMILIES, make_proxier
 from proxyd.iptables import render as iptables_render
 from proxyd.iptables.chains import ServiceChains
 from proxyd.iptables.kernel import BUILTIN_CHAINS, JUMP
@@ -145,6 +146,10 @@ CONNECTION_GOAL = 0.8
 a node without rules."""
 CLUSTER_IP_RULE = re.compile(r'^-A KNIT-SERVICES .*--comment "default/([^:]+): cluster IP"')
 T = TypeVar("T")
+Saved = dict[int, str]
+"""The rules the daemon wrote, per family, as its mode's tool lists them."""
+Load = tuple[int, str]
+"""One transaction of a bare load, and the family whose wrapper writes it."""
 SERVER = """
 import socket, sys
 server = socket.create_server(("0.0.0.0", int(sys.argv[1])), backlog=4096)
@@ -329,24 +334,25 @@ class Mode(ABC):
         """Make the node look as this mode expects, before the daemon starts."""
 
     @abstractmethod
-    def save(self, ns: Netns) -> str:
-        """The rules the daemon wrote."""
+    def save(self, ns: Netns) -> Saved:
+        """The rules the daemon wrote, in both families (its full sync writes both)."""
 
     @abstractmethod
-    def scripts(self, saved: str, fresh: bool) -> list[str]:
+    def scripts(self, saved: Saved, fresh: bool) -> list[Load]:
         """The transactions writing `saved` as a full sync of the daemon does: into a fresh
         namespace, or (not fresh) over the same rules."""
 
     @abstractmethod
-    def write(self, text: str) -> None:
-        """One transaction, by the daemon's wrapper, in the calling thread's namespace."""
+    def write(self, family: int, text: str) -> None:
+        """One transaction, by the daemon's wrapper of the family, in the calling thread's
+        namespace."""
 
-    def load(self, ns: Netns, scripts: list[str]) -> float:
+    def load(self, ns: Netns, scripts: list[Load]) -> float:
         """Seconds to write the transactions into ns, from a thread inside it."""
 
         def write_all() -> None:
-            for script in scripts:
-                self.write(script)
+            for family, script in scripts:
+                self.write(family, script)
 
         return in_netns(ns, lambda: timed(write_all))
 
@@ -359,11 +365,11 @@ class Mode(ABC):
         """The daemon's partial load taking one service port from `before` to `after`."""
 
     @abstractmethod
-    def summary(self, saved: str) -> str:
+    def summary(self, saved: Saved) -> str:
         """How much the daemon wrote."""
 
     @abstractmethod
-    def connection_target(self, saved: str, size: int) -> str:
+    def connection_target(self, saved: Saved, size: int) -> str:
         """The service to connect through."""
 
     @abstractmethod
@@ -378,8 +384,8 @@ class Iptables(Mode):
 
     def __init__(self, flavour: str) -> None:
         self.flavour = flavour
-        self.kernel = IptablesKernel(4, flavour)
-        self.loader = f"{self.kernel.restore_binary} --noflush"
+        self.kernels = {family: IptablesKernel(family, flavour) for family in FAMILIES}
+        self.loader = f"{self.kernels[4].restore_binary} --noflush"
 
     def prepare(self, node: Netns) -> None:
         if self.flavour == "legacy":
@@ -387,31 +393,38 @@ class Iptables(Mode):
         detected = in_netns(node, detect_iptables_flavour)
         assert detected == self.flavour, f"the node detects {detected}"
 
-    def save(self, ns: Netns) -> str:
-        return in_netns(ns, lambda: self.kernel.save("nat") + self.kernel.save("filter"))
+    def save(self, ns: Netns) -> Saved:
+        def saved() -> Saved:
+            return {f: k.save("nat") + k.save("filter") for f, k in self.kernels.items()}
 
-    def scripts(self, saved: str, fresh: bool) -> list[str]:
-        """Every chain rewritten (on nft, NFT_CHAINS_PER_RESTORE chains per restore, each
-        after the chains it jumps to), the jumps from built-in chains added when fresh."""
-        chains, hooks = saved_chains(saved)
-        per_script = NFT_CHAINS_PER_RESTORE if self.flavour == "nft" else len(chains)
+        return in_netns(ns, saved)
+
+    def scripts(self, saved: Saved, fresh: bool) -> list[Load]:
+        """Per family, every chain rewritten (on nft, NFT_CHAINS_PER_RESTORE chains per
+        restore, each after the chains it jumps to), the jumps from built-in chains added when
+        fresh."""
         scripts = []
-        for first in range(0, len(chains), per_script):
-            script = Script()
-            for table, chain, rules in chains[first : first + per_script]:
-                script.rewrite(table, chain, rules)
-            scripts.append(script)
-        if fresh:
-            for table, chain, rule in reversed(hooks):
-                scripts[-1].insert(table, chain, rule)
-        return [script.text() for script in scripts]
+        for family, rules_saved in saved.items():
+            chains, hooks = saved_chains(rules_saved)
+            per_script = NFT_CHAINS_PER_RESTORE if self.flavour == "nft" else len(chains)
+            batches = []
+            for first in range(0, len(chains), per_script):
+                batch = Script()
+                for table, chain, rules in chains[first : first + per_script]:
+                    batch.rewrite(table, chain, rules)
+                batches.append(batch)
+            if fresh:
+                for table, chain, rule in reversed(hooks):
+                    batches[-1].insert(table, chain, rule)
+            scripts += [(family, batch.text()) for batch in batches]
+        return scripts
 
-    def write(self, text: str) -> None:
-        self.kernel.restore(text)
+    def write(self, family: int, text: str) -> None:
+        self.kernels[family].restore(text)
 
     def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
         chain = ServiceChains(ServicePortName("default", name, "", "TCP")).cluster
-        return ns.run(self.kernel.binary, "-w", "5", "-t", "nat", "-S", chain).stdout
+        return ns.run(self.kernels[4].binary, "-w", "5", "-t", "nat", "-S", chain).stdout
 
     def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
         def rules(plan: PortPlan) -> RuleSet:
@@ -420,13 +433,14 @@ class Iptables(Mode):
 
         return partial_script(rules(before), rules(after), [after.port.name]).text()
 
-    def summary(self, saved: str) -> str:
-        rules = sum(1 for line in saved.splitlines() if line.startswith("-A "))
-        chains = sum(1 for line in saved.splitlines() if line.startswith(":"))
-        return f"{rules} rules in {chains} chains (nat + filter)"
+    def summary(self, saved: Saved) -> str:
+        lines = [line for family in FAMILIES for line in saved[family].splitlines()]
+        rules = sum(1 for line in lines if line.startswith("-A "))
+        chains = sum(1 for line in lines if line.startswith(":"))
+        return f"{rules} rules in {chains} chains (nat + filter, IPv4 + IPv6)"
 
-    def connection_target(self, saved: str, size: int) -> str:
-        order = service_order(saved)
+    def connection_target(self, saved: Saved, size: int) -> str:
+        order = service_order(saved[4])
         print(
             f"  KNIT-SERVICES holds {len(order)} cluster IP rules, in name order: "
             f"{'yes' if order == sorted(order) else 'no'}; the last is {order[-1]}'s"
@@ -434,7 +448,7 @@ class Iptables(Mode):
         return order[-1]
 
     def dispatch(self, node: Netns, target: str) -> str:
-        order = service_order(self.save(node))
+        order = service_order(self.save(node)[4])
         return f"rule {order.index(target) + 1} of {len(order)}"
 
 
@@ -488,19 +502,25 @@ class Nftables(Mode):
     judged = True
 
     def __init__(self) -> None:
-        self.kernel = Nft(4)
+        self.kernels = {family: Nft(family) for family in FAMILIES}
 
     def prepare(self, node: Netns) -> None:
         """Nothing: the mode does not depend on the node's iptables."""
 
-    def save(self, ns: Netns) -> str:
-        return ns.run("nft", "list", "table", *NFT_TABLE, timeout=600).stdout
+    def save(self, ns: Netns) -> Saved:
+        return {
+            family: ns.run("nft", "list", "table", *kernel.table.split(), timeout=600).stdout
+            for family, kernel in self.kernels.items()
+        }
 
-    def scripts(self, saved: str, fresh: bool) -> list[str]:
-        return [saved if fresh else f"delete table {self.kernel.table}\n{saved}"]
+    def scripts(self, saved: Saved, fresh: bool) -> list[Load]:
+        """Both tables in one transaction (nft writes any family's)."""
+        tables = "".join(saved.values())
+        deleted = "".join(f"delete table {kernel.table}\n" for kernel in self.kernels.values())
+        return [(4, tables if fresh else deleted + tables)]
 
-    def write(self, text: str) -> None:
-        self.kernel.run(text)
+    def write(self, family: int, text: str) -> None:
+        self.kernels[family].run(text)
 
     def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
         """The elements of the endpoint map keyed by the service's cluster IP."""
@@ -520,11 +540,11 @@ class Nftables(Mode):
             ctx.family, table, {name: nftables_render.render_service(after, port_ctx)}
         )
 
-    def summary(self, saved: str) -> str:
-        chains = len(CHAIN_LINE.findall(saved))
-        return f"{chains} chains in table {' '.join(NFT_TABLE)}"
+    def summary(self, saved: Saved) -> str:
+        chains = {family: len(CHAIN_LINE.findall(saved[family])) for family in FAMILIES}
+        return f"{chains[4]} chains in table ip knit, {chains[6]} in ip6 knit"
 
-    def connection_target(self, saved: str, size: int) -> str:
+    def connection_target(self, saved: Saved, size: int) -> str:
         return service_name(size - 1)
 
     def dispatch(self, node: Netns, target: str) -> str:
@@ -773,7 +793,7 @@ class Bench:
         self.add(mode, size, "daemon memory at the end (VmRSS/peak)", f"{rss:.0f}/{hwm:.0f} MiB")
 
     def bare_loads(
-        self, size: int, mode: Mode, saved: str, full: float, wall: float, stack: ExitStack
+        self, size: int, mode: Mode, saved: Saved, full: float, wall: float, stack: ExitStack
     ) -> Netns:
         """Time loading `saved` into fresh namespaces; return the last one, left loaded until
         stack closes."""
@@ -796,7 +816,7 @@ class Bench:
         return ns
 
     def forced_full_syncs(
-        self, size: int, mode: Mode, daemon: Daemon, anchor: Netns, saved: str
+        self, size: int, mode: Mode, daemon: Daemon, anchor: Netns, saved: Saved
     ) -> None:
         scripts = mode.scripts(saved, fresh=False)
         figure = "full sync at steady state (metric, median)"
@@ -845,7 +865,7 @@ class Bench:
                 latencies["polled from outside"].append(time.monotonic() - patched)
             after = daemon.wait_sync(PARTIAL, since, 60)
             assert programmed(target), f"{target} was not programmed"
-            bare = mode.load(anchor, [script])
+            bare = mode.load(anchor, [(4, script)])
             assert change.listed(anchor) == change.listed(node), (
                 f"the bare change left {change.name}'s endpoints unlike the daemon's"
             )
@@ -915,7 +935,7 @@ class Bench:
                 )
 
     def connection_rate(
-        self, size: int, mode: Mode, daemon: Daemon, saved: str, stack: ExitStack
+        self, size: int, mode: Mode, daemon: Daemon, saved: Saved, stack: ExitStack
     ) -> None:
         node = daemon.ns
         target = mode.connection_target(saved, size)

@@ -1,20 +1,24 @@
-"""Thin layer over the `nft` binary: one transaction per call, and the names of what a
-table holds (for full syncs).
+"""Thin layer over nft: transactions as `nft -f` text, written by nft processes (full syncs)
+or by this process's own libnftables context (partial syncs), and the names of what a table
+holds (for full syncs).
 
-Why text through `nft -f` (see the README's "Why each library"): nft's parser and its
-compiler to netlink are the reference implementation of the rule language and a transaction
-is atomic. What a transaction costs beyond the kernel's own work is nft's cache: before each
-one, nft 1.0.6 reads every chain of the table (about 14 ms for 10,000 chains, measured with
-strace), and the kernel validates every chain reachable from the hooks after a transaction
-that adds a jump or a DNAT (about 38 ms for 10,000 chains of 11 rules). The element-only
-layout (see render.py) keeps both small; a change through libnftables in-process (ctypes)
-cost the same as through the `nft` process.
+Why text (see the README's "Why each library"): nft's parser and its compiler to netlink are
+the reference implementation of the rule language and a transaction is atomic. Why two ways
+to run it: a partial sync is a few elements, which libnftables in this process commits in
+~0.5 ms, where an nft process costs ~3 ms to start and, after any transaction that deleted
+something, ~10-20 ms more at exit, the kernel closing its netlink socket only after an RCU
+grace period; the context stays open for the daemon's life, so it never waits for that. A full
+sync is large: nft needs ~300 MiB at 10,000 services, which a process gives back when it ends,
+and its chunks load in processes while Python makes the next (see proxier.py).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import re
 import subprocess
+import weakref
 from collections.abc import Iterable
 
 from proxyd.nftables.render import TABLE, family_name
@@ -27,12 +31,45 @@ class NftError(RuntimeError):
     pass
 
 
+class Context:
+    """A libnftables context of this process: its netlink socket, opened in the calling
+    thread's network namespace, stays open until the context is collected."""
+
+    def __init__(self) -> None:
+        lib = _libnftables()
+        self._handle = lib.nft_ctx_new(0)
+        if not self._handle:
+            raise NftError("libnftables: no context")
+        lib.nft_ctx_buffer_output(self._handle)
+        lib.nft_ctx_buffer_error(self._handle)
+        weakref.finalize(self, lib.nft_ctx_free, self._handle)
+
+    def run(self, text: str) -> None:
+        lib = _libnftables()
+        failed = lib.nft_run_cmd_from_buffer(self._handle, text.encode())
+        lib.nft_ctx_get_output_buffer(self._handle)
+        errors = lib.nft_ctx_get_error_buffer(self._handle).decode(errors="replace")
+        if failed:
+            raise NftError(f"nft transaction failed: {errors.strip()[:2000]}")
+
+
 class Nft:
     def __init__(self, family: int, table: str = TABLE) -> None:
         self.family = family
         self.table = f"{family_name(family)} {table}"
+        self._context: Context | None = None
+
+    def run_here(self, text: str) -> None:
+        """One transaction through this process's libnftables context, opened by the first
+        call in the namespace the calling thread is in then."""
+        if not text:
+            return
+        if self._context is None:
+            self._context = Context()
+        self._context.run(text)
 
     def run(self, text: str) -> None:
+        """One transaction through an nft process."""
         self.run_each((text,))
 
     def run_each(self, texts: Iterable[str]) -> None:
@@ -51,7 +88,7 @@ class Nft:
             if loading is not None:
                 _finish(loading)
 
-    def _list(self, what: str, pattern: re.Pattern[str]) -> set[str]:
+    def _list(self, what: str, pattern: re.Pattern[str]) -> set[str] | None:
         proc = subprocess.run(
             ["nft", "--terse", "list", what, family_name(self.family)],
             capture_output=True,
@@ -60,27 +97,42 @@ class Nft:
         )
         if proc.returncode != 0:
             raise NftError(f"nft list {what} failed: {proc.stderr.strip()}")
-        names: set[str] = set()
         for block in proc.stdout.split("\ntable "):
             header = block.lstrip().removeprefix("table ").split(" {", 1)[0]
             if header == self.table:
-                names.update(pattern.findall(block))
-        return names
+                return set(pattern.findall(block))
+        return None
 
-    def chains(self) -> set[str]:
-        """Names of the chains our table holds (none when it does not exist)."""
+    def chains(self) -> set[str] | None:
+        """Names of the chains our table holds; None when the table does not exist (the
+        listing names every table of the family, even one without chains)."""
         return self._list("chains", CHAIN_LINE)
 
     def sets(self) -> set[str]:
         """Names of the named sets (not maps) our table holds; --terse leaves out their
         elements (100,000 hairpin entries at 10,000 services)."""
-        return self._list("sets", SET_LINE)
+        return self._list("sets", SET_LINE) or set()
 
     def delete_table(self) -> bool:
         proc = subprocess.run(
             ["nft", "delete", "table", *self.table.split()], capture_output=True, check=False
         )
         return proc.returncode == 0
+
+
+@functools.cache
+def _libnftables() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libnftables.so.1")
+    lib.nft_ctx_new.restype = ctypes.c_void_p
+    lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+    lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+    for name in ("nft_ctx_buffer_output", "nft_ctx_buffer_error"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+    for name in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+        getattr(lib, name).restype = ctypes.c_char_p
+    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    return lib
 
 
 def _start(text: str) -> subprocess.Popen[str]:

@@ -58,7 +58,7 @@ class NftablesProxier(Proxier):
                 assert old is not None
                 new = old
                 updates = self._renderers[family].render_changed(plans, changed)
-                self.kernel[family].run(partial_transaction(family, new, updates))
+                self.kernel[family].run_here(partial_transaction(family, new, updates))
         except NftError as err:
             self._written[family] = None
             raise ProgramError(str(err)) from err
@@ -78,7 +78,8 @@ class NftablesProxier(Proxier):
             kernel.run(full_transaction(family, state, existing_chains, kernel.sets()))
             return
         rendered = (renderer.render(plans, chunk) for chunk in chunks(sorted(plans)))
-        kernel.run_each(fresh_transactions(family, state, rendered))
+        exists = existing_chains is not None
+        kernel.run_each(fresh_transactions(family, state, rendered, replace=exists))
 
     def _count_failure(self, full: bool) -> None:
         self.metrics.nftables_sync_failures.inc()

@@ -184,16 +184,19 @@ def full_transaction(
 
 
 def fresh_transactions(
-    family: int, state: TableState, chunks: Iterable[Mapping[ServicePortName, ServiceObjects]]
+    family: int,
+    state: TableState,
+    chunks: Iterable[Mapping[ServicePortName, ServiceObjects]],
+    replace: bool,
 ) -> Iterator[str]:
-    """Write a table that has no chains: `state`'s fixed part (it holds no service ports yet)
-    in place of whatever sets the table has, then each chunk of ports, recorded in `state` as
-    they are written."""
+    """Write a table that has no chains: `state`'s fixed part (it holds no service ports yet),
+    in place of the table and whatever sets it has when `replace` (a deleted table costs the
+    kernel ~11 ms, so a table that does not exist is not deleted), then each chunk of ports,
+    recorded in `state` as they are written."""
     assert not state.services
     prefix = f"{family_name(family)} {TABLE}"
-    yield f"add table {prefix}\ndelete table {prefix}\n" + full_transaction(
-        family, state, set(), set()
-    )
+    replaced = f"add table {prefix}\ndelete table {prefix}\n" if replace else ""
+    yield replaced + full_transaction(family, state, set(), set())
     for chunk in chunks:
         yield partial_transaction(family, state, chunk)
 

@@ -1,7 +1,8 @@
 """The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a
 full sync into a table without chains, written in chunks, leaves in the kernel what one
 transaction over an existing table leaves (a set the table had is gone); a refused
-transaction stops the ones after it."""
+transaction stops the ones after it; a transaction through the process's own libnftables
+context (partial syncs) sees what nft processes wrote and writes where it was opened."""
 
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def table(ns: Netns) -> list[str]:
     return sorted(objects)
 
 
-def transactions_of(sync: Callable[[], object]) -> list[str]:
-    """The transactions `sync` ran, in order."""
+def transactions_of(sync: Callable[[Changes], object], ports: Iterable[ServicePort]) -> list[str]:
+    """The transactions a sync of `ports` ran, in order."""
     ran: list[str] = []
     run_each = Nft.run_each
 
@@ -84,7 +85,7 @@ def transactions_of(sync: Callable[[], object]) -> list[str]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Nft, "run_each", recorded)
-        sync()
+        sync(changes(ports))
     return ran
 
 
@@ -93,17 +94,22 @@ def test_chunks_into_a_table_without_chains_leave_what_one_transaction_leaves(
 ) -> None:
     monkeypatch.setattr(nftables_proxier, "FIRST_CHUNK", 1)
     monkeypatch.setattr(nftables_proxier, "LARGEST_CHUNK", 2)
-    chunked, whole = make_netns("knit-nft"), make_netns("knit-nft")
+    chunked, absent, whole = (make_netns("knit-nft") for _ in range(3))
     chunked.run("nft", "add table ip knit { set stray { type ipv4_addr ; } ; }")
-    with chunked.entered():
-        proxier = NftablesProxier(OPTIONS, (4,), Metrics())
-        written = transactions_of(lambda: proxier.sync(changes(PORTS)))
-    assert len(written) == 4, "the fixed part, then 5 ports: 1, 2 and 2"
+    first_written = []
+    for ns in (chunked, absent):
+        with ns.entered():
+            written = transactions_of(NftablesProxier(OPTIONS, (4,), Metrics()).sync, PORTS)
+        assert len(written) == 4, "the fixed part, then 5 ports: 1, 2 and 2"
+        first_written.append(written[0])
+    assert first_written[0].startswith("add table ip knit\ndelete table ip knit\n")
+    assert "delete" not in first_written[1], "a table that does not exist is not deleted"
     with whole.entered():
         NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(()))
         proxier = NftablesProxier(OPTIONS, (4,), Metrics())
-        assert len(transactions_of(lambda: proxier.sync(changes(PORTS)))) == 1
+        assert len(transactions_of(proxier.sync, PORTS)) == 1
     assert table(chunked) == table(whole), "the same objects, and the stray set gone"
+    assert table(absent) == table(whole)
     assert any("198.51.100.9" in entry for entry in table(chunked)), "the firewall's element"
 
 
@@ -134,9 +140,31 @@ def test_the_names_listed_are_our_tables_chains_and_named_sets(
         "add table ip knit { set s { type ipv4_addr ; } ; map m { type ipv4_addr : verdict ; } ; "
         "chain c { ip saddr { 192.0.2.1, 192.0.2.2 } drop ; } ; } ; "
         "add table ip other { set o { type ipv4_addr ; } ; chain oc { } ; } ; "
-        "add table ip6 knit { set s6 { type ipv6_addr ; } ; chain c6 { } ; }",
+        "add table ip6 knit { set s6 { type ipv6_addr ; } ; chain c6 { } ; } ; "
+        "add table ip bare",
     )
     with ns.entered():
         assert (Nft(4).chains(), Nft(4).sets()) == ({"c"}, {"s"})
         assert (Nft(6).chains(), Nft(6).sets()) == ({"c6"}, {"s6"})
-        assert Nft(4, "missing").chains() == set()
+        assert (Nft(4, "bare").chains(), Nft(4, "bare").sets()) == (set(), set())
+        assert (Nft(4, "missing").chains(), Nft(4, "missing").sets()) == (None, set())
+
+
+def test_a_transaction_in_this_process_follows_what_nft_processes_wrote(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns, other = make_netns("knit-nft"), make_netns("knit-nft")
+    kernel = Nft(4)
+    with ns.entered():
+        kernel.run_here("add table ip knit\nadd set ip knit old { type ipv4_addr ; }\n")
+        kernel.run("delete table ip knit\nadd table ip knit { set new { type ipv4_addr ; } ; }")
+    with other.entered():
+        kernel.run_here("add element ip knit new { 192.0.2.1 }\n")
+        with pytest.raises(NftError, match="No such file or directory"):
+            kernel.run_here(
+                "add element ip knit new { 192.0.2.2 }\nadd element ip knit old { 1.2.3.4 }\n"
+            )
+    assert "elements = { 192.0.2.1 }" in ns.run("nft", "list", "set", "ip", "knit", "new").stdout, (
+        "the context writes where it was opened; a refused transaction leaves nothing"
+    )
+    assert other.run("nft", "list", "tables").stdout == ""

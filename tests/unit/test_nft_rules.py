@@ -223,11 +223,13 @@ def test_a_table_without_chains_is_written_in_chunks_that_end_as_one_full_sync()
     whole = state(*((port, READY) for port in ports))
     chunked = TableState(render_base(CTX))
     chunks = [{port.name: objects(port, READY)} for port in sorted(ports, key=lambda p: p.name)]
-    texts = list(fresh_transactions(4, chunked, chunks))
+    texts = list(fresh_transactions(4, chunked, chunks, replace=True))
     fixed_part = full_transaction(4, TableState(render_base(CTX)), set(), set())
     assert texts[0] == f"add table ip knit\ndelete table ip knit\n{fixed_part}", (
         "whatever sets a table without chains holds go"
     )
+    absent = fresh_transactions(4, TableState(render_base(CTX)), [], replace=False)
+    assert list(absent) == [fixed_part], "a table that does not exist is not deleted"
     assert len(texts) == 4 and not any("delete" in text for text in texts[1:]), (
         "in name order, no chunk takes a key over from an earlier one"
     )
