@@ -51,7 +51,7 @@ then, not polled during the sync they measure (a look costs a process, ~11 ms of
 hint chain), so the iptables mode detects and uses legacy; by default it detects nft, as on
 any fresh node here. A first full sync that takes longer than --sync-timeout ends that size.
 
-Run as root from the repository root (~15 minutes on a 2-core VM, 2 of them creating the
+Run as root from the repository root (~25 minutes on a 2-core VM, 2-3 of them creating the
 20,000 objects):
   .venv/bin/python -m bench.proxy_bench [--sizes 1000,10000] [--modes iptables,nftables]
       [--flavour nft|legacy] [--quick]
