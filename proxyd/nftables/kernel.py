@@ -47,7 +47,7 @@ class Context:
     def run(self, text: str) -> None:
         lib = _libnftables()
         failed = lib.nft_run_cmd_from_buffer(self._handle, text.encode())
-        lib.nft_ctx_get_output_buffer(self._handle)
+        lib.nft_ctx_get_output_buffer(self._handle)  # read, so the buffer starts empty again
         errors = lib.nft_ctx_get_error_buffer(self._handle).decode(errors="replace")
         if failed:
             raise NftError(f"nft transaction failed: {errors.strip()[:2000]}")
