@@ -8,10 +8,11 @@ the run's folder, no routing) and is measured:
 
 - full sync: the daemon's own metric (exactly one full sync at start, which writes both
   families, the IPv6 rules being the fixed part only), against a bare load of exactly the rules
-  it wrote, in both families, into a fresh namespace, through the daemon's own wrappers from a
-  thread inside that namespace (iptables: `restore --noflush` of iptables-save of its nat and
+  it wrote, in both families, into a fresh namespace, from a thread inside that namespace
+  (iptables: through the daemon's own wrapper, `restore --noflush` of iptables-save of its nat and
   filter tables, then the same in IPv6, on the nft flavour in batches of the daemon's chains per
-  restore; nftables: `nft -f` of `nft list table ip knit` and `... ip6 knit`, one transaction,
+  restore; nftables: an `nft -f` process (the daemon runs libnftables in its own process) of
+  `nft list table ip knit` and `... ip6 knit`, one transaction,
   where the daemon writes each table, which has no chains yet, in chunks loaded while the next
   is made); the wall time from its start to the rules being in the kernel, and the start-up
   before the full sync (wall minus metric); then full syncs at steady state (forced by changing
@@ -149,7 +150,7 @@ T = TypeVar("T")
 Saved = dict[int, str]
 """The rules the daemon wrote, per family, as its mode's tool lists them."""
 Load = tuple[int, str]
-"""One transaction of a bare load, and the family whose wrapper writes it."""
+"""One transaction of a bare load, and its family."""
 SERVER = """
 import socket, sys
 server = socket.create_server(("0.0.0.0", int(sys.argv[1])), backlog=4096)
@@ -321,7 +322,7 @@ def spent(after: dict[str, float], before: dict[str, float], kind: str) -> float
 
 class Mode(ABC):
     """What differs between the modes knit-proxyd is measured in: how its rules are read
-    back, written bare (through the daemon's own wrapper), looked up and changed."""
+    back, written bare, looked up and changed."""
 
     name: str
     loader: str
@@ -344,8 +345,7 @@ class Mode(ABC):
 
     @abstractmethod
     def write(self, family: int, text: str) -> None:
-        """One transaction, by the daemon's wrapper of the family, in the calling thread's
-        namespace."""
+        """One transaction of the family, in the calling thread's namespace."""
 
     def load(self, ns: Netns, scripts: list[Load]) -> float:
         """Seconds to write the transactions into ns, from a thread inside it."""
@@ -520,7 +520,8 @@ class Nftables(Mode):
         return [(4, tables if fresh else deleted + tables)]
 
     def write(self, family: int, text: str) -> None:
-        self.kernels[family].run(text)
+        """A bare `nft -f` process (the daemon runs libnftables in its own process)."""
+        subprocess.run(["nft", "-f", "-"], input=text, text=True, capture_output=True, check=True)
 
     def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
         """The elements of the endpoint map keyed by the service's cluster IP."""

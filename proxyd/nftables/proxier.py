@@ -58,7 +58,7 @@ class NftablesProxier(Proxier):
                 assert old is not None
                 new = old
                 updates = self._renderers[family].render_changed(plans, changed)
-                self.kernel[family].run_here(partial_transaction(family, new, updates))
+                self.kernel[family].run(partial_transaction(family, new, updates))
         except NftError as err:
             self._written[family] = None
             raise ProgramError(str(err)) from err
@@ -75,7 +75,8 @@ class NftablesProxier(Proxier):
         existing_chains = kernel.chains()
         if existing_chains:
             state.services.update(renderer.render(plans, plans))
-            kernel.run(full_transaction(family, state, existing_chains, kernel.sets()))
+            text = full_transaction(family, state, existing_chains, kernel.sets())
+            kernel.run_each((text,))
             return
         rendered = (renderer.render(plans, chunk) for chunk in chunks(sorted(plans)))
         exists = existing_chains is not None
