@@ -42,7 +42,7 @@ RUN python -m cni.bundle --output /opt/knit/cni-bundle --plugin /portmap
 # ---------------------------------------------------------------- the image
 # The same base as the builder, so the venv's interpreter links resolve; no compiler.
 # iptables (both flavours, iptables-{nft,legacy}-{save,restore}) and nftables (nft, and the
-# libnftables it depends on, which knit-proxyd loads for partial syncs) are what knit-proxyd and
+# libnftables it depends on, which knit-proxyd loads) are what knit-proxyd and
 # the in-daemon plugin execute; links, routes and conntrack go through netlink.
 FROM ${PYTHON_IMAGE}
 RUN apt-get update \
