@@ -37,13 +37,13 @@ class NftError(RuntimeError):
 
 class Context:
     """A libnftables context: its netlink socket, opened in the calling thread's network
-    namespace, stays open (and bound to that namespace) until the context is collected."""
+    namespace, stays open (and bound to that namespace) until the context is collected.
+    libnftables ends the process when it cannot allocate or open that socket, as it ends an
+    nft process."""
 
     def __init__(self) -> None:
         lib = _libnftables()
         self._handle = lib.nft_ctx_new(0)
-        if not self._handle:
-            raise NftError("libnftables: no context")
         lib.nft_ctx_output_set_flags(self._handle, OUTPUT_TERSE)
         lib.nft_ctx_buffer_output(self._handle)
         lib.nft_ctx_buffer_error(self._handle)
@@ -144,4 +144,6 @@ def _libnftables() -> ctypes.CDLL:
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None)
+    libc = ctypes.CDLL(None)
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    return libc
