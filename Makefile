@@ -4,10 +4,12 @@ ROOT := $(abspath .)
 VENV := $(ROOT)/.venv
 PY := $(VENV)/bin/python
 BUILD := $(ROOT)/build
-# gcc, libc6-dev and python3-dev: python-iptables is published only as source with a small C
-# extension, so pip compiles it.
-APT_PACKAGES := iproute2 iptables nftables conntrack ipset iputils-ping procps python3 \
-	python3-venv python3-dev gcc libc6-dev curl ca-certificates unzip git openssl shellcheck
+# libnftables1: knit-proxyd's nftables mode loads it (nftables depends on it; named as the
+# daemon's own need). gcc, libc6-dev and python3-dev: python-iptables is published only as
+# source with a small C extension, so pip compiles it.
+APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-ping procps \
+	python3 python3-venv python3-dev gcc libc6-dev curl ca-certificates unzip git openssl \
+	shellcheck
 
 .PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
