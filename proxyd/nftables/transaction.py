@@ -1,5 +1,5 @@
-"""Pure: the nft transactions (`nft -f` text, each one atomic batch) taking the table from what
-was written to what is wanted: one per sync, or several when a full sync writes a table that
+"""Pure: the nft transactions (nft's text language, each one atomic batch) taking the table from
+what was written to what is wanted: one per sync, or several when a full sync writes a table that
 has no chains yet.
 
 A full sync declares the whole table, flushes the chains and maps that exist and refills
