@@ -37,7 +37,10 @@ and at the largest N:
   reached through a node namespace without any rules (the goal's), and the backend reached
   directly through the same node; and against the least a NAT datapath does, a node whose
   only rule is one verdict-map lookup DNATing the same address to the same endpoints (the
-  connection tracking every NAT needs, without anything of knit's).
+  connection tracking every NAT needs, without anything of knit's). The loads take turns, a
+  round being one run of each, back to back, each round starting one load further on; a
+  ratio is the median of the rounds' own ratios, so that the machine's slower and faster
+  spells (+-20% here) fall on both of its sides.
 
 The run ends with every figure as measured, then a table comparing the modes per N with the
 nftables mode's goals marked met or not: connections through a ClusterIP at the largest N at
@@ -961,13 +964,19 @@ class Bench:
             "plain": (plain_client, BACKENDS[-1], TARGET_PORT),
             "nat": (nat_client, cluster_ip, PORT),
         }
-        seconds, repeats = (1.0, 2) if self.options.quick else (2.0, 5)
+        seconds, repeats = (1.0, 2) if self.options.quick else (2.0, 7)
         rates: dict[str, list[float]] = {kind: [] for kind in loads}
-        for _ in range(repeats):
-            for kind, (ns, host, port) in loads.items():
+        kinds = list(loads)
+        for turn in range(repeats):
+            for kind in kinds[turn % len(kinds) :] + kinds[: turn % len(kinds)]:
+                ns, host, port = loads[kind]
                 out = ns.run(sys.executable, "-c", CLIENT_LOOP, host, str(port), str(seconds))
                 rates[kind].append(float(out.stdout))
         rate = {kind: statistics.median(values) for kind, values in rates.items()}
+
+        def paired(kind: str, anchor: str) -> float:
+            return statistics.median(a / b for a, b in zip(rates[kind], rates[anchor], strict=True))
+
         spread = {
             kind: f"{min(values):.0f}/{rate[kind]:.0f}/{max(values):.0f}/s"
             for kind, values in rates.items()
@@ -975,7 +984,7 @@ class Bench:
         how = f"min/median/max of {repeats} x {seconds:.0f} s"
         plain = f"direct, through a node without rules {spread['plain']}"
         direct = f"direct to the backend, through this node {spread['direct']}"
-        share = rate["service"] / rate["plain"]
+        share = paired("service", "plain")
         figure = f"TCP connections/s via ClusterIP ({how})"
         self.add(
             mode,
@@ -983,7 +992,7 @@ class Bench:
             figure,
             f"{spread['service']}, {dispatch}",
             plain,
-            ratio(rate["service"], rate["plain"]),
+            f"{share:.2f}x",
             (f">= {CONNECTION_GOAL:.0%} of direct without rules", share >= CONNECTION_GOAL),
         )
         self.add(
@@ -992,7 +1001,7 @@ class Bench:
             f"{figure}, against direct through this node",
             spread["service"],
             direct,
-            ratio(rate["service"], rate["direct"]),
+            f"{paired('service', 'direct'):.2f}x",
         )
         self.add(
             mode,
@@ -1000,7 +1009,7 @@ class Bench:
             f"TCP connections/s direct to the backend, through this node ({how})",
             spread["direct"],
             plain,
-            ratio(rate["direct"], rate["plain"]),
+            f"{paired('direct', 'plain'):.2f}x",
         )
         self.add(
             mode,
@@ -1008,7 +1017,7 @@ class Bench:
             f"{figure}, against one verdict-map DNAT through a node without other rules",
             spread["service"],
             f"one-lookup DNAT {spread['nat']}",
-            ratio(rate["service"], rate["nat"]),
+            f"{paired('service', 'nat'):.2f}x",
         )
 
     def attach(self, node: Netns, stack: ExitStack) -> Netns:

@@ -273,6 +273,8 @@ class Cluster:
     def stop_daemon(self, node: LabNode) -> None:
         _terminate(node.daemon)
         node.daemon = 0
+        # a daemon ended by SIGKILL leaves its socket, which start_daemon waits for
+        node.socket.unlink(missing_ok=True)
 
     def remove_node(self, node: LabNode) -> None:
         """The node leaves: its Node object goes, its machine goes away."""

@@ -44,6 +44,7 @@ NODE_PORT_RANGE = "30000-32767"
 ADMIN = "knit-admin"
 NETNS_PORT = 6443
 PROCESSES = ("etcd", "kube-apiserver")
+KUBERNETES_SERVICE = "/api/v1/namespaces/default/services/kubernetes"
 # Everything start() writes into the state dir; `down` removes exactly these.
 STATE = (
     "pki",
@@ -321,7 +322,8 @@ def start(
     detach: bool = False,
     timeout: float = 90.0,
 ) -> ControlPlane:
-    """Start etcd and kube-apiserver with their state in state_dir; return once /readyz is ok.
+    """Start etcd and kube-apiserver with their state in state_dir; return once /readyz is ok
+    and the `kubernetes` Service exists.
 
     Unless detach, the kernel kills both when the thread that started them ends, so a test
     run that dies without calling stop() leaves nothing behind.
@@ -349,7 +351,10 @@ def start(
         tls = ssl.create_default_context(cafile=pki / "ca.crt")
         tls.load_cert_chain(pki / "admin.crt", pki / "admin.key")
         check = http.client.HTTPSConnection("127.0.0.1", plane.port, timeout=2, context=tls)
-        _wait_ready(apiserver, state_dir / "kube-apiserver.log", check, "/readyz", began + timeout)
+        log = state_dir / "kube-apiserver.log"
+        _wait_ready(apiserver, log, check, "/readyz", began + timeout)
+        # the `kubernetes` Service is made by a controller that waits for /readyz itself
+        _wait_ready(apiserver, log, check, KUBERNETES_SERVICE, began + timeout)
         plane.apiserver_seconds = time.monotonic() - began
     except BaseException:
         plane.stop()

@@ -82,22 +82,19 @@ class Nft:
 
     def run_each(self, texts: Iterable[str]) -> None:
         """A full sync's transactions in order, each loaded by a worker thread (ctypes lets go
-        of the GIL) while the caller makes the next; stops at the first refused. Then the
-        memory nft took is given back."""
+        of the GIL) while the caller makes the next; stops at the first refused. When making
+        one fails, the load under way ends before that error goes on. Then the memory nft took
+        is given back."""
         context = self._context
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="nft") as loader:
                 loading: Future[str] | None = None
-                try:
-                    for text in texts:
-                        if loading is not None:
-                            loaded, loading = loading, None
-                            loaded.result()
-                        if text:
-                            loading = loader.submit(context.run, text)
-                finally:
+                for text in texts:
                     if loading is not None:
                         loading.result()
+                    loading = loader.submit(context.run, text) if text else None
+                if loading is not None:
+                    loading.result()
         finally:
             _libc().malloc_trim(0)
 

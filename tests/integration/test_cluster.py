@@ -120,8 +120,12 @@ def test_pod_to_pod_across_nodes_keeps_the_pod_address(cluster: Cluster, family:
 def test_clusterip_with_backends_on_other_nodes(cluster: Cluster) -> None:
     a, b, c = (cluster.nodes[n] for n in "abc")
     backends = [cluster.add_pod(node, unique_name(f"be-{node.name}")) for node in (b, c)]
-    # the installed plugin handed the ADD to the node's daemon (the fast path)
-    assert f"CNI ADD {backends[0].ns}/eth0: exit 0" in b.log.read_text()
+    # the installed plugin handed the ADD to the node's daemon (the fast path), which logs it
+    # after it answered
+    eventually(
+        what="b's line for the ADD",
+        check=lambda: f"CNI ADD {backends[0].ns}/eth0: exit 0" in b.log.read_text(),
+    )
     service = cluster.publish(unique_name("svc"), backends)
     client = cluster.add_pod(a, unique_name("client"))
     for cluster_ip in service["spec"]["clusterIPs"]:
@@ -160,6 +164,7 @@ def test_egress_is_masqueraded_and_pod_traffic_is_not(cluster: Cluster) -> None:
 def test_a_node_joining_and_leaving_moves_the_routes(cluster: Cluster) -> None:
     a = cluster.nodes["a"]
     lan1 = a.segment
+    eventually(what="a's routes to b and c", check=lambda: len(knit_routes(a)) == 2)
     before = knit_routes(a)
     d = cluster.add_node("d", lan1, 14, ())
     assert not d.conflist.exists()
@@ -181,7 +186,8 @@ def test_a_node_joining_and_leaving_moves_the_routes(cluster: Cluster) -> None:
 
 def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
     c = cluster.nodes["c"]
-    eventually(what="c's routes", check=lambda: len(knit_routes(c)) == 2)
+    eventually(what="c's node networking", check=lambda: APPLIED in c.log.read_text())
+    assert len(knit_routes(c)) == 2
     assert f"-j {EGRESS_CHAIN}" in in_ns(c.ns, "iptables-save", "-t", "nat")
     cluster.stop_daemon(c)
     try:
@@ -196,6 +202,7 @@ def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
 
 def test_conflist_is_rewritten_only_when_it_changes(cluster: Cluster) -> None:
     b = cluster.nodes["b"]
+    eventually(what="b's node networking", check=lambda: APPLIED in b.log.read_text())
     inode = b.conflist.stat().st_ino
     applied = b.log.read_text().count(APPLIED)
     cluster.stop_daemon(b)

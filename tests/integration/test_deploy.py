@@ -12,6 +12,7 @@ its matrix against proxyd.config.MODES, its versions against the pins, its overl
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
+from deploy.lab.cluster import eventually
 from deploy.lab.controlplane import ControlPlane
 from proxyd import config as proxy_config
 from proxyd import watch
@@ -315,7 +317,8 @@ def test_the_service_account_may_watch_what_knit_watches_and_nothing_more(
     for group, resource in sorted(watched()):
         name = f"{resource}.{group}" if group else resource
         for verb in ("list", "watch"):
-            assert can(control_plane, verb, name), f"{verb} {name}"
+            # the authorizer's cache takes the new binding in a moment after it is created
+            eventually(functools.partial(can, control_plane, verb, name), what=f"{verb} {name}")
     for verb, name in [
         ("create", "events"),
         ("create", "events.events.k8s.io"),

@@ -1,8 +1,9 @@
 """The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a
 full sync into a table without chains, written in chunks, leaves in the kernel what one
 transaction over an existing table leaves (a set the table had is gone); a refused
-transaction stops the ones after it; the libnftables context sees what an nft process wrote
-and writes where it was opened."""
+transaction stops the ones after it, and an error making one goes on once the load under way
+ended; the libnftables context sees what an nft process wrote and writes where it was
+opened."""
 
 from __future__ import annotations
 
@@ -126,6 +127,22 @@ def test_a_refused_transaction_stops_the_ones_after_it(
     assert len(made) == 3, "the next is made while nft loads one"
     tables = ns.run("nft", "list", "tables").stdout.split("\n")
     assert tables == ["table ip first", ""]
+
+
+def test_an_error_making_a_transaction_goes_on_once_the_load_under_way_ended(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns = make_netns("knit-nft")
+
+    def texts() -> Iterable[str]:
+        yield "add table ip first"
+        yield "add chain ip missing c"
+        raise ValueError("a service nft cannot take")
+
+    with ns.entered(), pytest.raises(ValueError, match="cannot take"):
+        Nft(4).run_each(texts())
+    tables = ns.run("nft", "list", "tables").stdout.split("\n")
+    assert tables == ["table ip first", ""], "loaded before the error, the refused one not"
 
 
 def test_the_names_listed_are_our_tables_chains_and_named_sets(
