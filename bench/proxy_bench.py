@@ -739,7 +739,8 @@ class Bench:
         self.report.add(Row(mode.name, size, figure, knit, anchor, ratio, judged))
 
     def size(self, size: int, mode: Mode, largest: bool) -> None:
-        print(f"\n{size} services, knit-proxyd in {mode.name} mode ({mode.loader}):", flush=True)
+        heading = f"{size} services, knit-proxyd in {mode.name} mode (anchors: bare {mode.loader})"
+        print(f"\n{heading}:", flush=True)
         tag = f"{mode.name}-{size}"
         profile = self.work / f"proxyd-{tag}.prof" if self.options.profile else None
         with ExitStack() as stack:
