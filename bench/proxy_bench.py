@@ -545,8 +545,10 @@ class Nftables(Mode):
         )
 
     def summary(self, saved: Saved) -> str:
-        chains = {family: len(CHAIN_LINE.findall(saved[family])) for family in FAMILIES}
-        return f"{chains[4]} chains in table ip knit, {chains[6]} in ip6 knit"
+        return ", ".join(
+            f"{len(CHAIN_LINE.findall(saved[family]))} chains in table {kernel.table}"
+            for family, kernel in self.kernels.items()
+        )
 
     def connection_target(self, saved: Saved, size: int) -> str:
         return service_name(size - 1)
@@ -706,7 +708,11 @@ def cell(row: Row | None) -> str:
 
 
 def ratio(value: float, anchor: float) -> str:
-    return f"{value / anchor:.2f}x"
+    return times(value / anchor)
+
+
+def times(factor: float) -> str:
+    return f"{factor:.2f}x"
 
 
 class Bench:
@@ -993,7 +999,7 @@ class Bench:
             figure,
             f"{spread['service']}, {dispatch}",
             plain,
-            f"{share:.2f}x",
+            times(share),
             (f">= {CONNECTION_GOAL:.0%} of direct without rules", share >= CONNECTION_GOAL),
         )
         self.add(
@@ -1002,7 +1008,7 @@ class Bench:
             f"{figure}, against direct through this node",
             spread["service"],
             direct,
-            f"{paired('service', 'direct'):.2f}x",
+            times(paired("service", "direct")),
         )
         self.add(
             mode,
@@ -1010,7 +1016,7 @@ class Bench:
             f"TCP connections/s direct to the backend, through this node ({how})",
             spread["direct"],
             plain,
-            f"{paired('direct', 'plain'):.2f}x",
+            times(paired("direct", "plain")),
         )
         self.add(
             mode,
@@ -1018,7 +1024,7 @@ class Bench:
             f"{figure}, against one verdict-map DNAT through a node without other rules",
             spread["service"],
             f"one-lookup DNAT {spread['nat']}",
-            f"{paired('service', 'nat'):.2f}x",
+            times(paired("service", "nat")),
         )
 
     def attach(self, node: Netns, stack: ExitStack) -> Netns:

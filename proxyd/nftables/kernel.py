@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from proxyd.nftables.render import TABLE, family_name
+from proxyd.nftables.render import TABLE, family_name, table_of
 
 CHAIN_LINE = re.compile(r"^\s*chain (\S+) \{", re.MULTILINE)
 SET_LINE = re.compile(r"^\s*set (\S+) \{", re.MULTILINE)
@@ -66,7 +66,7 @@ class Nft:
 
     def __init__(self, family: int, table: str = TABLE) -> None:
         self.family = family
-        self.table = f"{family_name(family)} {table}"
+        self.table = table_of(family, table)
         self._opened: Context | None = None
 
     @property

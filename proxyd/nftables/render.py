@@ -160,6 +160,11 @@ def family_name(family: int) -> str:
     return "ip" if family == 4 else "ip6"
 
 
+def table_of(family: int, table: str = TABLE) -> str:
+    """A table as nft names it in a command: family and name."""
+    return f"{family_name(family)} {table}"
+
+
 def _addr(family: int) -> tuple[str, str]:
     """(the l3 match keyword, the address type)."""
     return ("ip", "ipv4_addr") if family == 4 else ("ip6", "ipv6_addr")

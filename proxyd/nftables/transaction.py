@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from proxyd.model import ServicePortName
-from proxyd.nftables.render import TABLE, BaseObjects, ServiceObjects, Spread, family_name
+from proxyd.nftables.render import BaseObjects, ServiceObjects, Spread, table_of
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class TableState:
 
 class Transaction:
     def __init__(self, family: int) -> None:
-        self.prefix = f"{family_name(family)} {TABLE}"
+        self.prefix = table_of(family)
         self.declarations: list[str] = []
         self.rules: list[str] = []
         self.removals: list[str] = []
@@ -194,8 +194,8 @@ def fresh_transactions(
     kernel ~11 ms, so a table that does not exist is not deleted), then each chunk of ports,
     recorded in `state` as they are written."""
     assert not state.services
-    prefix = f"{family_name(family)} {TABLE}"
-    replaced = f"add table {prefix}\ndelete table {prefix}\n" if replace else ""
+    table = table_of(family)
+    replaced = f"add table {table}\ndelete table {table}\n" if replace else ""
     yield replaced + full_transaction(family, state, set(), set())
     for chunk in chunks:
         yield partial_transaction(family, state, chunk)
