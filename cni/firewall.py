@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cni.errors import CniError, Code
@@ -77,13 +78,26 @@ def _save_output(binary: str, *args: str) -> str:
     return proc.stdout if proc.returncode == 0 else ""
 
 
+def _legacy_tables(version: int) -> set[str]:
+    """The legacy xtables tables that exist in the calling thread's network namespace, as the
+    kernel lists them (none when the module was never loaded)."""
+    names = "ip_tables_names" if version == 4 else "ip6_tables_names"
+    try:
+        return set(Path(f"/proc/thread-self/net/{names}").read_text().split())
+    except FileNotFoundError:
+        return set()
+
+
 def detect_iptables_flavour() -> str:
     """'nft' or 'legacy', decided as kind's node image and iptables-wrappers decide.
 
     The mode kubelet announced with its hint chains wins; otherwise the flavour that holds
-    more rules; a tie (a fresh node) goes to nft.
+    more rules; a tie (a fresh node) goes to nft. Legacy's mangle table is read only when it
+    exists: asking legacy xtables for a table creates it, with hooks every packet then passes.
     """
     for flavour in ("nft", "legacy"):
+        if flavour == "legacy" and "mangle" not in _legacy_tables(4):
+            continue
         mangle = _save_output(f"iptables-{flavour}-save", "-t", "mangle")
         if any(f":{chain} " in mangle for chain in KUBELET_HINT_CHAINS):
             return flavour

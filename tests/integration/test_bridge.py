@@ -7,6 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from cni.firewall import detect_iptables_flavour
+from tests.conftest import Netns
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, bridge_conf
 
 
@@ -61,11 +63,36 @@ def test_masquerade_to_outside_and_removal_on_del(node, make_netns, backend):
     peer.ns.serve("0.0.0.0", 8081)
     assert pod.ns.request(peer.address(), 8081) == pod.address(), "pod-to-pod is not NATed"
     assert len([r for r in node.knit_rules() if "masq-a" in r]) >= 1
+    assert legacy_tables(node.ns) == "", "finding the node's iptables flavour created none"
 
     assert node.call("DEL", conf, pod).code == 0
     assert not [r for r in node.knit_rules() if "masq-a" in r]
     assert [r for r in node.knit_rules() if "masq-b" in r]
     assert not pod.ns.reaches(UPLINK_OUTSIDE, 8080)
+
+
+def legacy_tables(ns: Netns) -> str:
+    """The legacy xtables tables that exist in ns."""
+    names = "/proc/net/ip_tables_names /proc/net/ip6_tables_names"
+    return ns.run("sh", "-c", f"cat {names} 2>/dev/null", check=False).stdout
+
+
+@pytest.mark.parametrize("hinted", ["nft", "legacy"])
+def test_kubelets_hint_chain_decides_the_iptables_flavour(make_netns, hinted):
+    ns = make_netns("flavour")
+    ns.run(f"iptables-{hinted}", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT")
+    other = "legacy" if hinted == "nft" else "nft"
+    for _ in range(3):
+        ns.run(f"iptables-{other}", "-A", "INPUT", "-j", "ACCEPT")
+    with ns.entered():
+        assert detect_iptables_flavour() == hinted, "the hint wins over the other's more rules"
+
+
+def test_a_fresh_node_is_nft_and_keeps_no_legacy_table(make_netns):
+    ns = make_netns("flavour")
+    with ns.entered():
+        assert detect_iptables_flavour() == "nft"
+    assert legacy_tables(ns) == ""
 
 
 def test_check_passes_then_names_what_is_missing(node):
