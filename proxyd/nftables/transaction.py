@@ -41,8 +41,9 @@ class TableState:
 
     base: BaseObjects
     services: dict[ServicePortName, ServiceObjects] = field(default_factory=dict)
-    owners: dict[str, dict[str, Owned]] = field(default_factory=dict)
-    """Map -> key -> the service port whose value the element holds, and that value."""
+    owners: dict[str, dict[str, ServicePortName]] = field(default_factory=dict)
+    """Map -> key -> the service port whose value the element holds (its objects in
+    `services` hold the value)."""
     rivals: dict[MapKey, set[ServicePortName]] = field(default_factory=dict)
     """Every service port wanting a map key that more than one wants."""
     members: dict[str, Counter[str]] = field(default_factory=dict)
@@ -51,7 +52,11 @@ class TableState:
     """How many service ports go through each spread chain written."""
 
     def owned(self, map_name: str, key: str) -> Owned | None:
-        return self.owners.get(map_name, {}).get(key)
+        owner = self.owners.get(map_name, {}).get(key)
+        return None if owner is None else (owner, self._value(owner, map_name, key))
+
+    def _value(self, service: ServicePortName, map_name: str, key: str) -> str:
+        return self.services[service].elements[map_name][key]
 
     def holds(self, set_name: str, key: str) -> bool:
         return key in self.members.get(set_name, ())
@@ -61,23 +66,25 @@ class TableState:
         for map_name, items in objects.elements.items():
             owners = self.owners.setdefault(map_name, {})
             if owners.keys().isdisjoint(items):
-                owners.update({key: (service, value) for key, value in items.items()})
+                owners.update(dict.fromkeys(items, service))
                 continue
-            for key, value in items.items():
-                owned = owners.setdefault(key, (service, value))
-                if owned[0] is not service:
-                    self._contest(map_name, key, owned, (service, value))
+            for key in items:
+                owner = owners.setdefault(key, service)
+                if owner is not service:
+                    self._contest(map_name, key, owner, service)
         for set_name, keys in objects.members.items():
             counts = self.members.get(set_name)
             if counts is None:
                 counts = self.members[set_name] = Counter()
             counts.update(keys)
 
-    def _contest(self, map_name: str, key: str, owned: Owned, other: Owned) -> None:
-        self.rivals.setdefault((map_name, key), {owned[0]}).add(other[0])
-        first = min(owned, other)
-        if owned[1] != other[1]:
-            names = (owned[0], other[0], first[0])
+    def _contest(
+        self, map_name: str, key: str, owner: ServicePortName, other: ServicePortName
+    ) -> None:
+        self.rivals.setdefault((map_name, key), {owner}).add(other)
+        first = min(owner, other)
+        if self._value(owner, map_name, key) != self._value(other, map_name, key):
+            names = (owner, other, first)
             log.warning("%s %s is wanted by %s and %s; %s keeps it", map_name, key, *names)
         self.owners[map_name][key] = first
 
@@ -91,8 +98,7 @@ class TableState:
                     del owners[key]
                     continue
                 rivals.discard(service)
-                first = min(rivals)
-                owners[key] = (first, self.services[first].elements[map_name][key])
+                owners[key] = min(rivals)
                 if len(rivals) == 1:
                     del self.rivals[(map_name, key)]
             if not owners:
@@ -175,7 +181,12 @@ def full_transaction(
         tx.chain(spread.name, spread.rules(family), spread.name in existing_chains)
         wanted_chains.add(spread.name)
     for map_name, owners in sorted(state.owners.items()):
-        tx.add_elements(map_name, (f"{key} : {value}" for key, (_, value) in owners.items()))
+        values = {
+            service: objects.elements[map_name]
+            for service, objects in state.services.items()
+            if map_name in objects.elements
+        }
+        tx.add_elements(map_name, (f"{key} : {values[o][key]}" for key, o in owners.items()))
     for set_name, counts in sorted(state.members.items()):
         tx.add_elements(set_name, counts)
     tx.remove_chains(sorted(existing_chains - wanted_chains))

@@ -158,11 +158,11 @@ def test_a_shared_external_ip_passes_to_the_next_claimant() -> None:
     second = ServicePort(second_name, ("10.96.0.12",), 80, external_ips=shared)
     table = state((first, READY), (second, READY[:1]))
     key = "203.0.113.7 . tcp . 80"
-    assert table.owners["service-ips"][key][0] == NAME
+    assert table.owners["service-ips"][key] == NAME
     text = partial_transaction(4, table, {NAME: None})
     assert "delete element ip knit service-ips { 203.0.113.7 . tcp . 80 }" in text
     assert "203.0.113.7 . tcp . 80 : goto spread-ips-tcp-1" in text
-    assert table.owners["service-ips"][key][0] == second_name
+    assert table.owners["service-ips"][key] == second_name
     assert not table.rivals
 
 
