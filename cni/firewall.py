@@ -78,12 +78,11 @@ def _save_output(binary: str, *args: str) -> str:
     return proc.stdout if proc.returncode == 0 else ""
 
 
-def _legacy_tables(version: int) -> set[str]:
-    """The legacy xtables tables that exist in the calling thread's network namespace, as the
-    kernel lists them (none when the module was never loaded)."""
-    names = "ip_tables_names" if version == 4 else "ip6_tables_names"
+def _legacy_tables() -> set[str]:
+    """The IPv4 legacy xtables tables that exist in the calling thread's network namespace, as
+    the kernel lists them (none when the module was never loaded)."""
     try:
-        return set(Path(f"/proc/thread-self/net/{names}").read_text().split())
+        return set(Path("/proc/thread-self/net/ip_tables_names").read_text().split())
     except FileNotFoundError:
         return set()
 
@@ -96,7 +95,7 @@ def detect_iptables_flavour() -> str:
     exists: asking legacy xtables for a table creates it, with hooks every packet then passes.
     """
     for flavour in ("nft", "legacy"):
-        if flavour == "legacy" and "mangle" not in _legacy_tables(4):
+        if flavour == "legacy" and "mangle" not in _legacy_tables():
             continue
         mangle = _save_output(f"iptables-{flavour}-save", "-t", "mangle")
         if any(f":{chain} " in mangle for chain in KUBELET_HINT_CHAINS):
