@@ -133,7 +133,6 @@ SYNC_LOGGED = {
 """The line the daemon logs after each kind of sync (Daemon._sync_changes in proxyd/daemon.py)."""
 ZONE = "topology.kubernetes.io/zone"
 LEGACY_HINT = "KUBE-IPTABLES-HINT"
-NFT_TABLE = ("ip", nftables_render.TABLE)
 OUTSIDE_POLL_LIMIT = 0.05
 """Seconds one look at the kernel may cost to be polled during a change (legacy: ~0.8 s at
 10,000 services, holding the xtables lock the daemon's restore waits for)."""
@@ -530,7 +529,8 @@ class Nftables(Mode):
         """The elements of the endpoint map keyed by the service's cluster IP."""
         keys = ", ".join(f"{cluster_ip} . {PORT} . {index}" for index in range(ENDPOINTS))
         endpoint_map = nftables_render.IPS.endpoint_map(local=False, proto="tcp")
-        return ns.run("nft", "get", "element", *NFT_TABLE, endpoint_map, f"{{ {keys} }}").stdout
+        table = self.kernels[4].table.split()
+        return ns.run("nft", "get", "element", *table, endpoint_map, f"{{ {keys} }}").stdout
 
     def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
         name = after.port.name
