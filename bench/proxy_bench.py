@@ -12,14 +12,15 @@ the run's folder, no routing) and is measured:
   (iptables: through the daemon's own wrapper, `restore --noflush` of iptables-save of its nat and
   filter tables, then the same in IPv6, on the nft flavour in batches of the daemon's chains per
   restore; nftables: an `nft -f` process (the daemon runs libnftables in its own process) of
-  `nft list table ip knit` and `... ip6 knit`, one transaction,
-  where the daemon writes each table, which has no chains yet, in chunks loaded while the next
-  is made); the wall time from its start to the rules being in the kernel, and the start-up
-  before the full sync (wall minus metric); then full syncs at steady state (forced by changing
-  the Node's zone, medians of several) against bare reloads of the same rules over themselves
-  (nftables: `delete table` of both and the listings, in one transaction: nft's `flush table`
-  empties the chains but leaves every set and map element in place, so a reload after it
-  would only re-add what is there, where the daemon's full sync replaces the maps' contents);
+  `nft list table ip knit` and `... ip6 knit`, one transaction, where the daemon writes each
+  table, which has no chains yet, in chunks loaded while the next is made, and at steady state
+  one transaction that nft parses while the rest is made); the wall time from its start to the
+  rules being in the kernel, and the start-up before the full sync (wall minus metric); then
+  full syncs at steady state (forced by changing the Node's zone, medians of several) against
+  bare reloads of the same rules over themselves (nftables: `delete table` of both and the
+  listings, in one transaction: nft's `flush table` empties the chains but leaves every set
+  and map element in place, so a reload after it would only re-add what is there, where the
+  daemon's full sync replaces the maps' contents);
 - its resident memory (VmRSS of the interpreter);
 - one-service changes (one endpoint of one EndpointSlice replaced): the partial sync's own
   metric against a bare load of the same change, rendered by the daemon's code in the context
@@ -102,7 +103,7 @@ from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, ServicePort, ServicePortName, parse_node
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.kernel import CHAIN_LINE, Nft
-from proxyd.nftables.transaction import TableState, full_transaction, partial_transaction
+from proxyd.nftables.transaction import TableState, partial_transaction
 from proxyd.plan import FamilyContext, PortPlan, plan_port
 from tests.conftest import ROOT, Netns, unique_name
 from tests.integration.proxy_env import (
@@ -535,11 +536,9 @@ class Nftables(Mode):
     def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
         name = after.port.name
         port_ctx = nftables_render.PortContext.of(ctx)
-        table = TableState(
-            nftables_render.render_base(ctx),
-            {name: nftables_render.render_service(before, port_ctx)},
-        )
-        full_transaction(ctx.family, table, set(), set())  # fills in the claims, as the daemon's
+        table = TableState(nftables_render.render_base(ctx))
+        before_objects = nftables_render.render_service(before, port_ctx)
+        partial_transaction(ctx.family, table, {name: before_objects})  # as the daemon wrote it
         return partial_transaction(
             ctx.family, table, {name: nftables_render.render_service(after, port_ctx)}
         )

@@ -2,15 +2,17 @@
 what was written to what is wanted: one per sync, or several when a full sync writes a table that
 has no chains yet.
 
-A full sync declares the whole table, flushes the chains and maps that exist and refills
-them, and removes stale chains and sets (affinity sets that stay keep their entries). A
-partial sync touches only the changed service ports: their map and set elements (added or
-removed), the shared spread chains that gain their first user or lose their last, and the
-chains and affinity sets of ports that own some, so its cost does not depend on how many
-services exist. A table without chains is in no hook, so no packet depends on it: a full
-sync writing one declares the fixed part, then adds the service ports a chunk at a time, each
-chunk as a partial sync adds its ports (each port whole in one), which lets nft load one chunk
-while Python makes the next.
+A full sync declares the table's fixed part, flushes the maps and the chains that exist, adds
+the service ports a chunk at a time, each chunk as a partial sync adds its ports (each port
+whole in one, in name order so that no port takes a contested key over from an earlier
+chunk's), and removes stale chains and sets (affinity sets that stay keep their entries): one
+transaction, made in pieces that nft parses while Python makes the next. A table without
+chains is in no hook, so no packet depends on it: a full sync writing one commits the fixed
+part and then each chunk as a transaction of its own, which nft also commits while Python
+makes the next. A partial sync touches only the changed service ports: their map and set
+elements (added or removed), the shared spread chains that gain their first user or lose
+their last, and the chains and affinity sets of ports that own some, so its cost does not
+depend on how many services exist.
 
 Two services may want the same map key (the same external IP and port, say); the first by
 name owns it, and when it lets go the next one takes over. A plain set holds an element while
@@ -147,9 +149,18 @@ class Transaction:
 
 
 def full_transaction(
-    family: int, state: TableState, existing_chains: set[str], existing_sets: set[str]
-) -> str:
-    """Write `state` whole over whatever the table holds; fills in what state says is claimed."""
+    family: int,
+    state: TableState,
+    chunks: Iterable[Mapping[ServicePortName, ServiceObjects]],
+    existing_chains: set[str],
+    existing_sets: set[str],
+) -> Iterator[str]:
+    """One transaction writing the table whole over whatever it holds, in pieces: the fixed
+    part, with every map flushed and every chain that exists emptied; then each chunk of
+    service ports as a partial sync adds them, recorded in `state` (which holds none yet), so
+    in name order no port takes a contested key over from an earlier chunk's; then the chains
+    and sets no longer wanted removed (affinity sets that stay keep their entries)."""
+    assert not state.services
     tx = Transaction(family)
     tx.declarations.append(f"add table {tx.prefix}")
     for name, declaration in state.base.maps.items():
@@ -158,40 +169,22 @@ def full_transaction(
         tx.declarations.append(f"flush {kind} {tx.prefix} {name}")
     for name, hook in state.base.hooks.items():
         tx.declarations.append(f"add chain {tx.prefix} {name} {{ {hook} ; policy accept ; }}")
-    wanted_sets = set(state.base.maps)
-    for objects in state.services.values():
-        for name, declaration in objects.sets.items():
-            wanted_sets.add(name)
-            tx.declarations.append(f"add set {tx.prefix} {name} {declaration}")
-    wanted_chains = set(state.base.hooks)
+    for name in sorted(existing_chains - state.base.chains.keys()):
+        tx.declarations.append(f"flush chain {tx.prefix} {name}")
     for name, rules in state.base.chains.items():
         tx.chain(name, rules, name in existing_chains or name in state.base.hooks)
-        wanted_chains.add(name)
-    state.owners.clear()
-    state.rivals.clear()
-    state.members.clear()
-    state.spread_users.clear()
-    for service, objects in state.services.items():
-        for name, rules in objects.chains.items():
-            tx.chain(name, rules, name in existing_chains)
-            wanted_chains.add(name)
-        state.spread_users.update(objects.spreads)
-        state.claim(service, objects)
-    for spread in sorted(state.spread_users):
-        tx.chain(spread.name, spread.rules(family), spread.name in existing_chains)
-        wanted_chains.add(spread.name)
-    for map_name, owners in sorted(state.owners.items()):
-        values = {
-            service: objects.elements[map_name]
-            for service, objects in state.services.items()
-            if map_name in objects.elements
-        }
-        tx.add_elements(map_name, (f"{key} : {values[o][key]}" for key, o in owners.items()))
-    for set_name, counts in sorted(state.members.items()):
-        tx.add_elements(set_name, counts)
+    yield tx.text()
+    for chunk in chunks:
+        yield partial_transaction(family, state, chunk)
+    wanted_chains = {*state.base.chains, *(spread.name for spread in state.spread_users)}
+    wanted_sets = set(state.base.maps)
+    for objects in state.services.values():
+        wanted_chains.update(objects.chains)
+        wanted_sets.update(objects.sets)
+    tx = Transaction(family)
     tx.remove_chains(sorted(existing_chains - wanted_chains))
     tx.remove_sets(sorted(existing_sets - wanted_sets))
-    return tx.text()
+    yield tx.text()
 
 
 def fresh_transactions(
@@ -200,14 +193,13 @@ def fresh_transactions(
     chunks: Iterable[Mapping[ServicePortName, ServiceObjects]],
     replace: bool,
 ) -> Iterator[str]:
-    """Write a table that has no chains: `state`'s fixed part (it holds no service ports yet),
-    in place of the table and whatever sets it has when `replace` (a deleted table costs the
-    kernel ~11 ms, so a table that does not exist is not deleted), then each chunk of ports,
-    recorded in `state` as they are written."""
-    assert not state.services
+    """Write a table that has no chains in several transactions: `state`'s fixed part (it
+    holds no service ports yet), in place of the table and whatever sets it has when `replace`
+    (a deleted table costs the kernel ~11 ms, so a table that does not exist is not deleted),
+    then each chunk of ports, recorded in `state` as they are written."""
     table = table_of(family)
     replaced = f"add table {table}\ndelete table {table}\n" if replace else ""
-    yield replaced + full_transaction(family, state, set(), set())
+    yield replaced + "".join(full_transaction(family, state, (), set(), set()))
     for chunk in chunks:
         yield partial_transaction(family, state, chunk)
 

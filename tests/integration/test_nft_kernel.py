@@ -1,15 +1,17 @@
 """The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a
 full sync into a table without chains, written in chunks, leaves in the kernel what one
-transaction over an existing table leaves (a set the table had is gone); a refused
-transaction stops the ones after it, and an error making one goes on once the load under way
-ended; the libnftables context sees what an nft process wrote and writes where it was
-opened."""
+streamed transaction over an existing table leaves (a set the table had is gone, and a gone
+port's chains and sets); a refused transaction stops the ones after it, and an error making
+one goes on once the load under way ended; a streamed transaction commits nothing when nft
+refuses it, when a piece cannot be made or when nft stops reading; the libnftables context
+sees what an nft process wrote and writes where it was opened."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -74,20 +76,32 @@ def table(ns: Netns) -> list[str]:
 def transactions_of(sync: Callable[[Changes], object], ports: Iterable[ServicePort]) -> list[str]:
     """The transactions a sync of `ports` ran, in order (listings left out)."""
     ran: list[str] = []
-    run = Context.run
+    run, run_streamed = Context.run, Nft.run_streamed
 
     def recorded(self: Context, text: str) -> str:
         if not text.startswith("list "):
             ran.append(text)
         return run(self, text)
 
+    def recorded_streamed(self: Nft, pieces: Iterable[str]) -> None:
+        made: list[str] = []
+
+        def passed() -> Iterator[str]:
+            for piece in pieces:
+                made.append(piece)
+                yield piece
+
+        run_streamed(self, passed())
+        ran.append("".join(made))
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Context, "run", recorded)
+        patch.setattr(Nft, "run_streamed", recorded_streamed)
         sync(changes(ports))
     return ran
 
 
-def test_chunks_into_a_table_without_chains_leave_what_one_transaction_leaves(
+def test_chunks_into_a_table_without_chains_leave_what_one_streamed_transaction_leaves(
     make_netns: Callable[[str], Netns], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(nftables_proxier, "FIRST_CHUNK", 1)
@@ -102,11 +116,21 @@ def test_chunks_into_a_table_without_chains_leave_what_one_transaction_leaves(
         first_written.append(written[0])
     assert first_written[0].startswith("add table ip knit\ndelete table ip knit\n")
     assert "delete" not in first_written[1], "a table that does not exist is not deleted"
+    gone = ServicePort(
+        ServicePortName("ns", "gone", "", "TCP"),
+        ("10.96.0.15",),
+        80,
+        load_balancer_ips=("198.51.100.10",),
+        source_ranges=("192.0.2.0/24",),
+        affinity_timeout=60,
+    )
     with whole.entered():
-        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(()))
+        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes((gone,)))
         proxier = NftablesProxier(OPTIONS, (4,), Metrics())
-        assert len(transactions_of(proxier.sync, PORTS)) == 1
-    assert table(chunked) == table(whole), "the same objects, and the stray set gone"
+        (streamed,) = transactions_of(proxier.sync, PORTS)
+    for stale in ("set ip knit affinity-", "chain ip knit firewall-", "chain ip knit service-"):
+        assert f"delete {stale}" in streamed and "/gone/" in streamed.split(f"delete {stale}")[1]
+    assert table(chunked) == table(whole), "the same objects; the stray set, the gone port's gone"
     assert table(absent) == table(whole)
     assert any("198.51.100.9" in entry for entry in table(chunked)), "the firewall's element"
 
@@ -143,6 +167,63 @@ def test_an_error_making_a_transaction_goes_on_once_the_load_under_way_ended(
         Nft(4).run_each(texts())
     tables = ns.run("nft", "list", "tables").stdout.split("\n")
     assert tables == ["table ip first", ""], "loaded before the error, the refused one not"
+
+
+def test_a_streamed_transaction_nft_refuses_commits_nothing(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns = make_netns("knit-nft")
+    made: list[str] = []
+
+    def pieces() -> Iterator[str]:
+        for piece in ("add table ip first\n", "add chain ip missing c\n", "add table ip after\n"):
+            made.append(piece)
+            yield piece
+
+    with ns.entered(), pytest.raises(NftError, match="missing"):
+        Nft(4).run_streamed(pieces())
+    assert len(made) == 3
+    assert ns.run("nft", "list", "tables").stdout == ""
+
+
+def test_a_piece_that_cannot_be_made_leaves_nothing_of_its_transaction(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns = make_netns("knit-nft")
+
+    def pieces() -> Iterator[str]:
+        yield "add table ip first\n"
+        raise ValueError("a service nft cannot take")
+
+    with ns.entered(), pytest.raises(ValueError, match="cannot take"):
+        Nft(4).run_streamed(pieces())
+    assert ns.run("nft", "list", "tables").stdout == "", "nft got an unparsable end"
+
+
+def test_a_stream_nft_stops_reading_ends_with_its_error(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns = make_netns("knit-nft")
+    raised: list[BaseException] = []
+
+    def pieces() -> Iterator[str]:
+        yield "not nft\n" * 20
+        for index in range(200):
+            yield f"add table ip t{index}\n" * 1000
+
+    def load() -> None:
+        with ns.entered():
+            try:
+                Nft(4).run_streamed(pieces())
+            except NftError as err:
+                raised.append(err)
+
+    loading = threading.Thread(target=load, daemon=True)
+    loading.start()
+    loading.join(timeout=60)
+    assert not loading.is_alive(), "the writer stops when nft's parser gives up"
+    assert len(raised) == 1 and "syntax error" in str(raised[0])
+    assert ns.run("nft", "list", "tables").stdout == ""
 
 
 def test_the_names_listed_are_our_tables_chains_and_named_sets(

@@ -34,9 +34,8 @@ def objects(
 def state(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> TableState:
     """A table as a full sync wrote it."""
     table = TableState(render_base(CTX))
-    for port, endpoints in ports:
-        table.services[port.name] = objects(port, endpoints)
-    full_transaction(4, table, set(), set())
+    chunk = {port.name: objects(port, endpoints) for port, endpoints in ports}
+    list(full_transaction(4, table, [chunk], set(), set()))
     return table
 
 
@@ -167,12 +166,18 @@ def test_a_shared_external_ip_passes_to_the_next_claimant() -> None:
 
 
 def test_full_sync_flushes_what_exists_and_removes_what_is_stale() -> None:
-    table = state((PORT, READY))
     spread = "spread-ips-tcp-2"
-    text = full_transaction(4, table, {spread, "services", "service-OLD-ns/gone/tcp/"}, {"hairpin"})
-    assert f"flush chain ip knit {spread}" in text
-    assert f"add chain ip knit {spread}" not in text
-    assert "delete chain ip knit service-OLD-ns/gone/tcp/" in text
+    existing = {spread, "services", "service-OLD-ns/gone/tcp/"}
+    chunk = {NAME: objects(PORT, READY)}
+    pieces = list(full_transaction(4, TableState(render_base(CTX)), [chunk], existing, {"hairpin"}))
+    text = "".join(pieces)
+    assert len(pieces) == 3, "the fixed part, the one chunk, the stale objects' removal"
+    assert pieces[1] == partial_transaction(4, TableState(render_base(CTX)), chunk)
+    flushed = text.index(f"flush chain ip knit {spread}")
+    assert flushed < text.index(f"add rule ip knit {spread}"), "emptied, then filled"
+    assert text.count(f"flush chain ip knit {spread}") == 1
+    assert "flush chain ip knit services" in text and "add chain ip knit services" not in text
+    assert "delete chain ip knit service-OLD-ns/gone/tcp/" in pieces[2]
     assert "delete set" not in text, "the table's own sets stay"
     assert "flush map ip knit service-ips" in text and "flush set ip knit hairpin" in text
     assert "flush map ip knit endpoints-ips-tcp" in text
@@ -211,7 +216,7 @@ def test_a_full_sync_renders_again_only_the_ports_whose_plans_changed() -> None:
     ] == render_service(planned(PORT, READY), masquerading), "another context renders afresh"
 
 
-def test_a_table_without_chains_is_written_in_chunks_that_end_as_one_full_sync() -> None:
+def test_chunks_of_ports_end_as_one_chunk_would_in_a_transaction_each_or_in_one() -> None:
     shared = ("203.0.113.7",)
     ports = [
         dataclasses.replace(PORT, external_ips=shared, affinity_timeout=30),
@@ -224,7 +229,7 @@ def test_a_table_without_chains_is_written_in_chunks_that_end_as_one_full_sync()
     chunked = TableState(render_base(CTX))
     chunks = [{port.name: objects(port, READY)} for port in sorted(ports, key=lambda p: p.name)]
     texts = list(fresh_transactions(4, chunked, chunks, replace=True))
-    fixed_part = full_transaction(4, TableState(render_base(CTX)), set(), set())
+    fixed_part = "".join(full_transaction(4, TableState(render_base(CTX)), (), set(), set()))
     assert texts[0] == f"add table ip knit\ndelete table ip knit\n{fixed_part}", (
         "whatever sets a table without chains holds go"
     )
@@ -233,9 +238,13 @@ def test_a_table_without_chains_is_written_in_chunks_that_end_as_one_full_sync()
     assert len(texts) == 4 and not any("delete" in text for text in texts[1:]), (
         "in name order, no chunk takes a key over from an earlier one"
     )
-    assert chunked.services == whole.services
-    assert chunked.owners == whole.owners and chunked.rivals == whole.rivals
-    assert chunked.members == whole.members and chunked.spread_users == whole.spread_users
+    streamed = TableState(render_base(CTX))
+    pieces = list(full_transaction(4, streamed, chunks, set(), set()))
+    assert pieces[1:-1] == texts[1:], "one transaction: the same chunks between its ends"
+    for table in (chunked, streamed):
+        assert table.services == whole.services
+        assert table.owners == whole.owners and table.rivals == whole.rivals
+        assert table.members == whole.members and table.spread_users == whole.spread_users
 
 
 def test_chunks_of_a_fresh_table_start_small_and_double_up_to_the_largest() -> None:
