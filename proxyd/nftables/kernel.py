@@ -34,10 +34,13 @@ SET_LINE = re.compile(r"^\s*set (\S+) \{", re.MULTILINE)
 PIPE_SIZE = 1 << 20
 """A streamed transaction's pipe holds a whole piece (~0.86 MB for 1,000 ports of 10 endpoints),
 so Python makes the next while nft parses it; through the default 64 KiB nft waited for each
-piece's making (a steady full sync at 10,000 services took 1.9-2.4 s, against 1.6-1.8 s). Where
+piece's making (a steady full sync at 10,000 services took 1.9-2.4 s, against 1.6-2.0 s). Where
 the system refuses the size, the default serves, only slower."""
 UNPARSABLE = b"\nknit: the rest of this transaction could not be made\n"
 """Ends a transaction whose text could not be made whole: nft commits nothing it cannot parse."""
+PIPED_LINE = re.compile(r"/proc/self/fd/\d+:(\d+):")
+"""Where nft's error about a piped transaction points: it names the line but cannot quote it (it
+would read the file again)."""
 OUTPUT_TERSE = 1 << 11
 """libnftables' NFT_CTX_OUTPUT_TERSE: listings leave out set elements (and nft does not fetch
 them: 100,000 hairpin entries at 10,000 services)."""
@@ -125,17 +128,27 @@ class Nft:
     def run_streamed(self, pieces: Iterable[str]) -> None:
         """One transaction, its text made piece by piece while nft, in a worker thread (ctypes
         lets go of the GIL), parses what came before. When making a piece fails, nft is given
-        a line it cannot parse, so it commits nothing, and that error goes on. Then the
-        memory nft took is given back."""
+        a line it cannot parse, so it commits nothing, and that error goes on; when nft refuses
+        the transaction, its error quotes the lines it names. Then the memory nft took is given
+        back."""
         context = self._context
+        made: list[str] = []
         reader, writer = os.pipe()
-        with contextlib.suppress(PermissionError):
+        with contextlib.suppress(OSError):
             fcntl.fcntl(writer, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="nft") as loader:
-                loading = loader.submit(context.run_piped, reader)
-                _feed(writer, pieces)
-                loading.result()
+                try:
+                    loading = loader.submit(context.run_piped, reader)
+                except BaseException:
+                    os.close(reader)
+                    os.close(writer)
+                    raise
+                _feed(writer, pieces, made)
+                try:
+                    loading.result()
+                except NftError as err:
+                    raise NftError(_quoting_lines(str(err), "".join(made))) from None
         finally:
             _libc().malloc_trim(0)
 
@@ -164,26 +177,37 @@ class Nft:
         return True
 
 
-def _feed(writer: int, pieces: Iterable[str]) -> None:
-    """Write `pieces` into the pipe, then close it. A pipe whose reader is gone (nft's parser
-    gave up) takes nothing more: the load's error tells why."""
+def _feed(writer: int, pieces: Iterable[str], made: list[str]) -> None:
+    """Write `pieces` into the pipe, each kept in `made`, then close it. A pipe whose reader is
+    gone (nft's parser gave up) takes nothing more: the load's error tells why."""
     try:
         for piece in pieces:
-            _write(writer, piece.encode())
-    except BrokenPipeError:
-        pass
+            made.append(piece)
+            if not _write(writer, piece.encode()):
+                return
     except BaseException:
-        with contextlib.suppress(BrokenPipeError):
-            _write(writer, UNPARSABLE)
+        _write(writer, UNPARSABLE)
         raise
     finally:
         os.close(writer)
 
 
-def _write(fd: int, data: bytes) -> None:
+def _write(fd: int, data: bytes) -> bool:
+    """Write all of `data`; False when the pipe's reader is gone."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except BrokenPipeError:
+        return False
+    return True
+
+
+def _quoting_lines(errors: str, text: str) -> str:
+    lines = text.split("\n")
+    named = sorted({int(number) for number in PIPED_LINE.findall(errors)})[:5]
+    quoted = [f"line {n}: {lines[n - 1][:300]}" for n in named if n <= len(lines)]
+    return "\n".join([errors, *quoted])
 
 
 @functools.cache

@@ -1,10 +1,11 @@
 """The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a
 full sync into a table without chains, written in chunks, leaves in the kernel what one
-streamed transaction over an existing table leaves (a set the table had is gone, and a gone
-port's chains and sets); a refused transaction stops the ones after it, and an error making
-one goes on once the load under way ended; a streamed transaction commits nothing when nft
-refuses it, when a piece cannot be made or when nft stops reading; the libnftables context
-sees what an nft process wrote and writes where it was opened."""
+streamed transaction leaves over an existing table (a set the table had is gone, and a gone
+port's chains and sets) or over the same ports (nothing doubled); a refused transaction stops
+the ones after it, and an error making one goes on once the load under way ended; a streamed
+transaction commits nothing when nft refuses it (the error quoting the line nft names), when a
+piece cannot be made or when nft stops reading; the libnftables context sees what an nft
+process wrote and writes where it was opened."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def test_chunks_into_a_table_without_chains_leave_what_one_streamed_transaction_
 ) -> None:
     monkeypatch.setattr(nftables_proxier, "FIRST_CHUNK", 1)
     monkeypatch.setattr(nftables_proxier, "LARGEST_CHUNK", 2)
-    chunked, absent, whole = (make_netns("knit-nft") for _ in range(3))
+    chunked, absent, whole, again = (make_netns("knit-nft") for _ in range(4))
     chunked.run("nft", "add table ip knit { set stray { type ipv4_addr ; } ; }")
     first_written = []
     for ns in (chunked, absent):
@@ -128,6 +129,11 @@ def test_chunks_into_a_table_without_chains_leave_what_one_streamed_transaction_
         NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes((gone,)))
         proxier = NftablesProxier(OPTIONS, (4,), Metrics())
         (streamed,) = transactions_of(proxier.sync, PORTS)
+    with again.entered():
+        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(PORTS))
+        proxier = NftablesProxier(OPTIONS, (4,), Metrics())
+        assert len(transactions_of(proxier.sync, PORTS)) == 1
+    assert table(again) == table(whole), "over the same ports: each chain emptied, then filled"
     for stale in ("set ip knit affinity-", "chain ip knit firewall-", "chain ip knit service-"):
         assert f"delete {stale}" in streamed and "/gone/" in streamed.split(f"delete {stale}")[1]
     assert table(chunked) == table(whole), "the same objects; the stray set, the gone port's gone"
@@ -176,26 +182,31 @@ def test_a_streamed_transaction_nft_refuses_commits_nothing(
     made: list[str] = []
 
     def pieces() -> Iterator[str]:
-        for piece in ("add table ip first\n", "add chain ip missing c\n", "add table ip after\n"):
+        for piece in ("add table ip first\n", "add chain ip first c\n", "add rule ip first c ip "):
             made.append(piece)
             yield piece
+        yield "daddr 192.0.2.1 goto nowhere\nadd table ip after\n"
 
-    with ns.entered(), pytest.raises(NftError, match="missing"):
+    with ns.entered(), pytest.raises(NftError, match="No such file") as refused:
         Nft(4).run_streamed(pieces())
     assert len(made) == 3
+    assert "line 3: add rule ip first c ip daddr 192.0.2.1 goto nowhere" in str(refused.value), (
+        "the line nft names is quoted, across pieces"
+    )
     assert ns.run("nft", "list", "tables").stdout == ""
 
 
+@pytest.mark.parametrize("error", [ValueError, BrokenPipeError])
 def test_a_piece_that_cannot_be_made_leaves_nothing_of_its_transaction(
-    make_netns: Callable[[str], Netns],
+    make_netns: Callable[[str], Netns], error: type[Exception]
 ) -> None:
     ns = make_netns("knit-nft")
 
     def pieces() -> Iterator[str]:
         yield "add table ip first\n"
-        raise ValueError("a service nft cannot take")
+        raise error("a service nft cannot take")
 
-    with ns.entered(), pytest.raises(ValueError, match="cannot take"):
+    with ns.entered(), pytest.raises(error, match="cannot take"):
         Nft(4).run_streamed(pieces())
     assert ns.run("nft", "list", "tables").stdout == "", "nft got an unparsable end"
 
