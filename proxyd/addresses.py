@@ -28,7 +28,8 @@ def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]
 
 def nodeport_addresses(selectors: tuple[str, ...], family: int, node: NodeInfo) -> tuple[str, ...]:
     """The addresses of this family that --nodeport-addresses selects: local addresses inside
-    the given CIDRs, and the node's primary (InternalIP) address for `primary`."""
+    the given CIDRs, and the node's primary address (its first InternalIP of the family) for
+    `primary`."""
     chosen: set[str] = set()
     networks = [
         ipaddress.ip_network(s, strict=False)
@@ -39,6 +40,7 @@ def nodeport_addresses(selectors: tuple[str, ...], family: int, node: NodeInfo) 
         for address in local_addresses(family):
             if any(ipaddress.ip_address(address) in net for net in networks):
                 chosen.add(address)
-    if "primary" in selectors:
-        chosen.update(a for a in node.addresses if ipaddress.ip_address(a).version == family)
+    primary = next((a for a in node.addresses if ipaddress.ip_address(a).version == family), None)
+    if "primary" in selectors and primary is not None:
+        chosen.add(primary)
     return tuple(sorted(chosen))

@@ -78,7 +78,9 @@ class PortPlan:
 
     @property
     def uses_firewall(self) -> bool:
-        return self.has_endpoints and bool(self.load_balancer_ips) and bool(self.port.source_ranges)
+        """Source ranges of this family limit its LB IPs (ranges of the other family alone leave
+        them open, as kube-proxy's per-family proxiers do)."""
+        return self.has_endpoints and bool(self.load_balancer_ips) and bool(self.source_ranges)
 
     @property
     def no_endpoint_verdict(self) -> str:

@@ -11,12 +11,13 @@ import ipaddress
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 
 from proxyd import conntrack
 from proxyd.addresses import local_addresses, nodeport_addresses
 from proxyd.metrics import Metrics
-from proxyd.model import NodeInfo, ServicePort, ServicePortName
+from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from proxyd.plan import FamilyContext, PortPlan, plan_port
 from proxyd.tracker import Changes, ServiceKey, ServiceView
 
@@ -122,6 +123,7 @@ class Proxier(ABC):
         full = placement != self._placement or time.monotonic() - self._last_full > FULL_SYNC_PERIOD
         self._placement = placement
         wrote_all = full
+        failure: ProgramError | None = None
         for family in self.families:
             ctx = self.context(family, node)
             family_full = full or not self._in_sync[family]
@@ -142,17 +144,21 @@ class Proxier(ABC):
             self._in_sync[family] = False
             try:
                 wrote_all = self._program(ctx, plans, touched, family_full) or wrote_all
-            except ProgramError:
+            except ProgramError as err:
+                # The other families still get these changes: they are taken for good.
                 self._count_failure(family_full)
-                raise
+                failure = failure or err
+                continue
             self._in_sync[family] = True
             self._plans[family] = plans
             self._track_no_local(family, plans, touched)
             udp = plans.values() if family_full else (plans[n] for n in fresh if n in plans)
             self._clear_udp(family, [plan for plan in udp if plan.port.protocol == "UDP"])
+        if failure is not None:
+            raise failure
         if wrote_all:
             self._last_full = time.monotonic()
-        return SyncResult(full=wrote_all, health_checks=self._health_checks())
+        return SyncResult(full=wrote_all, health_checks=self._health_checks(node.name))
 
     def _plan_all(self, ctx: FamilyContext) -> Plans:
         plans: Plans = {}
@@ -163,10 +169,17 @@ class Proxier(ABC):
                     plans[port.name] = plan
         return plans
 
+    def _endpoints(self, port: ServicePort) -> tuple[Endpoint, ...]:
+        """Every endpoint of the port, of both families, whatever its conditions."""
+        return self._views[(port.name.namespace, port.name.name)].endpoints[port]
+
     def _clear_udp(self, family: int, plans: list[PortPlan]) -> None:
+        """Delete the UDP conntrack entries of these ports' frontends whose reply comes from
+        anything but a serving endpoint (whatever the policies, topology or termination say,
+        as kube-proxy does: a flow to a serving endpoint is left to finish)."""
         frontends = conntrack.UdpFrontends(family)
         for plan in plans:
-            allowed = {(e.ip, e.port) for e in plan.reachable}
+            allowed = {(e.ip, e.port) for e in self._endpoints(plan.port) if e.serving}
             for ip in (plan.cluster_ip, *plan.external_ips, *plan.load_balancer_ips):
                 frontends.by_address[(ip, plan.port.port)] = allowed
             if plan.port.node_port:
@@ -177,15 +190,25 @@ class Proxier(ABC):
             if deleted:
                 log.info("deleted %d stale UDP conntrack entries (IPv%d)", deleted, family)
 
-    def _health_checks(self) -> dict[int, tuple[str, str, int]]:
-        wanted: dict[int, tuple[str, str, int]] = {}
+    def _health_checks(self, node_name: str) -> dict[int, tuple[str, str, int]]:
+        """healthCheckNodePort -> its service and the ready endpoints the service has on this
+        node (summed over its ports, in the family with most): a terminating endpoint, even
+        one still serving, does not keep a load balancer sending new traffic here."""
+        services: dict[int, tuple[str, str]] = {}
+        local: dict[int, Counter[int]] = {}
         for name, port in self._health_check_ports.items():
-            local = max(
-                (len(plans[name].local) for plans in self._plans.values() if name in plans),
-                default=0,
-            )
-            wanted[port.health_check_node_port] = (name.namespace, name.name, local)
-        return wanted
+            node_port = port.health_check_node_port
+            services[node_port] = (name.namespace, name.name)
+            counts = local.setdefault(node_port, Counter())
+            for endpoint in self._endpoints(port):
+                family = 6 if ":" in endpoint.ip else 4
+                programmed = name in self._plans.get(family, {})
+                if programmed and endpoint.ready and endpoint.node_name == node_name:
+                    counts[family] += 1
+        return {
+            node_port: (*services[node_port], max(local[node_port].values(), default=0))
+            for node_port in services
+        }
 
     def _track_no_local(self, family: int, plans: Plans, names: set[ServicePortName]) -> None:
         for name in names:

@@ -71,6 +71,20 @@ def test_source_ranges_go_through_the_firewall_chain() -> None:
     assert "-d 203.0.113.7 --dport 80 -j DROP" in text.split("*filter")[1]
 
 
+def test_source_ranges_of_the_other_family_leave_this_familys_lb_ips_open() -> None:
+    port = dataclasses.replace(
+        PORT,
+        load_balancer_ips=("203.0.113.7", "2001:db8::7"),
+        source_ranges=("198.51.100.0/24",),
+    )
+    ctx6 = dataclasses.replace(CTX, family=6, cluster_cidr="fd10::/48")
+    text = rules_text(port, (Endpoint("fd10::5", 8080),), ctx6)
+    chains = ServiceChains(NAME)
+    assert f"-d 2001:db8::7 --dport 80 -j {chains.external}" in text
+    assert chains.firewall not in text
+    assert "-d 2001:db8::7 --dport 80 -j DROP" not in text
+
+
 def test_affinity_uses_recent_with_the_timeout() -> None:
     port = dataclasses.replace(PORT, affinity_timeout=30)
     text = rules_text(port, READY)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from proxyd.addresses import nodeport_addresses
 from proxyd.config import ConfigError, load, parse_duration
+from proxyd.model import NodeInfo
 from proxyd.runner import BoundedFrequencyRunner
 
 
@@ -68,3 +70,10 @@ def test_bad_options_are_refused() -> None:
         load(["--cluster-cidr", "10.244.0.0/99"])
     with pytest.raises(ConfigError):
         load(["--iptables-masquerade-bit", "40"])
+
+
+def test_nodeport_addresses_primary_is_the_first_internal_ip_of_the_family() -> None:
+    node = NodeInfo("node-a", addresses=("192.0.2.10", "192.0.2.11", "fd00::10", "fd00::11"))
+    assert nodeport_addresses(("primary",), 4, node) == ("192.0.2.10",)
+    assert nodeport_addresses(("primary",), 6, node) == ("fd00::10",)
+    assert nodeport_addresses(("primary",), 6, NodeInfo("node-b", addresses=("192.0.2.12",))) == ()

@@ -1,0 +1,111 @@
+"""What every datapath shares (proxyd.proxier.Proxier), driven through a datapath that only
+records what it was asked to write: failures per family, health-check counts, and which UDP
+flows a sync leaves alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from proxyd import proxier as proxier_module
+from proxyd.conntrack import UdpFrontends
+from proxyd.metrics import Metrics
+from proxyd.model import Endpoint, ServicePort, ServicePortName
+from proxyd.plan import FamilyContext
+from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
+from proxyd.tracker import Changes, ServiceView
+from tests.unit.example_service import NAME, NODE, PORT, READY
+
+
+class RecordingProxier(Proxier):
+    mode = "recording"
+
+    def __init__(self, families: tuple[int, ...]) -> None:
+        super().__init__(ProxyOptions(), families, Metrics())
+        self.written: dict[int, Plans] = {}
+        self.refusing: set[int] = set()
+        """Families whose next write fails."""
+
+    def _program(
+        self, ctx: FamilyContext, plans: Plans, changed: set[ServicePortName], full: bool
+    ) -> bool:
+        if ctx.family in self.refusing:
+            self.refusing.discard(ctx.family)
+            raise ProgramError(f"IPv{ctx.family} refused")
+        self.written[ctx.family] = dict(plans)
+        return full
+
+    def cleanup(self) -> int:
+        return 0
+
+
+def changes(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> Changes:
+    views: dict[tuple[str, str], ServiceView] = {}
+    for port, endpoints in ports:
+        view = views.setdefault((port.name.namespace, port.name.name), ServiceView([], {}))
+        view.ports.append(port)
+        view.endpoints[port] = endpoints
+    return Changes(services=views, node=NODE)
+
+
+def test_a_family_refused_leaves_the_other_written_and_catches_up_by_a_full_sync() -> None:
+    proxier = RecordingProxier((4, 6))
+    proxier.sync(Changes(services={}, node=NODE))
+    proxier.refusing.add(4)
+    dual = (*READY, Endpoint("fd10::5", 8080))
+    with pytest.raises(ProgramError, match="IPv4 refused"):
+        proxier.sync(changes((PORT, dual)))
+    assert NAME in proxier.written[6]
+    assert NAME not in proxier.written[4]
+    result = proxier.sync(Changes(services={}, node=NODE))
+    assert result.full
+    assert NAME in proxier.written[4]
+
+
+def lb_port(name: str, node_port: int) -> ServicePort:
+    return dataclasses.replace(
+        PORT,
+        name=dataclasses.replace(NAME, port=name),
+        port=node_port - 30000,
+        node_port=node_port,
+        load_balancer_ips=("203.0.113.7",),
+        external_policy_local=True,
+        health_check_node_port=32000,
+    )
+
+
+def test_health_check_counts_ready_local_endpoints_over_the_services_ports() -> None:
+    terminating = Endpoint("10.244.1.6", 8080, ready=False, terminating=True, node_name="node-a")
+    elsewhere = Endpoint("10.244.2.5", 8080, node_name="node-b")
+    here = Endpoint("10.244.1.5", 8080, node_name="node-a")
+    proxier = RecordingProxier((4,))
+    draining = proxier.sync(changes((lb_port("http", 30080), (terminating, elsewhere))))
+    assert draining.health_checks == {32000: ("ns", "web", 0)}
+    both = proxier.sync(
+        changes(
+            (lb_port("http", 30080), (terminating, elsewhere, here)),
+            (lb_port("https", 30443), (here,)),
+        )
+    )
+    assert both.health_checks == {32000: ("ns", "web", 2)}
+
+
+def test_udp_flows_to_any_serving_endpoint_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    cleared: list[UdpFrontends] = []
+    monkeypatch.setattr(proxier_module.conntrack, "clear_stale", cleared.append)
+    monkeypatch.setattr(proxier_module, "local_addresses", lambda family: [])
+    port = dataclasses.replace(
+        PORT, name=dataclasses.replace(NAME, protocol="UDP"), internal_policy_local=True
+    )
+    endpoints = (
+        Endpoint("10.244.1.5", 53, node_name="node-a"),
+        Endpoint("10.244.2.5", 53, node_name="node-b"),
+        Endpoint("10.244.1.6", 53, ready=False, terminating=True, node_name="node-a"),
+        Endpoint("10.244.1.7", 53, ready=False, serving=False, terminating=True),
+    )
+    RecordingProxier((4,)).sync(changes((port, endpoints)))
+    (frontends,) = cleared
+    served = {("10.244.1.5", 53), ("10.244.2.5", 53), ("10.244.1.6", 53)}
+    assert frontends.by_address == {("10.96.0.10", 80): served}
+    assert frontends.stale(("10.96.0.10", 80), ("10.244.1.7", 53))
