@@ -12,7 +12,15 @@ from pyroute2.netlink.rtnl.ifinfmsg import IFF_PROMISC
 
 from cni import netns, sysctl
 from cni.errors import CniError, Code
-from cni.links import Link, addresses, ignoring, link_by_name, netlink_errors, routes
+from cni.links import (
+    MAIN_TABLE,
+    Link,
+    addresses,
+    ignoring,
+    link_by_name,
+    netlink_errors,
+    routes,
+)
 from cni.netconf import NetConf
 from cni.result import Interface, IPConfig, IPInterface, Result, Route
 
@@ -263,8 +271,8 @@ def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Resu
         for ip in prev.ips:
             if ip.interface in (None, index) and ip.address not in present:
                 _check_failed(f"address {ip.address} is missing from {ifname}")
-        installed = routes(ipc, link.index)
         for route in prev.routes:
+            installed = routes(ipc, link.index, route.extras.get("table", MAIN_TABLE))
             if not any(
                 dst == route.dst and (route.gw is None or gw == str(route.gw))
                 for dst, gw in installed

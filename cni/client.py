@@ -3,6 +3,8 @@
 A call served by the daemon (cni.server) never imports the plugin, so this module imports
 only C modules the interpreter has loaded or builds in: posix rather than os (1.2 ms), no json,
 no socket.py, no cni.* (those would cost more than the Go reference plugin takes for a call).
+Only when the daemon cannot answer does it import cni.plugin, to print the error as the plugin
+would, in the call's cniVersion.
 
 Wire format, one call per connection (lengths are 4-byte big-endian):
   request:  version byte, len + environment ("KEY=VALUE" joined by NUL: the CNI_* variables),
@@ -21,8 +23,6 @@ FORWARDED = frozenset({b"ADD", b"CHECK", b"DEL"})
 ENV_PREFIX = b"CNI_"
 LENGTH_BYTES = 4
 HEADER_BYTES = 2 + LENGTH_BYTES
-# cni.errors.CniError(Code.UNEXPECTED, ...) in cni.version.LATEST, as cni.plugin prints it.
-ERROR_TEMPLATE = '{"cniVersion": "1.1.0", "code": 199, "msg": "%s"}\n'
 
 
 def main(socket_path: str | None) -> None:
@@ -35,7 +35,8 @@ def main(socket_path: str | None) -> None:
             connection.close()  # no daemon: the call runs here
         except OSError as err:
             connection.close()
-            _finish(1, _error(f"cannot reach the knit daemon at {socket_path}: {err}"))
+            reason = f"cannot reach the knit daemon at {socket_path}: {err}"
+            _finish(1, _error(reason, _read_all(0)))
         else:
             _finish(*_exchange(connection))
     from cni.plugin import main as in_process
@@ -62,10 +63,11 @@ def encode_request(env: bytes, stdin: bytes) -> bytes:
 
 def _exchange(connection: _socket.socket) -> tuple[int, bytes]:
     """Send the call and wait for its answer; never redo it here once the daemon has it."""
-    _send(connection, encode_request(forwarded_environment(), _read_all(0)))
+    stdin = _read_all(0)
+    _send(connection, encode_request(forwarded_environment(), stdin))
     answer = _receive_all(connection)
     connection.close()
-    return decode_response(answer)
+    return decode_response(answer, stdin)
 
 
 def _send(connection: _socket.socket, request: bytes) -> None:
@@ -76,14 +78,16 @@ def _send(connection: _socket.socket, request: bytes) -> None:
         return  # the daemon left: what it answered before, if anything, is still readable
 
 
-def decode_response(answer: bytes) -> tuple[int, bytes]:
+def decode_response(answer: bytes, stdin: bytes) -> tuple[int, bytes]:
+    """(exit code, output) from the daemon's answer to the call whose stdin was sent."""
     if answer and answer[0] != PROTOCOL:
         return 1, _error(
-            f"the knit daemon speaks protocol {answer[0]}, this plugin speaks {PROTOCOL}"
+            f"the knit daemon speaks protocol {answer[0]}, this plugin speaks {PROTOCOL}",
+            stdin,
         )
     size = int.from_bytes(answer[2:HEADER_BYTES], "big")
     if len(answer) < HEADER_BYTES or len(answer) != HEADER_BYTES + size:
-        return 1, _error("the knit daemon closed the connection before answering")
+        return 1, _error("the knit daemon closed the connection before answering", stdin)
     return answer[1], answer[HEADER_BYTES:]
 
 
@@ -112,8 +116,12 @@ def _length(data: bytes) -> bytes:
     return len(data).to_bytes(LENGTH_BYTES, "big")
 
 
-def _error(msg: str) -> bytes:
-    return (ERROR_TEMPLATE % msg.replace("\\", "\\\\").replace('"', '\\"')).encode()
+def _error(msg: str, stdin: bytes) -> bytes:
+    """Error 199 as cni.plugin prints it for this call: only an error pays for the import."""
+    from cni.errors import CniError, Code
+    from cni.plugin import error_output
+
+    return error_output(CniError(Code.UNEXPECTED, msg), stdin)
 
 
 def _finish(code: int, output: bytes) -> None:

@@ -78,11 +78,12 @@ def _save_output(binary: str, *args: str) -> str:
     return proc.stdout if proc.returncode == 0 else ""
 
 
-def _legacy_tables() -> set[str]:
-    """The IPv4 legacy xtables tables that exist in the calling thread's network namespace, as
-    the kernel lists them (none when the module was never loaded)."""
+def _legacy_tables(version: int) -> set[str]:
+    """The legacy xtables tables of one family that exist in the calling thread's network
+    namespace, as the kernel lists them (none when the module was never loaded)."""
+    names = "ip_tables_names" if version == 4 else "ip6_tables_names"
     try:
-        return set(Path("/proc/thread-self/net/ip_tables_names").read_text().split())
+        return set(Path(f"/proc/thread-self/net/{names}").read_text().split())
     except FileNotFoundError:
         return set()
 
@@ -95,7 +96,7 @@ def detect_iptables_flavour() -> str:
     exists: asking legacy xtables for a table creates it, with hooks every packet then passes.
     """
     for flavour in ("nft", "legacy"):
-        if flavour == "legacy" and "mangle" not in _legacy_tables():
+        if flavour == "legacy" and "mangle" not in _legacy_tables(4):
             continue
         mangle = _save_output(f"iptables-{flavour}-save", "-t", "mangle")
         if any(f":{chain} " in mangle for chain in KUBELET_HINT_CHAINS):
@@ -112,8 +113,17 @@ class IPTables:
 
     def __init__(self, version: int, flavour: str) -> None:
         prefix = "iptables" if version == 4 else "ip6tables"
+        self.version = version
+        self.flavour = flavour
         self.save_cmd = f"{prefix}-{flavour}-save"
         self.restore_cmd = f"{prefix}-{flavour}-restore"
+
+    def may_hold_rules(self, table: str) -> bool:
+        """False when the table cannot hold rules to remove: this flavour's iptables is not
+        installed, or legacy xtables lacks the table (asking for it would create it)."""
+        if shutil.which(self.save_cmd) is None:
+            return False
+        return self.flavour != "legacy" or table in _legacy_tables(self.version)
 
     def save(self, table: str) -> str:
         return run([self.save_cmd, "-t", table])

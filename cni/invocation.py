@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from cni.errors import CniError, Code
 
 COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "VERSION", "GC")
 ATTACHMENT_COMMANDS = ("ADD", "DEL", "CHECK")
-CONTAINER_ID_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$")
+CONTAINER_ID_PATTERN = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
 KNOWN_ARGS = frozenset(
     {
         "IgnoreUnknown",
@@ -23,7 +24,8 @@ KNOWN_ARGS = frozenset(
         "IP",
     }
 )
-MAX_IFNAME_LENGTH = 15
+# IFNAMSIZ less the terminating NUL: the kernel counts bytes, not characters.
+MAX_IFNAME_BYTES = 15
 CNI_PREFIX = "CNI_"
 
 
@@ -65,14 +67,14 @@ def from_environ(environ: Mapping[str, str]) -> Invocation:
         container_id=container_id,
         netns=netns,
         ifname=ifname,
-        args=parse_cni_args(environ.get("CNI_ARGS", "")),
+        args=attachment_args(command, environ.get("CNI_ARGS", "")),
         cni_path=tuple(p for p in environ.get("CNI_PATH", "").split(":") if p),
         variables={k: v for k, v in environ.items() if k.startswith(CNI_PREFIX)},
     )
 
 
 def validate_container_id(container_id: str) -> None:
-    if not CONTAINER_ID_PATTERN.match(container_id):
+    if not CONTAINER_ID_PATTERN.fullmatch(container_id):
         raise CniError(
             Code.INVALID_ENV,
             f"CNI_CONTAINERID {container_id!r} must match {CONTAINER_ID_PATTERN.pattern}",
@@ -80,13 +82,17 @@ def validate_container_id(container_id: str) -> None:
 
 
 def validate_ifname(ifname: str) -> None:
-    if len(ifname) > MAX_IFNAME_LENGTH:
+    if len(os.fsencode(ifname)) > MAX_IFNAME_BYTES:
         raise CniError(
-            Code.INVALID_ENV,
-            f"CNI_IFNAME {ifname!r} is longer than {MAX_IFNAME_LENGTH} characters",
+            Code.INVALID_ENV, f"CNI_IFNAME {ifname!r} is longer than {MAX_IFNAME_BYTES} bytes"
         )
     if ifname in (".", "..") or any(c in ifname for c in "/:") or any(c.isspace() for c in ifname):
         raise CniError(Code.INVALID_ENV, f"CNI_IFNAME {ifname!r} is not a valid interface name")
+
+
+def attachment_args(command: str, raw: str) -> dict[str, str]:
+    """CNI_ARGS, which only the verbs on an attachment take: the others ignore it."""
+    return parse_cni_args(raw) if command in ATTACHMENT_COMMANDS else {}
 
 
 def parse_cni_args(raw: str) -> dict[str, str]:

@@ -79,11 +79,11 @@ def addresses(ipr: IPRoute, index: int) -> list[IPInterface]:
     ]
 
 
-def routes(ipr: IPRoute, index: int) -> list[tuple[IPNetwork, str | None]]:
-    """(destination, gateway) of the main-table routes through the link."""
+def routes(ipr: IPRoute, index: int, table: int) -> list[tuple[IPNetwork, str | None]]:
+    """(destination, gateway) of the routes through the link in one routing table."""
     found = []
     for family, any_net in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        for msg in ipr.get_routes(family=family, table=MAIN_TABLE, oif=index):
+        for msg in ipr.get_routes(family=family, table=table, oif=index):
             dst = ipaddress.ip_network(f"{msg.get_attr('RTA_DST') or any_net}/{msg['dst_len']}")
             found.append((dst, msg.get_attr("RTA_GATEWAY")))
     return found

@@ -8,7 +8,7 @@ one tagged rule per pod address in `inet knit_masq` postrouting.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from cni.firewall import (
     IPTables,
@@ -25,6 +25,7 @@ CHAIN_PREFIX = "KNIT-MASQ-"
 NFT_TABLE = "knit_masq"
 NFT_CHAIN = "postrouting"
 MULTICAST = {4: "224.0.0.0/4", 6: "ff00::/8"}
+FAMILIES = (4, 6)
 
 
 def chain_name(tag: Tag) -> str:
@@ -69,18 +70,24 @@ def _nft_setup(tag: Tag, by_family: dict[int, list[IPInterface]]) -> None:
     nft_apply("\n".join(lines) + "\n")
 
 
-def teardown(backends: Iterable[str], select: Selector) -> None:
-    """Remove the selected masquerade rules from the given backends."""
+def teardown(backends: Iterable[str], select: Selector, families: Collection[int]) -> None:
+    """Remove the selected masquerade rules from the given backends and address families.
+
+    A backend or family that cannot hold rules (not installed, its table never made) has none
+    to remove: DEL and GC must not fail on what the attachment never used.
+    """
     if "nftables" in backends:
         handles = [h for h, tag in nft_tagged_rules("inet", NFT_TABLE, NFT_CHAIN) if select(tag)]
         if handles:
             nft_apply(
                 "".join(f"delete rule inet {NFT_TABLE} {NFT_CHAIN} handle {h}\n" for h in handles)
             )
-    if "iptables" in backends:
+    if "iptables" in backends and families:
         flavour = detect_iptables_flavour()
-        for version in (4, 6):
-            _iptables_teardown(IPTables(version, flavour), select)
+        for version in families:
+            iptables = IPTables(version, flavour)
+            if iptables.may_hold_rules("nat"):
+                _iptables_teardown(iptables, select)
 
 
 def _iptables_teardown(iptables: IPTables, select: Selector) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from cni.errors import CniError, Code
+from cni.invocation import MAX_IFNAME_BYTES
 from cni.version import require_supported
 
 # Keys the runtime (libcni) inserts or that the spec defines for every plugin.
@@ -113,7 +115,7 @@ def parse(raw: dict[str, Any]) -> NetConf:
 
 def _check_consistency(conf: NetConf) -> None:
     problems = []
-    if not conf.bridge or len(conf.bridge) > 15 or "/" in conf.bridge:
+    if not conf.bridge or len(os.fsencode(conf.bridge)) > MAX_IFNAME_BYTES or "/" in conf.bridge:
         problems.append(f"bridge name {conf.bridge!r} is not a valid interface name")
     if conf.hairpin_mode and conf.promisc_mode:
         problems.append("hairpinMode and promiscMode cannot both be set")

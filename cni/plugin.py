@@ -7,7 +7,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from cni import ipam as ipam_module
@@ -16,8 +16,9 @@ from cni.errors import CniError, Code
 from cni.firewall import Tag, attachment_selector, stale_selector
 from cni.invocation import Invocation, from_environ, parse_stdin
 from cni.netconf import NetConf
+from cni.result import Result
 
-MAC_PATTERN = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
+MAC_PATTERN = re.compile(r"([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}")
 
 
 def run(invocation: Invocation, stdin: bytes) -> dict[str, Any] | None:
@@ -36,11 +37,17 @@ def run(invocation: Invocation, stdin: bytes) -> dict[str, Any] | None:
 
 
 def version_answer(stdin: bytes) -> dict[str, Any]:
+    """The version the runtime asked in (the latest when it named none) and those we speak."""
     try:
-        asked = json.loads(stdin or b"{}").get("cniVersion") or version.LATEST
+        asked = json.loads(stdin or b"{}").get("cniVersion")
     except (ValueError, AttributeError):
-        asked = version.LATEST
-    return {"cniVersion": asked, "supportedVersions": list(version.SUPPORTED_VERSIONS)}
+        asked = None
+    if asked is not None and not isinstance(asked, str):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "VERSION needs a string cniVersion")
+    return {
+        "cniVersion": asked or version.LATEST,
+        "supportedVersions": list(version.SUPPORTED_VERSIONS),
+    }
 
 
 def _requested_mac(raw: dict[str, Any]) -> str:
@@ -49,7 +56,7 @@ def _requested_mac(raw: dict[str, Any]) -> str:
         or (((raw.get("args") or {}).get("cni") or {}).get("mac"))
         or ""
     )
-    if mac and not MAC_PATTERN.match(mac):
+    if mac and not (isinstance(mac, str) and MAC_PATTERN.fullmatch(mac)):
         raise CniError(Code.INVALID_NETWORK_CONFIG, f"requested MAC {mac!r} is not a MAC address")
     return mac
 
@@ -67,13 +74,15 @@ def _best_effort(steps: list[Callable[[], None]]) -> list[CniError]:
     return failures
 
 
-def _firewall_teardown(conf: NetConf, container_id: str, ifname: str) -> list[Callable[[], None]]:
+def _firewall_teardown(
+    conf: NetConf, container_id: str, ifname: str, families: Collection[int]
+) -> list[Callable[[], None]]:
     from cni import masq, spoofcheck
 
     steps: list[Callable[[], None]] = []
     if conf.ip_masq:
         select = attachment_selector(masq.KIND, conf.name, container_id, ifname)
-        steps.append(lambda: masq.teardown([conf.ip_masq_backend], select))
+        steps.append(lambda: masq.teardown([conf.ip_masq_backend], select, families))
     if conf.mac_spoof_check:
         select = attachment_selector(spoofcheck.KIND, conf.name, container_id, ifname)
         steps.append(lambda: spoofcheck.teardown(select))
@@ -112,7 +121,7 @@ def cmd_add(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> dict[s
         except BaseException:
             _best_effort(
                 [
-                    *_firewall_teardown(conf, cid, ifname),
+                    *_firewall_teardown(conf, cid, ifname, _families(ipam_result)),
                     lambda: _delete_attachment_links(conf, invocation, netns_fd),
                     lambda: ipam.release(cid, ifname),
                 ]
@@ -121,6 +130,21 @@ def cmd_add(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> dict[s
     finally:
         os.close(netns_fd)
     return result.to_json(conf.cni_version)
+
+
+def _families(result: Result) -> set[int]:
+    return {ip.address.version for ip in result.ips}
+
+
+def _attachment_families(raw: dict[str, Any]) -> Collection[int]:
+    """The address families the attachment has rules in: those of prevResult's addresses, or
+    every family when the runtime passed no prevResult (or one that cannot be read)."""
+    from cni import masq
+
+    try:
+        return _families(Result.from_json(raw.get("prevResult")))
+    except CniError:
+        return masq.FAMILIES
 
 
 def _delete_attachment_links(conf: NetConf, invocation: Invocation, netns_fd: int | None) -> None:
@@ -151,7 +175,7 @@ def cmd_del(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
     try:
         failures = _best_effort(
             [
-                *_firewall_teardown(conf, cid, ifname),
+                *_firewall_teardown(conf, cid, ifname, _attachment_families(raw)),
                 lambda: _delete_attachment_links(conf, invocation, netns_fd),
                 lambda: ipam.release(cid, ifname),
             ]
@@ -165,7 +189,6 @@ def cmd_del(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
 
 def cmd_check(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
     from cni import bridge, netns
-    from cni.result import Result
 
     conf = netconf.parse(raw)
     if not version.at_least(conf.cni_version, "0.4.0"):
@@ -210,7 +233,7 @@ def cmd_gc(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
         [
             lambda: ipam.gc(valid),
             lambda: masq.teardown(
-                netconf.MASQ_BACKENDS, stale_selector(masq.KIND, conf.name, valid)
+                netconf.MASQ_BACKENDS, stale_selector(masq.KIND, conf.name, valid), masq.FAMILIES
             ),
             lambda: spoofcheck.teardown(stale_selector(spoofcheck.KIND, conf.name, valid)),
         ]
@@ -229,21 +252,23 @@ def execute(environ: Mapping[str, str], stdin: bytes) -> tuple[int, bytes]:
     The executable's in-process path and the node daemon's fast path (cni.server) both come
     here, so the two give the same answer byte for byte.
     """
-    cni_version = version.LATEST
     try:
-        try:
-            asked = json.loads(stdin).get("cniVersion")
-            if asked in version.SUPPORTED_VERSIONS:
-                cni_version = asked
-        except (ValueError, AttributeError):
-            pass
         answer = run(from_environ(environ), stdin)
     except CniError as err:
-        return 1, encode(err.to_json(cni_version))
+        return 1, error_output(err, stdin)
     except Exception as err:
         failure = CniError(Code.UNEXPECTED, f"{type(err).__name__}: {err}", traceback.format_exc())
-        return 1, encode(failure.to_json(cni_version))
+        return 1, error_output(failure, stdin)
     return 0, b"" if answer is None else encode(answer)
+
+
+def error_output(err: CniError, stdin: bytes) -> bytes:
+    """The error JSON as printed, in the call's cniVersion when we speak it, else the latest."""
+    try:
+        asked = json.loads(stdin).get("cniVersion")
+    except (ValueError, AttributeError):
+        asked = None
+    return encode(err.to_json(asked if asked in version.SUPPORTED_VERSIONS else version.LATEST))
 
 
 def main(environ: Mapping[str, str] | None = None) -> None:

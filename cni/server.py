@@ -18,8 +18,7 @@ from pathlib import Path
 
 from cni import client
 from cni.errors import CniError, Code
-from cni.plugin import encode, execute
-from cni.version import LATEST
+from cni.plugin import error_output, execute
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class CniServer:
                     environ, stdin = read_request(connection)
                 except ProtocolError as err:
                     log.warning("CNI server: refused a call: %s", err)
-                    connection.sendall(encode_response(1, error_json(str(err))))
+                    connection.sendall(encode_response(1, error_json(str(err), b"")))
                     _drain(connection)
                     return
                 code, output = self._execute(environ, stdin)
@@ -116,7 +115,7 @@ class CniServer:
         command = environ.get("CNI_COMMAND", "")
         if command not in SERVED:
             verbs = ", ".join(sorted(SERVED))
-            return 1, error_json(f"the knit daemon serves {verbs}, not {command!r}")
+            return 1, error_json(f"the knit daemon serves {verbs}, not {command!r}", stdin)
         with self._lock:
             self.calls += 1
         return execute(environ, stdin)
@@ -176,8 +175,9 @@ def encode_response(code: int, output: bytes) -> bytes:
     )
 
 
-def error_json(msg: str) -> bytes:
-    return encode(CniError(Code.UNEXPECTED, msg).to_json(LATEST))
+def error_json(msg: str, stdin: bytes) -> bytes:
+    """Error 199 in the call's cniVersion; a request that could not be read has none."""
+    return error_output(CniError(Code.UNEXPECTED, msg), stdin)
 
 
 def _receive_length(connection: socket.socket, limit: int) -> int:

@@ -117,6 +117,20 @@ def test_check_passes_then_names_what_is_missing(node):
     assert f"host veth {host_veth} is missing" in node.call("CHECK", checked, pod).output["msg"]
 
 
+def test_check_looks_for_a_route_in_its_table(node):
+    conf = bridge_conf(node.data_dir)
+    conf["ipam"]["routes"] = [{"dst": "10.99.0.0/16", "table": 100}]
+    pod = node.add_pod(conf, "table-check")
+    assert {"dst": "10.99.0.0/16", "gw": "10.244.1.1", "table": 100} in pod.result["routes"]
+    checked = node.with_prev(conf, pod)
+    assert node.call("CHECK", checked, pod).code == 0
+
+    pod.ns.run("ip", "route", "del", "10.99.0.0/16", "table", "100")
+    pod.ns.run("ip", "route", "add", "10.99.0.0/16", "via", "10.244.1.1")
+    answer = node.call("CHECK", checked, pod)
+    assert "route to 10.99.0.0/16 via 10.244.1.1 is missing" in answer.output["msg"], answer
+
+
 def test_check_catches_a_changed_mac(node):
     conf = bridge_conf(node.data_dir)
     pod = node.add_pod(conf, "mac-check")

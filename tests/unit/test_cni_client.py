@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cni import client, plugin, version
+from cni import client, plugin
 from cni.errors import CniError
 from cni.invocation import from_environ
 from cni.ipam.delegate import Delegate
@@ -122,10 +122,20 @@ def test_a_daemon_gone_before_answering_gives_the_error_json(stand_in):
     assert done.returncode == 1
     error = json.loads(done.stdout)
     assert error == {
-        "cniVersion": version.LATEST,
+        "cniVersion": "1.0.0",
         "code": 199,
         "msg": "the knit daemon closed the connection before answering",
     }
+    assert done.stdout == plugin.encode(CniError(199, error["msg"]).to_json("1.0.0"))
+
+
+def test_an_unreachable_daemon_is_named_in_the_calls_version(tmp_path):
+    too_long = tmp_path / ("d" * 120) / "cni.sock"
+    done = run_client(too_long, ADD_ENV, stdin=b'{"cniVersion": "0.4.0", "name": "n"}')
+    assert done.returncode == 1
+    error = json.loads(done.stdout)
+    assert error["cniVersion"] == "0.4.0"
+    assert error["msg"].startswith(f"cannot reach the knit daemon at {too_long}: ")
 
 
 def test_a_half_answer_is_not_taken_for_an_answer(stand_in):
@@ -144,16 +154,14 @@ def test_a_daemon_of_another_protocol_is_named(stand_in):
 
     done = run_client(stand_in(newer), ADD_ENV)
     assert done.returncode == 1
-    assert json.loads(done.stdout)["msg"] == (
-        f"the knit daemon speaks protocol {client.PROTOCOL + 1}, "
-        f"this plugin speaks {client.PROTOCOL}"
-    )
-
-
-def test_the_error_template_is_what_the_plugin_prints():
-    assert client._error('a "quoted" \\ msg') == plugin.encode(
-        CniError(199, 'a "quoted" \\ msg').to_json(version.LATEST)
-    )
+    assert json.loads(done.stdout) == {
+        "cniVersion": "1.0.0",
+        "code": 199,
+        "msg": (
+            f"the knit daemon speaks protocol {client.PROTOCOL + 1}, "
+            f"this plugin speaks {client.PROTOCOL}"
+        ),
+    }
 
 
 @pytest.mark.parametrize("situation", ["no socket file", "nobody listening", "no socket baked"])
@@ -199,7 +207,7 @@ def exchange(path: Path, request: bytes) -> bytes:
 
 def call(path: Path, environ: dict[str, str], stdin: bytes) -> tuple[int, bytes]:
     env = b"\0".join(f"{k}={v}".encode() for k, v in environ.items())
-    return client.decode_response(exchange(path, client.encode_request(env, stdin)))
+    return client.decode_response(exchange(path, client.encode_request(env, stdin)), stdin)
 
 
 def test_the_server_answers_as_the_plugin_does(server):
@@ -212,9 +220,13 @@ def test_the_server_answers_as_the_plugin_does(server):
 
 
 def test_the_server_serves_only_attachment_verbs(server):
-    code, output = call(server, {"CNI_COMMAND": "VERSION"}, b"{}")
+    code, output = call(server, {"CNI_COMMAND": "VERSION"}, b'{"cniVersion": "0.4.0"}')
     assert code == 1
-    assert json.loads(output)["msg"] == "the knit daemon serves ADD, CHECK, DEL, not 'VERSION'"
+    assert json.loads(output) == {
+        "cniVersion": "0.4.0",
+        "code": 199,
+        "msg": "the knit daemon serves ADD, CHECK, DEL, not 'VERSION'",
+    }
 
 
 def test_the_server_names_a_mismatching_protocol(server):

@@ -3,9 +3,11 @@ kernel."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from cni import netconf
+from cni import netconf, plugin, version
 from cni.errors import CniError, Code
 from cni.firewall import Tag
 from cni.invocation import from_environ, parse_cni_args
@@ -34,16 +36,22 @@ def test_del_accepts_an_empty_netns():
     assert from_environ({**BASE_ENV, "CNI_COMMAND": "DEL", "CNI_NETNS": ""}).netns == ""
 
 
-@pytest.mark.parametrize("ifname", ["a" * 16, ".", "..", "a/b", "a:b", "a b"])
+@pytest.mark.parametrize("ifname", ["a" * 16, "é" * 8, ".", "..", "a/b", "a:b", "a b"])
 def test_bad_ifnames(ifname):
     with pytest.raises(CniError) as err:
         from_environ({**BASE_ENV, "CNI_IFNAME": ifname})
     assert err.value.code == Code.INVALID_ENV
 
 
-def test_bad_container_id():
-    with pytest.raises(CniError, match="CNI_CONTAINERID"):
-        from_environ({**BASE_ENV, "CNI_CONTAINERID": "-bad"})
+def test_an_ifname_of_15_bytes_is_accepted():
+    assert from_environ({**BASE_ENV, "CNI_IFNAME": "a" + "é" * 7}).ifname == "a" + "é" * 7
+
+
+@pytest.mark.parametrize("container_id", ["-bad", "abc\n", "a b"])
+def test_bad_container_id(container_id):
+    with pytest.raises(CniError, match="CNI_CONTAINERID") as err:
+        from_environ({**BASE_ENV, "CNI_CONTAINERID": container_id})
+    assert err.value.code == Code.INVALID_ENV
 
 
 def test_cni_args_need_ignore_unknown_for_unknown_keys():
@@ -55,6 +63,33 @@ def test_cni_args_need_ignore_unknown_for_unknown_keys():
     assert parse_cni_args("K8S_POD_NAME=web;IP=10.0.0.9")["IP"] == "10.0.0.9"
     with pytest.raises(CniError, match="FOO"):
         parse_cni_args("K8S_POD_NAME=web;FOO=bar")
+    with pytest.raises(CniError, match="FOO"):
+        from_environ({**BASE_ENV, "CNI_ARGS": "FOO=bar"})
+
+
+@pytest.mark.parametrize("command", ["VERSION", "STATUS", "GC"])
+def test_verbs_without_an_attachment_ignore_cni_args(command):
+    invocation = from_environ({"CNI_COMMAND": command, "CNI_ARGS": "FOO=bar;not-a-pair"})
+    assert invocation.args == {}
+
+
+def test_version_answers_whatever_cni_args_hold():
+    code, output = plugin.execute(
+        {"CNI_COMMAND": "VERSION", "CNI_ARGS": "FOO=bar"}, b'{"cniVersion": "0.4.0"}'
+    )
+    assert code == 0 and json.loads(output)["cniVersion"] == "0.4.0"
+
+
+@pytest.mark.parametrize("asked", ["5", '["1.0.0"]', '{"v": "1.0.0"}'])
+def test_version_refuses_a_cni_version_that_is_not_a_string(asked):
+    stdin = b'{"cniVersion": %s}' % asked.encode()
+    code, output = plugin.execute({"CNI_COMMAND": "VERSION"}, stdin)
+    assert code == 1
+    assert json.loads(output) == {
+        "cniVersion": version.LATEST,
+        "code": Code.INVALID_NETWORK_CONFIG,
+        "msg": "VERSION needs a string cniVersion",
+    }
 
 
 def conf(**options):
@@ -65,6 +100,15 @@ def conf(**options):
         "ipam": {"type": "host-local"},
         **options,
     }
+
+
+@pytest.mark.parametrize("mac", ["aa:bb:cc:dd:ee:ff\n", "aa:bb:cc:dd:ee", 5])
+def test_a_requested_mac_must_be_a_whole_mac_address(mac):
+    stdin = json.dumps(conf(runtimeConfig={"mac": mac})).encode()
+    code, output = plugin.execute(BASE_ENV, stdin)
+    answer = json.loads(output)
+    assert code == 1 and answer["code"] == Code.INVALID_NETWORK_CONFIG
+    assert answer["msg"] == f"requested MAC {mac!r} is not a MAC address"
 
 
 def test_unknown_option_is_named_with_code_2():
@@ -83,6 +127,7 @@ def test_unknown_option_is_named_with_code_2():
         ({"ipMasqBackend": "pf"}, "ipMasqBackend"),
         ({"isGateway": "yes"}, "isGateway must be a bool"),
         ({"bridge": "a-very-long-bridge-name"}, "not a valid interface name"),
+        ({"bridge": "é" * 8}, "not a valid interface name"),
     ],
 )
 def test_contradictory_or_bad_options_are_code_7(options, message):

@@ -1,0 +1,76 @@
+"""DEL and GC are best effort: a packet filter backend or address family the attachment never
+used, missing or broken on the node, does not make them fail."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from tests.integration.cni_env import bridge_conf
+
+
+def only_binaries(directory: Path, *names: str) -> str:
+    """A PATH holding nothing but the named binaries: a node without the others."""
+    directory.mkdir()
+    for name in names:
+        found = shutil.which(name)
+        assert found is not None, f"{name} is needed to run this test"
+        (directory / name).symlink_to(found)
+    return str(directory)
+
+
+def failing_before_path(directory: Path, *names: str) -> str:
+    """The PATH with the named binaries replaced by ones that always fail."""
+    directory.mkdir()
+    for name in names:
+        (directory / name).write_text(f"#!/bin/sh\necho '{name}: broken here' >&2\nexit 1\n")
+        (directory / name).chmod(0o755)
+    return f"{directory}:{os.environ['PATH']}"
+
+
+def test_gc_on_a_node_without_iptables(node, tmp_path):
+    masq = bridge_conf(node.data_dir, ipMasq=True, ipMasqBackend="nftables")
+    kept = node.add_pod(masq, "kept")
+    node.add_pod(masq, "stale")
+    gc = {
+        **bridge_conf(node.data_dir),
+        "cni.dev/valid-attachments": [{"containerID": "kept", "ifname": "eth0"}],
+    }
+    answer = node.call("GC", gc, env={"PATH": only_binaries(tmp_path / "bin", "ip", "nft")})
+    assert answer.code == 0, answer
+    assert node.reservations() == [kept.address()]
+    rules = node.knit_rules()
+    assert rules and all("id=kept" in r for r in rules)
+
+
+def test_del_of_an_ipv4_attachment_leaves_ipv6_alone(node, tmp_path):
+    conf = bridge_conf(node.data_dir, ipMasq=True)
+    pod = node.add_pod(conf, "v4-only")
+    broken = failing_before_path(tmp_path / "bin", "ip6tables-nft-save", "ip6tables-legacy-save")
+    answer = node.call("DEL", node.with_prev(conf, pod), pod, env={"PATH": broken})
+    assert answer.code == 0, answer
+    assert node.leftovers() == {}
+
+
+def test_del_still_reports_a_family_the_attachment_used(node, tmp_path):
+    conf = bridge_conf(node.data_dir, dual_stack=True, ipMasq=True)
+    pod = node.add_pod(conf, "dual")
+    broken = failing_before_path(tmp_path / "bin", "ip6tables-nft-save", "ip6tables-legacy-save")
+    answer = node.call("DEL", node.with_prev(conf, pod), pod, env={"PATH": broken})
+    assert answer.error_code == 103 and "broken here" in answer.output["msg"], answer
+    assert node.reservations() == [], "the rest of DEL ran"
+    assert node.call("DEL", conf, pod).code == 0
+    assert node.leftovers() == {}
+
+
+def test_legacy_teardown_creates_no_table(node):
+    node.ns.run("iptables-legacy", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT")
+    conf = bridge_conf(node.data_dir, ipMasq=True)
+    pod = node.add_pod(conf, "legacy")
+    assert "KNIT-MASQ-" in node.ns.run("iptables-legacy-save", "-t", "nat").stdout
+    assert node.call("DEL", conf, pod).code == 0
+    assert node.call("GC", {**conf, "cni.dev/valid-attachments": []}).code == 0
+    assert "KNIT-MASQ-" not in node.ns.run("iptables-legacy-save", "-t", "nat").stdout
+    ipv6_tables = node.ns.run("cat", "/proc/net/ip6_tables_names", check=False).stdout
+    assert "nat" not in ipv6_tables, "asking legacy ip6tables for nat would have created it"
