@@ -103,7 +103,7 @@ from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, ServicePort, ServicePortName, parse_node
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.kernel import CHAIN_LINE, Nft
-from proxyd.nftables.transaction import TableState, partial_transaction
+from proxyd.nftables.transaction import GENERATION_SUFFIXES, TableState, partial_transaction
 from proxyd.plan import FamilyContext, PortPlan, plan_port
 from tests.conftest import ROOT, Netns, unique_name
 from tests.integration.proxy_env import (
@@ -506,15 +506,20 @@ class Nftables(Mode):
 
     def __init__(self) -> None:
         self.kernels = {family: Nft(family) for family in FAMILIES}
+        self.saved_generation = 0
+        """The generation of maps the last listing saved holds (the anchor's, once loaded)."""
 
     def prepare(self, node: Netns) -> None:
         """Nothing: the mode does not depend on the node's iptables."""
 
     def save(self, ns: Netns) -> Saved:
-        return {
+        saved = {
             family: ns.run("nft", "list", "table", *kernel.table.split(), timeout=600).stdout
             for family, kernel in self.kernels.items()
         }
+        newer = f"map {nftables_render.SERVICE_IPS}{GENERATION_SUFFIXES[1]} {{"
+        self.saved_generation = 1 if newer in saved[4] else 0
+        return saved
 
     def scripts(self, saved: Saved, fresh: bool) -> list[Load]:
         """Both tables in one transaction (nft writes any family's)."""
@@ -527,16 +532,30 @@ class Nftables(Mode):
         subprocess.run(["nft", "-f", "-"], input=text, text=True, capture_output=True, check=True)
 
     def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
-        """The elements of the endpoint map keyed by the service's cluster IP."""
+        """The elements of the endpoint map keyed by the service's cluster IP, in whichever
+        generation the table holds (without the map's name, which tells the generation)."""
         keys = ", ".join(f"{cluster_ip} . {PORT} . {index}" for index in range(ENDPOINTS))
         endpoint_map = nftables_render.IPS.endpoint_map(local=False, proto="tcp")
         table = self.kernels[4].table.split()
-        return ns.run("nft", "get", "element", *table, endpoint_map, f"{{ {keys} }}").stdout
+        for suffix in GENERATION_SUFFIXES:
+            got = ns.run(
+                "nft",
+                "get",
+                "element",
+                *table,
+                f"{endpoint_map}{suffix}",
+                f"{{ {keys} }}",
+                check=False,
+            )
+            if got.returncode == 0:
+                return got.stdout.split("elements = ", 1)[-1]
+        raise RuntimeError(f"no endpoint map holds {name}'s endpoints in {ns.name}")
 
     def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
+        """The change as the daemon writes it, in the generation of the anchor's table."""
         name = after.port.name
         port_ctx = nftables_render.PortContext.of(ctx)
-        table = TableState(nftables_render.render_base(ctx))
+        table = TableState(nftables_render.render_base(ctx), generation=self.saved_generation)
         before_objects = nftables_render.render_service(before, port_ctx)
         partial_transaction(ctx.family, table, {name: before_objects})  # as the daemon wrote it
         return partial_transaction(

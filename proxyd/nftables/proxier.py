@@ -1,7 +1,7 @@
-"""The nftables proxier: one table per family, written by one nft transaction per sync that
-holds only what the changed service ports own or use (or everything, on a full sync, made a
-chunk of ports at a time while nft parses the chunks before; when the table has no chains yet,
-a transaction per chunk, committed while the next is made)."""
+"""The nftables proxier: one table per family, written by one nft transaction per partial sync
+that holds only what the changed service ports own or use; a full sync fills the maps of the
+generation the rules do not name, a transaction per chunk of ports committed while the next is
+made, then switches the rules over in one more."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from proxyd.metrics import Metrics
 from proxyd.model import ServicePortName
 from proxyd.nftables.kernel import Nft, NftError
-from proxyd.nftables.render import PortContext, Renderer, render_base
+from proxyd.nftables.render import SERVICES, BaseObjects, PortContext, Renderer, render_base
 from proxyd.nftables.transaction import (
+    KernelTable,
     TableState,
-    fresh_transactions,
-    full_transaction,
+    full_transactions,
+    live_generation,
     partial_transaction,
 )
 from proxyd.plan import FamilyContext
@@ -22,9 +23,10 @@ from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
 
 FIRST_CHUNK = 100
 LARGEST_CHUNK = 1000
-"""Service ports per piece of a full sync (per transaction, into a table without chains): the
-first chunk is small, as the Python making it is the one part nft does not overlap, and they
-double up to 1,000 (at 10 endpoints a port costs nft ~0.1 ms and Python ~0.03 ms)."""
+"""Service ports per transaction of a full sync: the first chunk is small, as the Python making
+it is the one part nft does not overlap, and they double up to 1,000 (at 10 endpoints a port
+costs nft ~0.1 ms and Python ~0.03 ms; nft holds one chunk's transaction in memory at a
+time)."""
 
 
 def chunks(names: list[ServicePortName]) -> Iterator[list[ServicePortName]]:
@@ -52,8 +54,7 @@ class NftablesProxier(Proxier):
         full = full or old is None or old.base != base
         try:
             if full:
-                new = TableState(base)
-                self._write_all(family, new, plans, PortContext.of(ctx))
+                new = self._write_all(family, base, plans, PortContext.of(ctx))
             else:
                 assert old is not None
                 new = old
@@ -65,21 +66,22 @@ class NftablesProxier(Proxier):
         self._written[family] = new
         return full
 
-    def _write_all(self, family: int, state: TableState, plans: Plans, ctx: PortContext) -> None:
-        """A full sync: its ports rendered a chunk at a time, in name order, while nft parses
-        the chunks before, in one transaction over the table as it is or, when it has no
-        chains (no packet goes through it), in a transaction per chunk."""
+    def _write_all(
+        self, family: int, base: BaseObjects, plans: Plans, ctx: PortContext
+    ) -> TableState:
+        """A full sync: its ports rendered a chunk at a time, in name order, into the
+        generation the table's rules do not name, then the rules switched over to it."""
         kernel = self.kernel[family]
         renderer = self._renderers[family]
         renderer.begin_full(plans, ctx)
-        existing_chains = kernel.chains()
+        chains, sets = kernel.chains() or set(), kernel.sets()
+        live = live_generation(
+            base, sets, lambda: kernel.chain(SERVICES) if SERVICES in chains else None
+        )
+        state = TableState(base, generation=1 if live == 0 else 0)
         rendered = (renderer.render(plans, chunk) for chunk in chunks(sorted(plans)))
-        if existing_chains:
-            sets = kernel.sets()
-            kernel.run_streamed(full_transaction(family, state, rendered, existing_chains, sets))
-            return
-        exists = existing_chains is not None
-        kernel.run_each(fresh_transactions(family, state, rendered, replace=exists))
+        kernel.run_each(full_transactions(family, state, rendered, KernelTable(chains, sets, live)))
+        return state
 
     def _count_failure(self, full: bool) -> None:
         self.metrics.nftables_sync_failures.inc()

@@ -1,17 +1,16 @@
 """The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a
-full sync into a table without chains, written in chunks, leaves in the kernel what one
-streamed transaction leaves over an existing table (a set the table had is gone, and a gone
-port's chains and sets) or over the same ports (nothing doubled); a refused transaction stops
-the ones after it, and an error making one goes on once the load under way ended; a streamed
-transaction commits nothing when nft refuses it (the error quoting the line nft names), when a
-piece cannot be made or when nft stops reading; the libnftables context sees what an nft
-process wrote and writes where it was opened."""
+full sync, a transaction per chunk into the generation the rules do not name and one switching
+the rules over, leaves the same objects whatever the table held (nothing, a table without
+chains holding a stray set, a gone port's chains and sets, the same ports in the other
+generation); a refused chunk leaves the live rules and maps as they were, and the full sync
+after it mends the table; a refused transaction stops the ones after it, and an error making
+one goes on once the load under way ended; the libnftables context sees what an nft process
+wrote and writes where it was opened."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,7 +21,8 @@ from proxyd.model import ServicePort, ServicePortName
 from proxyd.nftables import proxier as nftables_proxier
 from proxyd.nftables.kernel import Context, Nft, NftError
 from proxyd.nftables.proxier import NftablesProxier
-from proxyd.proxier import ProxyOptions
+from proxyd.nftables.render import render_base
+from proxyd.proxier import ProgramError, ProxyOptions
 from proxyd.tracker import Changes, ServiceView
 from tests.conftest import Netns
 from tests.unit.example_service import NODE, PORT, READY
@@ -77,46 +77,31 @@ def table(ns: Netns) -> list[str]:
 def transactions_of(sync: Callable[[Changes], object], ports: Iterable[ServicePort]) -> list[str]:
     """The transactions a sync of `ports` ran, in order (listings left out)."""
     ran: list[str] = []
-    run, run_streamed = Context.run, Nft.run_streamed
+    run = Context.run
 
     def recorded(self: Context, text: str) -> str:
         if not text.startswith("list "):
             ran.append(text)
         return run(self, text)
 
-    def recorded_streamed(self: Nft, pieces: Iterable[str]) -> None:
-        made: list[str] = []
-
-        def passed() -> Iterator[str]:
-            for piece in pieces:
-                made.append(piece)
-                yield piece
-
-        run_streamed(self, passed())
-        ran.append("".join(made))
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Context, "run", recorded)
-        patch.setattr(Nft, "run_streamed", recorded_streamed)
         sync(changes(ports))
     return ran
 
 
-def test_chunks_into_a_table_without_chains_leave_what_one_streamed_transaction_leaves(
+def test_a_full_sync_leaves_the_same_objects_whatever_the_table_held(
     make_netns: Callable[[str], Netns], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(nftables_proxier, "FIRST_CHUNK", 1)
     monkeypatch.setattr(nftables_proxier, "LARGEST_CHUNK", 2)
-    chunked, absent, whole, again = (make_netns("knit-nft") for _ in range(4))
-    chunked.run("nft", "add table ip knit { set stray { type ipv4_addr ; } ; }")
-    first_written = []
-    for ns in (chunked, absent):
+    chainless, absent, whole, again = (make_netns("knit-nft") for _ in range(4))
+    chainless.run("nft", "add table ip knit { set stray { type ipv4_addr ; } ; }")
+    for ns in (chainless, absent):
         with ns.entered():
             written = transactions_of(NftablesProxier(OPTIONS, (4,), Metrics()).sync, PORTS)
-        assert len(written) == 4, "the fixed part, then 5 ports: 1, 2 and 2"
-        first_written.append(written[0])
-    assert first_written[0].startswith("add table ip knit\ndelete table ip knit\n")
-    assert "delete" not in first_written[1], "a table that does not exist is not deleted"
+        assert len(written) == 5, "the maps, 5 ports in chunks of 1, 2 and 2, the rules"
+        assert "add map ip knit service-ips {" in written[0]
     gone = ServicePort(
         ServicePortName("ns", "gone", "", "TCP"),
         ("10.96.0.15",),
@@ -127,18 +112,54 @@ def test_chunks_into_a_table_without_chains_leave_what_one_streamed_transaction_
     )
     with whole.entered():
         NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes((gone,)))
-        proxier = NftablesProxier(OPTIONS, (4,), Metrics())
-        (streamed,) = transactions_of(proxier.sync, PORTS)
-    with again.entered():
-        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(PORTS))
-        proxier = NftablesProxier(OPTIONS, (4,), Metrics())
-        assert len(transactions_of(proxier.sync, PORTS)) == 1
-    assert table(again) == table(whole), "over the same ports: each chain emptied, then filled"
+        *_, switch = transactions_of(NftablesProxier(OPTIONS, (4,), Metrics()).sync, PORTS)
+    assert "vmap @service-ips-1" in switch and "delete map ip knit service-ips\n" in switch
     for stale in ("set ip knit affinity-", "chain ip knit firewall-", "chain ip knit service-"):
-        assert f"delete {stale}" in streamed and "/gone/" in streamed.split(f"delete {stale}")[1]
-    assert table(chunked) == table(whole), "the same objects; the stray set, the gone port's gone"
-    assert table(absent) == table(whole)
-    assert any("198.51.100.9" in entry for entry in table(chunked)), "the firewall's element"
+        assert f"delete {stale}" in switch and "/gone/" in switch.split(f"delete {stale}")[1]
+    with again.entered():
+        for _ in range(3):
+            NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(PORTS))
+    with whole.entered():
+        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(PORTS))
+    assert table(chainless) == table(whole), "the stray set, the gone port's objects: gone"
+    assert table(absent) == table(whole) == table(again), "from either generation, doubling nothing"
+    assert any("198.51.100.9" in entry for entry in table(chainless)), "the firewall's element"
+
+
+def test_a_refused_chunk_leaves_the_live_rules_and_the_next_full_sync_mends(
+    make_netns: Callable[[str], Netns], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nftables_proxier, "FIRST_CHUNK", 1)
+    monkeypatch.setattr(nftables_proxier, "LARGEST_CHUNK", 2)
+    ns, clean = make_netns("knit-nft"), make_netns("knit-nft")
+    with clean.entered():
+        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(PORTS))
+    full_transactions = nftables_proxier.full_transactions
+
+    def refusing_the_third(*args: Any) -> Iterator[str]:
+        for index, text in enumerate(full_transactions(*args)):
+            yield text + ("add rule ip knit nowhere drop\n" if index == 2 else "")
+
+    with ns.entered():
+        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(PORTS))
+        before = table(ns)
+        proxier = NftablesProxier(OPTIONS, (4,), Metrics())
+        monkeypatch.setattr(nftables_proxier, "full_transactions", refusing_the_third)
+        with pytest.raises(ProgramError, match="No such file"):
+            proxier.sync(changes(PORTS))
+        generation_one = {f"{name}-1" for name in render_base(proxier.context(4, NODE)).maps}
+        after = [json.loads(entry) for entry in table(ns)]
+        filled = [
+            e for e in after if {e.get(k, {}).get("name") for k in ("set", "map")} & generation_one
+        ]
+        assert filled, "half a generation"
+        live = [json.dumps(entry, sort_keys=True) for entry in after if entry not in filled]
+        assert live == before, "the rules and maps packets use are as they were"
+        monkeypatch.setattr(nftables_proxier, "full_transactions", full_transactions)
+        proxier.sync(Changes(services={}, node=NODE))
+    with clean.entered():
+        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes(PORTS))
+    assert table(ns) == table(clean), "the next full sync wrote generation 1 whole"
 
 
 def test_a_refused_transaction_stops_the_ones_after_it(
@@ -175,69 +196,7 @@ def test_an_error_making_a_transaction_goes_on_once_the_load_under_way_ended(
     assert tables == ["table ip first", ""], "loaded before the error, the refused one not"
 
 
-def test_a_streamed_transaction_nft_refuses_commits_nothing(
-    make_netns: Callable[[str], Netns],
-) -> None:
-    ns = make_netns("knit-nft")
-    made: list[str] = []
-
-    def pieces() -> Iterator[str]:
-        for piece in ("add table ip first\n", "add chain ip first c\n", "add rule ip first c ip "):
-            made.append(piece)
-            yield piece
-        yield "daddr 192.0.2.1 goto nowhere\nadd table ip after\n"
-
-    with ns.entered(), pytest.raises(NftError, match="No such file") as refused:
-        Nft(4).run_streamed(pieces())
-    assert len(made) == 3
-    assert "line 3: add rule ip first c ip daddr 192.0.2.1 goto nowhere" in str(refused.value), (
-        "the line nft names is quoted, across pieces"
-    )
-    assert ns.run("nft", "list", "tables").stdout == ""
-
-
-@pytest.mark.parametrize("error", [ValueError, BrokenPipeError])
-def test_a_piece_that_cannot_be_made_leaves_nothing_of_its_transaction(
-    make_netns: Callable[[str], Netns], error: type[Exception]
-) -> None:
-    ns = make_netns("knit-nft")
-
-    def pieces() -> Iterator[str]:
-        yield "add table ip first\n"
-        raise error("a service nft cannot take")
-
-    with ns.entered(), pytest.raises(error, match="cannot take"):
-        Nft(4).run_streamed(pieces())
-    assert ns.run("nft", "list", "tables").stdout == "", "nft got an unparsable end"
-
-
-def test_a_stream_nft_stops_reading_ends_with_its_error(
-    make_netns: Callable[[str], Netns],
-) -> None:
-    ns = make_netns("knit-nft")
-    raised: list[BaseException] = []
-
-    def pieces() -> Iterator[str]:
-        yield "not nft\n" * 20
-        for index in range(200):
-            yield f"add table ip t{index}\n" * 1000
-
-    def load() -> None:
-        with ns.entered():
-            try:
-                Nft(4).run_streamed(pieces())
-            except NftError as err:
-                raised.append(err)
-
-    loading = threading.Thread(target=load, daemon=True)
-    loading.start()
-    loading.join(timeout=60)
-    assert not loading.is_alive(), "the writer stops when nft's parser gives up"
-    assert len(raised) == 1 and "syntax error" in str(raised[0])
-    assert ns.run("nft", "list", "tables").stdout == ""
-
-
-def test_the_names_listed_are_our_tables_chains_and_named_sets(
+def test_the_names_listed_are_our_tables_chains_and_named_sets_and_maps(
     make_netns: Callable[[str], Netns],
 ) -> None:
     ns = make_netns("knit-nft")
@@ -250,7 +209,7 @@ def test_the_names_listed_are_our_tables_chains_and_named_sets(
         "add table ip bare",
     )
     with ns.entered():
-        assert (Nft(4).chains(), Nft(4).sets()) == ({"c"}, {"s"})
+        assert (Nft(4).chains(), Nft(4).sets()) == ({"c"}, {"s", "m"})
         assert (Nft(6).chains(), Nft(6).sets()) == ({"c6"}, {"s6"})
         assert (Nft(4, "bare").chains(), Nft(4, "bare").sets()) == (set(), set())
         assert (Nft(4, "missing").chains(), Nft(4, "missing").sets()) == (None, set())

@@ -11,6 +11,7 @@ from here, so only the proxy's choice decides where traffic goes).
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -79,7 +80,7 @@ def firewall_drops(proxy_node: ProxyNode, lb_ip: str) -> int:
     """Packets the loadBalancerSourceRanges firewall dropped on their way to lb_ip."""
     if proxy_node.mode == "nftables":
         listing = proxy_node.ns.run("nft", "list", "table", "ip", "knit").stdout
-        firewall_map = listing.split("map firewall-ips {", 1)[1]
+        firewall_map = re.split(r"map firewall-ips(?:-1)? \{", listing, maxsplit=1)[1]
         chain = firewall_map.split(f"{lb_ip} . tcp . 80 : goto ", 1)[1].split()[0].rstrip(",}")
         rules = listing.split(f"chain {chain} {{", 1)[1].split("\n\t}", 1)[0]
         return int(rules.split("counter packets ", 1)[1].split()[0])

@@ -16,9 +16,10 @@ from proxyd.nftables.render import (
     render_service,
 )
 from proxyd.nftables.transaction import (
+    KernelTable,
     TableState,
-    fresh_transactions,
-    full_transaction,
+    full_transactions,
+    live_generation,
     partial_transaction,
 )
 from proxyd.plan import FamilyContext, PortPlan
@@ -35,7 +36,7 @@ def state(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> TableState:
     """A table as a full sync wrote it."""
     table = TableState(render_base(CTX))
     chunk = {port.name: objects(port, endpoints) for port, endpoints in ports}
-    list(full_transaction(4, table, [chunk], set(), set()))
+    list(full_transactions(4, table, [chunk], KernelTable()))
     return table
 
 
@@ -165,22 +166,51 @@ def test_a_shared_external_ip_passes_to_the_next_claimant() -> None:
     assert not table.rivals
 
 
-def test_full_sync_flushes_what_exists_and_removes_what_is_stale() -> None:
+def test_a_full_sync_fills_the_other_generation_then_switches_the_rules_over() -> None:
     spread = "spread-ips-tcp-2"
-    existing = {spread, "services", "service-OLD-ns/gone/tcp/"}
-    chunk = {NAME: objects(PORT, READY)}
-    pieces = list(full_transaction(4, TableState(render_base(CTX)), [chunk], existing, {"hairpin"}))
-    text = "".join(pieces)
-    assert len(pieces) == 3, "the fixed part, the one chunk, the stale objects' removal"
-    assert pieces[1] == partial_transaction(4, TableState(render_base(CTX)), chunk)
-    flushed = text.index(f"flush chain ip knit {spread}")
-    assert flushed < text.index(f"add rule ip knit {spread}"), "emptied, then filled"
-    assert text.count(f"flush chain ip knit {spread}") == 1
-    assert "flush chain ip knit services" in text and "add chain ip knit services" not in text
-    assert "delete chain ip knit service-OLD-ns/gone/tcp/" in pieces[2]
-    assert "delete set" not in text, "the table's own sets stay"
-    assert "flush map ip knit service-ips" in text and "flush set ip knit hairpin" in text
-    assert "flush map ip knit endpoints-ips-tcp" in text
+    affinity = ServiceNames(NAME).cluster
+    kernel = KernelTable(
+        chains={spread, "services", "nat-prerouting", affinity, "service-OLD-ns/gone/tcp/"},
+        sets={"service-ips", "hairpin", "hairpin-1", "affinity-OLD"},
+        live=0,
+    )
+    table = TableState(render_base(CTX), generation=1)
+    sticky = dataclasses.replace(PORT, affinity_timeout=30)
+    plain = ServicePort(ServicePortName("ns", "plain", "", "TCP"), ("10.96.0.11",), 80)
+    chunk = {NAME: objects(sticky, READY), plain.name: objects(plain, READY)}
+    first, filled, switch = list(full_transactions(4, table, [chunk], kernel))
+    assert "add map ip knit service-ips-1 {" in first and "flush map" not in first
+    assert "flush set ip knit hairpin-1" in first, "what a sync that did not end left goes"
+    assert "add element ip knit service-ips-1 {" in filled and " service-ips " not in filled
+    assert f"flush chain ip knit {affinity}" in filled, "a port's own chain, rewritten at once"
+    assert f"chain ip knit {spread}" not in filled, "the spread chain the live maps use waits"
+    assert switch.index("flush chain ip knit services") < switch.index(
+        "delete map ip knit service-ips\n"
+    )
+    assert "add rule ip knit services ip daddr . meta l4proto . th dport vmap @service-ips-1" in (
+        switch
+    )
+    assert f"add rule ip knit {spread} " in switch and "map @endpoints-ips-tcp-1" in switch
+    assert switch.index("delete map ip knit service-ips\n") < switch.index(
+        "delete chain ip knit service-OLD-ns/gone/tcp/"
+    ), "the old maps go before the chains their elements name"
+    assert "delete set ip knit hairpin\n" in switch and "delete set ip knit hairpin-1" not in switch
+    assert "delete set ip knit affinity-OLD" in switch
+    assert not table.kernel_chains, "partial syncs after it know every chain they wrote"
+
+
+def test_the_live_generation_is_read_from_the_maps_held_and_only_then_from_the_rules() -> None:
+    base = render_base(CTX)
+
+    def unlisted() -> str:
+        raise AssertionError("listed a chain")
+
+    assert live_generation(base, set(), unlisted) is None
+    assert live_generation(base, {"service-ips-1", "hairpin-1"}, unlisted) == 1
+    both = {"service-ips", "service-ips-1"}
+    listing = "chain services {\n ip daddr . meta l4proto . th dport vmap @service-ips-1\n}"
+    assert live_generation(base, both, lambda: listing) == 1
+    assert live_generation(base, both, lambda: None) is None
 
 
 def render_full(
@@ -216,7 +246,7 @@ def test_a_full_sync_renders_again_only_the_ports_whose_plans_changed() -> None:
     ] == render_service(planned(PORT, READY), masquerading), "another context renders afresh"
 
 
-def test_chunks_of_ports_end_as_one_chunk_would_in_a_transaction_each_or_in_one() -> None:
+def test_chunks_of_ports_end_as_one_chunk_would() -> None:
     shared = ("203.0.113.7",)
     ports = [
         dataclasses.replace(PORT, external_ips=shared, affinity_timeout=30),
@@ -228,26 +258,16 @@ def test_chunks_of_ports_end_as_one_chunk_would_in_a_transaction_each_or_in_one(
     whole = state(*((port, READY) for port in ports))
     chunked = TableState(render_base(CTX))
     chunks = [{port.name: objects(port, READY)} for port in sorted(ports, key=lambda p: p.name)]
-    texts = list(fresh_transactions(4, chunked, chunks, replace=True))
-    fixed_part = "".join(full_transaction(4, TableState(render_base(CTX)), (), set(), set()))
-    assert texts[0] == f"add table ip knit\ndelete table ip knit\n{fixed_part}", (
-        "whatever sets a table without chains holds go"
+    texts = list(full_transactions(4, chunked, chunks, KernelTable()))
+    assert len(texts) == 5 and not any("delete" in text for text in texts), (
+        "in name order, no chunk takes a key over from an earlier one; nothing to remove"
     )
-    absent = fresh_transactions(4, TableState(render_base(CTX)), [], replace=False)
-    assert list(absent) == [fixed_part], "a table that does not exist is not deleted"
-    assert len(texts) == 4 and not any("delete" in text for text in texts[1:]), (
-        "in name order, no chunk takes a key over from an earlier one"
-    )
-    streamed = TableState(render_base(CTX))
-    pieces = list(full_transaction(4, streamed, chunks, set(), set()))
-    assert pieces[1:-1] == texts[1:], "one transaction: the same chunks between its ends"
-    for table in (chunked, streamed):
-        assert table.services == whole.services
-        assert table.owners == whole.owners and table.rivals == whole.rivals
-        assert table.members == whole.members and table.spread_users == whole.spread_users
+    assert chunked.services == whole.services
+    assert chunked.owners == whole.owners and chunked.rivals == whole.rivals
+    assert chunked.members == whole.members and chunked.spread_users == whole.spread_users
 
 
-def test_chunks_of_a_fresh_table_start_small_and_double_up_to_the_largest() -> None:
+def test_chunks_start_small_and_double_up_to_the_largest() -> None:
     names = [ServicePortName("ns", f"s{index}", "", "TCP") for index in range(2500)]
     sizes = [len(chunk) for chunk in nftables_proxier.chunks(names)]
     assert sizes == [100, 200, 400, 800, 1000]
