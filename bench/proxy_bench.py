@@ -517,6 +517,8 @@ class Nftables(Mode):
             family: ns.run("nft", "list", "table", *kernel.table.split(), timeout=600).stdout
             for family, kernel in self.kernels.items()
         }
+        # Between full syncs the table holds one generation (both only after a refused one,
+        # which fails the bench anyway).
         newer = f"map {nftables_render.SERVICE_IPS}{GENERATION_SUFFIXES[1]} {{"
         self.saved_generation = 1 if newer in saved[4] else 0
         return saved

@@ -1,6 +1,6 @@
 """Thin layer over libnftables, the library behind the `nft` command: transactions in nft's
-text language, and the names of what a table holds (for full syncs), through one context of
-this process per family, kept open.
+text language, and the names of what a table holds and a chain's listing (for full syncs),
+through one context of this process per family, kept open.
 
 Why text (see the README's "Why each library"): nft's parser and its compiler to netlink are
 the reference implementation of the rule language and a transaction is atomic. Why in this
@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from proxyd.nftables.render import TABLE, family_name, table_of
 
 CHAIN_LINE = re.compile(r"^\s*chain (\S+) \{", re.MULTILINE)
-SET_LINE = re.compile(r"^\s*(?:set|map) (\S+) \{", re.MULTILINE)
+SET_OR_MAP_LINE = re.compile(r"^\s*(?:set|map) (\S+) \{", re.MULTILINE)
 OUTPUT_TERSE = 1 << 11
 """libnftables' NFT_CTX_OUTPUT_TERSE: listings leave out set elements (and nft does not fetch
 them: 100,000 hairpin entries at 10,000 services)."""
@@ -115,7 +115,9 @@ class Nft:
 
     def sets(self) -> set[str]:
         """Names of the named sets and maps our table holds."""
-        return (self._list("sets", SET_LINE) or set()) | (self._list("maps", SET_LINE) or set())
+        return (self._list("sets", SET_OR_MAP_LINE) or set()) | (
+            self._list("maps", SET_OR_MAP_LINE) or set()
+        )
 
     def chain(self, name: str) -> str:
         """One chain's listing (its rules)."""

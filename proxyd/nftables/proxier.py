@@ -80,7 +80,7 @@ class NftablesProxier(Proxier):
         )
         state = TableState(base, generation=1 if live == 0 else 0)
         rendered = (renderer.render(plans, chunk) for chunk in chunks(sorted(plans)))
-        kernel.run_each(full_transactions(family, state, rendered, KernelTable(chains, sets, live)))
+        kernel.run_each(full_transactions(family, state, rendered, KernelTable(chains, sets)))
         return state
 
     def _count_failure(self, full: bool) -> None:

@@ -85,12 +85,10 @@ def live_generation(
 
 @dataclass(frozen=True)
 class KernelTable:
-    """What a full sync found in the table: chains, sets and maps by name, and which
-    generation its rules name (None: none, as in a table without rules)."""
+    """What a full sync found in the table: its chains, and its sets and maps, by name."""
 
     chains: set[str] = field(default_factory=set)
     sets: set[str] = field(default_factory=set)
-    live: int | None = None
 
 
 @dataclass
@@ -101,8 +99,8 @@ class TableState:
     generation: int = 0
     """The generation of maps and sets the rules name once this state is written."""
     kernel_chains: set[str] = field(default_factory=set)
-    """Chains the kernel held when a full sync began, left for it to rewrite or remove; empty
-    once that full sync is written."""
+    """Chains the kernel held when a full sync began, for it to flush before it rewrites them
+    or to leave to its switch; emptied once its last transaction is made."""
     services: dict[ServicePortName, ServiceObjects] = field(default_factory=dict)
     owners: dict[str, dict[str, ServicePortName]] = field(default_factory=dict)
     """Map -> key -> the service port whose value the element holds (its objects in
@@ -184,6 +182,10 @@ class Transaction:
         self.rules: list[str] = []
         self.removals: list[str] = []
         self.additions: list[str] = []
+        self.emptied: list[str] = []
+        """Chains going away, flushed first: what they name is no longer in use after it."""
+        self.released: list[str] = []
+        """Maps and sets deleted once no chain going away names them."""
         self.teardown: list[str] = []
 
     def chain(self, name: str, rules: Iterable[str], exists: bool) -> None:
@@ -206,14 +208,22 @@ class Transaction:
 
     def remove_chains(self, names: Iterable[str]) -> None:
         names = list(names)
-        self.teardown[:0] = [f"flush chain {self.prefix} {name}" for name in names]
+        self.emptied += [f"flush chain {self.prefix} {name}" for name in names]
         self.teardown += [f"delete chain {self.prefix} {name}" for name in names]
 
     def remove_sets(self, names: Iterable[str]) -> None:
         self.teardown += [f"delete set {self.prefix} {name}" for name in names]
 
     def text(self) -> str:
-        lines = [*self.declarations, *self.rules, *self.removals, *self.additions, *self.teardown]
+        lines = [
+            *self.declarations,
+            *self.rules,
+            *self.removals,
+            *self.additions,
+            *self.emptied,
+            *self.released,
+            *self.teardown,
+        ]
         return "\n".join(lines) + "\n" if lines else ""
 
 
@@ -232,10 +242,10 @@ def full_transactions(
     chunk of service ports as a partial sync adds them, recorded in `state` (which holds none
     yet), so in name order no port takes a contested key over from an earlier chunk's; then
     the rules, naming the new generation, and the removal of the old generation and of the
-    chains and sets no longer wanted. The first text also makes the chains elements may go to
-    (`reject-chain`, `external-local-…`) where they do not exist, empty until the rules come;
-    the hooked chains come with the rules."""
-    assert not state.services and state.generation != kernel.live
+    chains and sets no longer wanted. The first text also makes every chain without a hook
+    that does not exist, empty until the rules come, as elements may go to some
+    (`reject-chain`, `external-local-…`); the hooked chains come with the rules."""
+    assert not state.services
     generation = generation_of(state.base, state.generation)
     state.kernel_chains = set(kernel.chains)
     tx = Transaction(family, generation)
@@ -256,7 +266,9 @@ def full_transactions(
 
 def _switch(family: int, state: TableState, kernel: KernelTable) -> str:
     """The rules naming `state`'s generation, then the other generation and the chains and
-    sets no longer wanted removed."""
+    sets no longer wanted removed: the stale chains emptied first (a spread chain that lost
+    its last user still names an old endpoint map), then the old maps and sets deleted, then
+    the stale chains (the old maps' elements went to some) and sets."""
     generation = generation_of(state.base, state.generation)
     tx = Transaction(family, generation)
     for name, hook in state.base.hooks.items():
@@ -270,7 +282,7 @@ def _switch(family: int, state: TableState, kernel: KernelTable) -> str:
     old = generation.other
     for name, declaration in state.base.maps.items():
         if old.name(name) in kernel.sets:
-            tx.removals.append(f"delete {_kind(declaration)} {tx.prefix} {old.name(name)}")
+            tx.released.append(f"delete {_kind(declaration)} {tx.prefix} {old.name(name)}")
     wanted_chains = {*state.base.chains, *spreads}
     wanted_sets = generation.names() | old.names()
     for objects in state.services.values():
@@ -323,9 +335,9 @@ def partial_transaction(
             state.services[service] = after
         state.claim(service, now)
     for spread, users in sorted(spread_users_before.items()):
-        # A spread chain the live maps go to is left for the full sync's last transaction.
-        live = spread.name in state.kernel_chains
-        if not users and state.spread_users[spread] and not live:
+        # A spread chain the kernel had when a full sync began is left to its switch.
+        in_kernel = spread.name in state.kernel_chains
+        if not users and state.spread_users[spread] and not in_kernel:
             tx.chain(spread.name, spread.rules(family), exists=False)
         elif users and not state.spread_users[spread]:
             stale_chains.append(spread.name)

@@ -1,11 +1,11 @@
-"""The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a
-full sync, a transaction per chunk into the generation the rules do not name and one switching
-the rules over, leaves the same objects whatever the table held (nothing, a table without
-chains holding a stray set, a gone port's chains and sets, the same ports in the other
-generation); a refused chunk leaves the live rules and maps as they were, and the full sync
-after it mends the table; a refused transaction stops the ones after it, and an error making
-one goes on once the load under way ended; the libnftables context sees what an nft process
-wrote and writes where it was opened."""
+"""The nftables datapath's kernel side beyond the behaviour suite (test_proxy_services.py): a full
+sync, a transaction per chunk into the generation the rules do not name and one switching the
+rules over, leaves the same objects whatever the table held (nothing, a table without chains
+holding a stray set, a gone port's chains and sets and a spread chain that loses its last user,
+the same ports in the other generation); a refused chunk leaves the live rules and maps as they
+were, and the full sync after it mends the table; a refused transaction stops the ones after it,
+and an error making one goes on once the load under way ended; the libnftables context sees what
+an nft process wrote and writes where it was opened."""
 
 from __future__ import annotations
 
@@ -110,10 +110,14 @@ def test_a_full_sync_leaves_the_same_objects_whatever_the_table_held(
         source_ranges=("192.0.2.0/24",),
         affinity_timeout=60,
     )
+    lonely = ServicePort(ServicePortName("ns", "lonely", "", "TCP"), ("10.96.0.16",), 80)
+    before = changes((gone,))
+    before.services[("ns", "lonely")] = ServiceView([lonely], {lonely: READY[:1]})
     with whole.entered():
-        NftablesProxier(OPTIONS, (4,), Metrics()).sync(changes((gone,)))
+        NftablesProxier(OPTIONS, (4,), Metrics()).sync(before)
         *_, switch = transactions_of(NftablesProxier(OPTIONS, (4,), Metrics()).sync, PORTS)
     assert "vmap @service-ips-1" in switch and "delete map ip knit service-ips\n" in switch
+    assert "delete chain ip knit spread-ips-tcp-1\n" in switch, "its last user gone"
     for stale in ("set ip knit affinity-", "chain ip knit firewall-", "chain ip knit service-"):
         assert f"delete {stale}" in switch and "/gone/" in switch.split(f"delete {stale}")[1]
     with again.entered():

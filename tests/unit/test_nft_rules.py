@@ -169,10 +169,10 @@ def test_a_shared_external_ip_passes_to_the_next_claimant() -> None:
 def test_a_full_sync_fills_the_other_generation_then_switches_the_rules_over() -> None:
     spread = "spread-ips-tcp-2"
     affinity = ServiceNames(NAME).cluster
+    unused = "spread-ips-tcp-3"
     kernel = KernelTable(
-        chains={spread, "services", "nat-prerouting", affinity, "service-OLD-ns/gone/tcp/"},
-        sets={"service-ips", "hairpin", "hairpin-1", "affinity-OLD"},
-        live=0,
+        chains={spread, unused, "services", "nat-prerouting", affinity, "service-OLD-ns/gone/tcp/"},
+        sets={"service-ips", "endpoints-ips-tcp", "hairpin", "hairpin-1", "affinity-OLD"},
     )
     table = TableState(render_base(CTX), generation=1)
     sticky = dataclasses.replace(PORT, affinity_timeout=30)
@@ -194,6 +194,11 @@ def test_a_full_sync_fills_the_other_generation_then_switches_the_rules_over() -
     assert switch.index("delete map ip knit service-ips\n") < switch.index(
         "delete chain ip knit service-OLD-ns/gone/tcp/"
     ), "the old maps go before the chains their elements name"
+    assert (
+        switch.index(f"flush chain ip knit {unused}")
+        < switch.index("delete map ip knit endpoints-ips-tcp\n")
+        < switch.index(f"delete chain ip knit {unused}")
+    ), "a spread chain that lost its last user lets go of the old endpoint map first"
     assert "delete set ip knit hairpin\n" in switch and "delete set ip knit hairpin-1" not in switch
     assert "delete set ip knit affinity-OLD" in switch
     assert not table.kernel_chains, "partial syncs after it know every chain they wrote"
