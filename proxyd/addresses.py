@@ -28,8 +28,8 @@ def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]
 
 def nodeport_addresses(selectors: tuple[str, ...], family: int, node: NodeInfo) -> tuple[str, ...]:
     """The addresses of this family that --nodeport-addresses selects: local addresses inside
-    the given CIDRs, and the node's primary address (its first InternalIP of the family) for
-    `primary`."""
+    the given CIDRs, and the node's primary address (its first InternalIP of the family, else
+    its first ExternalIP) for `primary`."""
     chosen: set[str] = set()
     networks = [
         ipaddress.ip_network(s, strict=False)

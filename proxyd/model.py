@@ -2,12 +2,16 @@
 
 Objects arrive as the API server's JSON (dicts with camelCase keys). Parsing validates what
 the rules depend on; an object the proxy cannot use raises InvalidObject naming the problem,
-and the caller logs and skips it.
+and the caller logs and skips it. A bad entry of a list the object can do without (an
+externalIP, a load balancer ingress IP, an endpoint) is logged and skipped alone, as
+kube-proxy does; a bad loadBalancerSourceRange still skips the Service, since dropping the
+range would open the load balancer to more clients than its owner allowed.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,6 +20,9 @@ IGNORE_LABELS = ("service.kubernetes.io/service-proxy-name", "service.kubernetes
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 ZONE_LABEL = "topology.kubernetes.io/zone"
 DEFAULT_AFFINITY_TIMEOUT = 10800
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+
+log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
@@ -131,6 +138,17 @@ def _ip(text: Any, what: str) -> str:
         raise InvalidObject(f"{what} {text!r} is not an IP address") from err
 
 
+def _usable_ips(values: list[Any], what: str, owner: str) -> tuple[str, ...]:
+    """The entries that are IP addresses; the others are logged and left out."""
+    usable: list[str] = []
+    for value in values:
+        try:
+            usable.append(_ip(value, what))
+        except InvalidObject as err:
+            log.warning("%s: skipping %s", owner, err)
+    return tuple(usable)
+
+
 def _cidr(text: Any, what: str) -> str:
     try:
         return str(ipaddress.ip_network(str(text).strip(), strict=False))
@@ -163,12 +181,17 @@ def parse_service(obj: Obj) -> list[ServicePort]:
     if not cluster_ips or cluster_ips[0] == "None":
         return []
     cluster_ips = tuple(_ip(ip, "clusterIP") for ip in cluster_ips)
-    external_ips = tuple(_ip(ip, "externalIP") for ip in spec.get("externalIPs") or [])
+    owner = f"Service {namespace}/{name}"
+    external_ips = _usable_ips(spec.get("externalIPs") or [], "externalIP", owner)
     ingress = ((obj.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
-    lb_ips = tuple(
-        _ip(entry["ip"], "load balancer ingress IP")
-        for entry in ingress
-        if entry.get("ip") and entry.get("ipMode", "VIP") == "VIP"
+    lb_ips = _usable_ips(
+        [
+            entry["ip"]
+            for entry in ingress
+            if entry.get("ip") and entry.get("ipMode", "VIP") == "VIP"
+        ],
+        "load balancer ingress IP",
+        owner,
     )
     source_ranges = tuple(
         _cidr(cidr, "loadBalancerSourceRange")
@@ -223,6 +246,7 @@ def parse_endpoint_slice(obj: Obj) -> EndpointSlice | None:
     if not service or address_type not in ("IPv4", "IPv6"):
         return None
     version = 4 if address_type == "IPv4" else 6
+    owner = f"EndpointSlice {namespace}/{name}"
     ports = tuple(
         SlicePort(
             entry.get("name") or "",
@@ -237,9 +261,12 @@ def parse_endpoint_slice(obj: Obj) -> EndpointSlice | None:
         addresses = entry.get("addresses") or []
         if not addresses:
             continue
-        ip = _ip(addresses[0], "endpoint address")
+        ip = next(iter(_usable_ips(addresses[:1], "endpoint address", owner)), None)
+        if ip is None:
+            continue
         if ipaddress.ip_address(ip).version != version:
-            raise InvalidObject(f"endpoint address {ip} is not {address_type}")
+            log.warning("%s: skipping endpoint address %s: not %s", owner, ip, address_type)
+            continue
         conditions = entry.get("conditions") or {}
         hints = entry.get("hints") or {}
         ready = conditions.get("ready")
@@ -280,17 +307,28 @@ def endpoints_for(port: ServicePort, slices: list[EndpointSlice]) -> tuple[Endpo
 
 
 def parse_node(obj: Obj) -> NodeInfo:
+    """The node's addresses are its InternalIPs, then its ExternalIPs (so the first of a family
+    is the node IP kube-proxy picks); it is being deleted once it has a deletionTimestamp or
+    the cluster autoscaler's to-be-deleted taint."""
     meta = obj.get("metadata", {})
     labels = meta.get("labels") or {}
-    addresses = tuple(
-        entry["address"]
-        for entry in (obj.get("status") or {}).get("addresses") or []
-        if entry.get("type") == "InternalIP" and entry.get("address")
+    listed = (obj.get("status") or {}).get("addresses") or []
+    addresses = _usable_ips(
+        [
+            entry["address"]
+            for kind in ("InternalIP", "ExternalIP")
+            for entry in listed
+            if entry.get("type") == kind and entry.get("address")
+        ],
+        "node address",
+        f"Node {meta.get('name', '')}",
     )
+    taints = (obj.get("spec") or {}).get("taints") or []
     return NodeInfo(
         name=meta.get("name", ""),
         zone=labels.get(ZONE_LABEL, ""),
         addresses=addresses,
-        deleting=bool(meta.get("deletionTimestamp")),
+        deleting=bool(meta.get("deletionTimestamp"))
+        or any(taint.get("key") == TO_BE_DELETED_TAINT for taint in taints),
         labels=labels,
     )

@@ -1,5 +1,7 @@
 """A bounded-frequency runner: syncs at most `burst` times back to back, then no more often
-than every `min_interval`; at least every `max_interval`; requests in between coalesce."""
+than every `min_interval`; at least every `max_interval`; requests in between coalesce.
+Every sync, whether asked for, a retry or the periodic one, takes a token (kube-proxy's
+runner, where retries and the periodic timer also go through the limiter)."""
 
 from __future__ import annotations
 
@@ -56,14 +58,15 @@ class BoundedFrequencyRunner:
         self._stamp = now
 
     def _next_deadline(self, now: float) -> float:
-        """When the loop must wake up next."""
-        deadline = self._last_run + self._max
+        """When the loop must wake up next: the earliest reason to sync (the maximum interval,
+        a retry, a request), but never before the rate limit has a token for it."""
+        due = self._last_run + self._max
         if self._retry_at is not None:
-            deadline = min(deadline, self._retry_at)
+            due = min(due, self._retry_at)
         if self._requested:
-            wait = 0.0 if self._tokens >= 1 else (1 - self._tokens) * self._min
-            deadline = min(deadline, now + wait)
-        return deadline
+            due = now
+        allowed = now if self._tokens >= 1 else now + (1 - self._tokens) * self._min
+        return max(due, allowed)
 
     def loop(self) -> None:
         """Run until stop(); call from the thread that should do the syncs."""

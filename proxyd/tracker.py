@@ -48,19 +48,22 @@ class Changes:
     """The changed services; a deleted one has no ports."""
     node: NodeInfo
     trigger_times: list[float] = field(default_factory=list)
+    """When the changes to program were made, from the slices' last-change-trigger-time
+    annotations (kube-proxy's network programming latency); one per changed service."""
     service_changes: int = 0
     endpoint_changes: int = 0
 
 
-def _trigger_time(obj: Obj) -> float:
+def _trigger_time(obj: Obj) -> float | None:
+    """The slice's last-change-trigger-time annotation; None when absent or unreadable."""
     annotations = obj.get("metadata", {}).get("annotations") or {}
     stamp = annotations.get(TRIGGER_TIME_ANNOTATION)
-    if stamp:
-        try:
-            return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            pass
-    return time.time()
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 class ClusterState:
@@ -71,8 +74,10 @@ class ClusterState:
         self._slices: dict[ServiceKey, dict[str, EndpointSlice]] = {}
         self._slice_owner: dict[tuple[str, str], ServiceKey] = {}
         self.node = NodeInfo(node_name)
-        self._pending_services: dict[ServiceKey, float] = {}
-        self._pending_endpoints: dict[ServiceKey, float] = {}
+        self._pending_services: set[ServiceKey] = set()
+        self._pending_endpoints: set[ServiceKey] = set()
+        self._trigger_times: dict[ServiceKey, float] = {}
+        self._started = time.time()
         self._listed: set[str] = set()
         self.changes_seen = {"services": 0, "endpoints": 0}
 
@@ -89,9 +94,6 @@ class ClusterState:
         with self._lock:
             return bool(self._pending_services or self._pending_endpoints)
 
-    def _mark(self, pending: dict[ServiceKey, float], key: ServiceKey, at: float) -> None:
-        pending[key] = min(pending.get(key, at), at)
-
     def _set_service(self, key: ServiceKey, obj: Obj | None) -> bool:
         ports: list[ServicePort] = []
         if obj is not None and not ignored(obj):
@@ -105,7 +107,7 @@ class ClusterState:
             self._services[key] = ports
         else:
             self._services.pop(key, None)
-        self._mark(self._pending_services, key, time.time())
+        self._pending_services.add(key)
         self.changes_seen["services"] += 1
         return True
 
@@ -131,10 +133,12 @@ class ClusterState:
         changed = {old_owner} if old_owner is not None else set()
         if parsed is not None:
             changed.add((parsed.namespace, parsed.service))
-        at = _trigger_time(obj) if obj is not None else time.time()
-        for key in changed:
-            self._mark(self._pending_endpoints, key, at)
-            self.changes_seen["endpoints"] += 1
+        self._pending_endpoints |= changed
+        self.changes_seen["endpoints"] += len(changed)
+        at = _trigger_time(obj) if obj is not None else None
+        if at is not None and at > self._started and parsed is not None:
+            key = (parsed.namespace, parsed.service)
+            self._trigger_times[key] = min(self._trigger_times.get(key, at), at)
         return bool(changed)
 
     def _notify(self, changed: bool) -> None:
@@ -188,14 +192,15 @@ class ClusterState:
     def take(self) -> Changes:
         """Every service changed since the last take, as it is now."""
         with self._lock:
-            changed = self._pending_services.keys() | self._pending_endpoints.keys()
+            changed = self._pending_services | self._pending_endpoints
             changes = Changes(
                 services={key: self._view(key) for key in changed},
                 node=self.node,
-                trigger_times=list(self._pending_endpoints.values()),
+                trigger_times=list(self._trigger_times.values()),
                 service_changes=len(self._pending_services),
                 endpoint_changes=len(self._pending_endpoints),
             )
             self._pending_services.clear()
             self._pending_endpoints.clear()
+            self._trigger_times.clear()
             return changes

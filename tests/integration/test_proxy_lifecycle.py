@@ -80,6 +80,26 @@ def test_api_outage_keeps_rules_and_recovers(
     assert eventually(lambda: client.ns.exchange(later, 80), timeout=60)[1] == "backend"
 
 
+def test_healthz_fails_while_the_autoscaler_is_deleting_the_node(
+    proxy_node: ProxyNode, kube: Kube
+) -> None:
+    node_path = f"/api/v1/nodes/{proxy_node.name}"
+    taint = {"key": "ToBeDeletedByClusterAutoscaler", "value": "1", "effect": "NoSchedule"}
+    healthz = "http://127.0.0.1:10256/healthz"
+
+    def refused_body() -> str | None:
+        status, body = proxy_node.http(healthz)
+        return body if status == 503 else None
+
+    kube.patch(node_path, {"spec": {"taints": [taint]}})
+    try:
+        assert '"nodeEligible": false' in eventually(refused_body)
+        assert proxy_node.http("http://127.0.0.1:10256/livez")[0] == 200
+    finally:
+        kube.patch(node_path, {"spec": {"taints": None}})
+    eventually(lambda: proxy_node.http(healthz)[0] == 200)
+
+
 def test_cleanup_removes_what_the_proxy_installed_and_nothing_else(
     proxy_node: ProxyNode, backend: Any, kube: Kube
 ) -> None:

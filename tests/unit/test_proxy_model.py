@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from proxyd.model import (
     NodeInfo,
     endpoints_for,
     parse_endpoint_slice,
+    parse_node,
     parse_service,
 )
 from proxyd.topology import categorize
@@ -62,13 +64,22 @@ def test_headless_and_external_name_get_no_ports() -> None:
         {"ports": [{"name": "a", "port": 80, "protocol": "ICMP"}]},
         {"ports": [{"name": "a", "port": 80}, {"name": "a", "port": 81}]},
         {"clusterIPs": ["10.96.0.300"]},
-        {"externalIPs": ["nope"]},
         {"loadBalancerSourceRanges": ["10.0.0.0/33"]},
     ],
 )
 def test_bad_services_are_rejected_with_a_reason(spec: dict[str, Any]) -> None:
     with pytest.raises(InvalidObject):
         parse_service(service(**spec))
+
+
+def test_a_bad_external_or_ingress_ip_is_skipped_alone(caplog: pytest.LogCaptureFixture) -> None:
+    obj = service(externalIPs=["nope", "192.0.2.7"])
+    obj["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.300"}, {"ip": "203.0.113.1"}]}}
+    with caplog.at_level(logging.WARNING):
+        (port,) = parse_service(obj)
+    assert port.external_ips == ("192.0.2.7",)
+    assert port.load_balancer_ips == ("203.0.113.1",)
+    assert "Service ns/web: skipping externalIP 'nope'" in caplog.text
 
 
 def test_lb_ingress_proxy_mode_gets_no_vip() -> None:
@@ -86,8 +97,11 @@ def test_slice_conditions_default_and_wrong_family() -> None:
     assert parsed is not None
     assert parsed.endpoints[0].ready and parsed.endpoints[0].serving
     assert not parsed.endpoints[0].terminating
-    with pytest.raises(InvalidObject):
-        parse_endpoint_slice(endpoint_slice([{"addresses": ["fd00::1"]}]))
+    mixed = endpoint_slice(
+        [{"addresses": ["fd00::1"]}, {"addresses": ["10.0.0.300"]}, {"addresses": ["10.0.0.2"]}]
+    )
+    parsed = parse_endpoint_slice(mixed)
+    assert parsed is not None and [e.ip for e in parsed.endpoints] == ["10.0.0.2"]
     assert parse_endpoint_slice(endpoint_slice([], address_type="FQDN")) is None
 
 
@@ -159,3 +173,26 @@ def test_local_policies_use_local_endpoints_and_ignore_hints() -> None:
     chosen = categorize(port, (local, remote), NODE)
     assert chosen.local == (local,) and chosen.cluster == () and chosen.any_usable
     assert categorize(port, (remote,), NODE).local == ()
+
+
+def test_node_addresses_internal_first_and_deletion_by_timestamp_or_autoscaler_taint() -> None:
+    def node(**extra: Any) -> dict[str, Any]:
+        addresses = [
+            {"type": "ExternalIP", "address": "203.0.113.4"},
+            {"type": "Hostname", "address": "node-a"},
+            {"type": "InternalIP", "address": "fd00::4"},
+            {"type": "InternalIP", "address": "not-an-ip"},
+        ]
+        return {"metadata": {"name": "node-a"}, "status": {"addresses": addresses}, **extra}
+
+    parsed = parse_node(node())
+    assert parsed.addresses == ("fd00::4", "203.0.113.4") and not parsed.deleting
+    tainted = node(
+        spec={"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}
+    )
+    assert parse_node(tainted).deleting
+    other_taint = node(spec={"taints": [{"key": "node.kubernetes.io/unschedulable"}]})
+    assert not parse_node(other_taint).deleting
+    deleted = node()
+    deleted["metadata"]["deletionTimestamp"] = "2026-11-22T10:00:00Z"
+    assert parse_node(deleted).deleting

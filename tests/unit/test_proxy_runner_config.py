@@ -11,7 +11,7 @@ import pytest
 
 from proxyd.addresses import nodeport_addresses
 from proxyd.config import ConfigError, load, parse_duration
-from proxyd.model import NodeInfo
+from proxyd.model import NodeInfo, parse_node
 from proxyd.runner import BoundedFrequencyRunner
 
 
@@ -72,8 +72,40 @@ def test_bad_options_are_refused() -> None:
         load(["--iptables-masquerade-bit", "40"])
 
 
-def test_nodeport_addresses_primary_is_the_first_internal_ip_of_the_family() -> None:
+def test_nodeport_addresses_primary_is_the_first_node_ip_of_the_family() -> None:
     node = NodeInfo("node-a", addresses=("192.0.2.10", "192.0.2.11", "fd00::10", "fd00::11"))
     assert nodeport_addresses(("primary",), 4, node) == ("192.0.2.10",)
     assert nodeport_addresses(("primary",), 6, node) == ("fd00::10",)
     assert nodeport_addresses(("primary",), 6, NodeInfo("node-b", addresses=("192.0.2.12",))) == ()
+    external_only_v4 = parse_node(
+        {
+            "metadata": {"name": "node-c"},
+            "status": {
+                "addresses": [
+                    {"type": "ExternalIP", "address": "203.0.113.9"},
+                    {"type": "InternalIP", "address": "fd00::9"},
+                ]
+            },
+        }
+    )
+    assert nodeport_addresses(("primary",), 4, external_only_v4) == ("203.0.113.9",)
+    assert nodeport_addresses(("primary",), 6, external_only_v4) == ("fd00::9",)
+
+
+def test_runner_retries_wait_for_the_rate_limit() -> None:
+    runs: list[float] = []
+    runner = BoundedFrequencyRunner(lambda: runs.append(time.monotonic()), 0.3, 60, burst=1)
+    thread = threading.Thread(target=runner.loop)
+    thread.start()
+    try:
+        runner.run()
+        deadline = time.monotonic() + 5
+        while not runs and time.monotonic() < deadline:
+            time.sleep(0.005)
+        runner.retry_after(0)
+        time.sleep(0.6)
+    finally:
+        runner.stop()
+        thread.join()
+    assert len(runs) == 2, runs
+    assert runs[1] - runs[0] >= 0.28, runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -65,10 +66,15 @@ def test_bad_objects_are_logged_and_skipped(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level(logging.WARNING):
         state.replace_services([svc("bad", port=0), svc("good")])
         state.replace_slices(
-            [{**eps("bad-1", "good"), "addressType": "IPv6"}, eps("good-1", "good")]
+            [
+                {**eps("bad-1", "good"), "ports": [{"name": "p", "port": 0}]},
+                {**eps("bad-2", "good"), "addressType": "IPv6"},
+                eps("good-1", "good"),
+            ]
         )
     assert "skipping Service ns/bad" in caplog.text
     assert "skipping EndpointSlice ns/bad-1" in caplog.text
+    assert "EndpointSlice ns/bad-2: skipping endpoint address 10.244.1.5: not IPv6" in caplog.text
     changes = state.take()
     assert ("ns", "bad") not in changes.services
     (view,) = [changes.services[("ns", "good")]]
@@ -82,3 +88,25 @@ def test_a_slice_moving_to_another_service_changes_both() -> None:
     state.take()
     state.slice_event("MODIFIED", eps("s", "b"))
     assert set(state.take().services) == {("ns", "a"), ("ns", "b")}
+
+
+def with_trigger_time(obj: dict[str, Any], at: float) -> dict[str, Any]:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+    annotations = {"endpoints.kubernetes.io/last-change-trigger-time": stamp}
+    return {**obj, "metadata": {**obj["metadata"], "annotations": annotations}}
+
+
+def test_trigger_times_come_only_from_annotated_slices_changed_after_the_start() -> None:
+    state = ClusterState("node-a")
+    state.replace_services([svc("a"), svc("b"), svc("c")])
+    state.replace_slices([with_trigger_time(eps("a-1", "a"), time.time() - 3600)])
+    assert state.take().trigger_times == []
+    later = time.time() + 2
+    state.slice_event("ADDED", eps("b-1", "b"))
+    state.slice_event("ADDED", with_trigger_time(eps("c-1", "c"), later + 60))
+    state.slice_event("ADDED", with_trigger_time(eps("c-2", "c", "10.244.1.6"), later))
+    changes = state.take()
+    assert set(changes.services) == {("ns", "b"), ("ns", "c")}
+    assert changes.trigger_times == [float(int(later))]
+    state.slice_event("DELETED", eps("c-1", "c"))
+    assert state.take().trigger_times == []
