@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -48,10 +49,19 @@ class Delegate:
             ) from None
 
     def add(self, container_id: str, ifname: str) -> Result:
+        """The plugin's Result; one that cannot be decoded is given back (DEL), so the address
+        it holds does not leak."""
+        answer = self._call("ADD")
         try:
-            return Result.from_json(json.loads(self._call("ADD")))
-        except ValueError as err:
-            raise CniError(Code.DECODE_FAILURE, f"IPAM plugin answer: {err}") from err
+            try:
+                decoded = json.loads(answer)
+            except ValueError as err:
+                raise CniError(Code.DECODE_FAILURE, f"IPAM plugin answer: {err}") from err
+            return Result.from_json(decoded)
+        except CniError:
+            with contextlib.suppress(CniError):
+                self._call("DEL")
+            raise
 
     def release(self, container_id: str, ifname: str) -> None:
         self._call("DEL")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cni import client, plugin
-from cni.errors import CniError
+from cni.errors import CniError, Code
 from cni.invocation import from_environ
 from cni.ipam.delegate import Delegate
 from cni.server import encode_response, read_request, serve
@@ -282,3 +282,18 @@ def test_a_delegated_plugin_sees_the_calls_variables_and_the_process_path(tmp_pa
         Delegate("show-env", b"{}", invocation).release("c1", "eth0")
     assert err.value.msg.split()[:2] == ["DEL", "c1"]
     assert err.value.msg.split()[2].endswith("/sh"), "PATH comes from the process"
+
+
+@pytest.mark.parametrize("answer", ["not json", '{"ips": [{"address": "10.0.0.300/24"}]}'])
+def test_an_undecodable_delegated_add_is_given_back(tmp_path, answer):
+    script = tmp_path / "odd-ipam"
+    script.write_text(
+        f'#!/bin/sh\necho "$CNI_COMMAND" >> "{tmp_path}/calls"\n'
+        f"[ \"$CNI_COMMAND\" = ADD ] && printf '%s' '{answer}'\nexit 0\n"
+    )
+    script.chmod(0o755)
+    invocation = from_environ({**ADD_ENV, "CNI_PATH": str(tmp_path)})
+    with pytest.raises(CniError) as err:
+        Delegate("odd-ipam", b"{}", invocation).add("c1", "eth0")
+    assert err.value.code == Code.DECODE_FAILURE
+    assert (tmp_path / "calls").read_text().split() == ["ADD", "DEL"]
