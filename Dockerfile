@@ -43,11 +43,12 @@ RUN python -m cni.bundle --output /opt/knit/cni-bundle --plugin /portmap
 # The same base as the builder, so the venv's interpreter links resolve; no compiler.
 # iptables (both flavours, iptables-{nft,legacy}-{save,restore}) and nftables (nft, and the
 # libnftables it depends on, which knit-proxyd loads) are what knit-proxyd and
-# the in-daemon plugin execute; links, routes and conntrack go through netlink.
+# the in-daemon plugin execute, and kmod's modprobe loads br_netfilter where the kernel has it
+# as a module; links, routes, conntrack, ipsets and IPVS go through netlink.
 FROM ${PYTHON_IMAGE}
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        iptables nftables \
+        iptables nftables kmod \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/knit/venv /opt/knit/venv
 COPY --from=builder /opt/knit/cni-bundle /opt/knit/cni-bundle

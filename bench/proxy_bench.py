@@ -539,7 +539,10 @@ class Nftables(Mode):
         keys = ", ".join(f"{cluster_ip} . {PORT} . {index}" for index in range(ENDPOINTS))
         endpoint_map = nftables_render.IPS.endpoint_map(local=False, proto="tcp")
         table = self.kernels[4].table.split()
+        maps = ns.run("nft", "--terse", "list", "maps", table[0]).stdout
         for suffix in GENERATION_SUFFIXES:
+            if f"map {endpoint_map}{suffix} {{" not in maps:
+                continue
             got = ns.run(
                 "nft",
                 "get",

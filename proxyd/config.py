@@ -18,6 +18,13 @@ MODES = ("iptables", "nftables", "ipvs")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh")
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+CONNTRACK_TIMEOUTS = {
+    "conntrack_tcp_timeout_established": "nf_conntrack_tcp_timeout_established",
+    "conntrack_tcp_timeout_close_wait": "nf_conntrack_tcp_timeout_close_wait",
+    "conntrack_udp_timeout": "nf_conntrack_udp_timeout",
+    "conntrack_udp_timeout_stream": "nf_conntrack_udp_timeout_stream",
+}
+"""Config fields of kube-proxy's conntrack timeouts, and the sysctl each sets."""
 
 
 class ConfigError(ValueError):
@@ -48,6 +55,11 @@ class Config:
     cni_bundle: str = "/opt/knit/cni-bundle"
     routing: str = "auto"
     ipvs_scheduler: str = "rr"
+    conntrack_tcp_timeout_established: float = 86400.0
+    conntrack_tcp_timeout_close_wait: float = 3600.0
+    conntrack_tcp_be_liberal: bool = False
+    conntrack_udp_timeout: float = 0.0
+    conntrack_udp_timeout_stream: float = 0.0
 
 
 def parse_duration(text: str | float) -> float:
@@ -97,6 +109,7 @@ def _from_file(path: str) -> dict[str, Any]:
     periods = (doc.get(mode) or {}) if mode in MODES else {}
     masquerade = (doc.get("nftables") or {}) if mode == "nftables" else iptables
     connection = doc.get("clientConnection") or {}
+    conntrack = doc.get("conntrack") or {}
     mapping = {
         "kubeconfig": connection.get("kubeconfig"),
         "hostname_override": doc.get("hostnameOverride"),
@@ -111,6 +124,11 @@ def _from_file(path: str) -> dict[str, Any]:
         "ipvs_scheduler": (doc.get("ipvs") or {}).get("scheduler") or None,
         "metrics_bind_address": doc.get("metricsBindAddress"),
         "healthz_bind_address": doc.get("healthzBindAddress"),
+        "conntrack_tcp_timeout_established": conntrack.get("tcpEstablishedTimeout"),
+        "conntrack_tcp_timeout_close_wait": conntrack.get("tcpCloseWaitTimeout"),
+        "conntrack_tcp_be_liberal": conntrack.get("tcpBeLiberal"),
+        "conntrack_udp_timeout": conntrack.get("udpTimeout"),
+        "conntrack_udp_timeout_stream": conntrack.get("udpStreamTimeout"),
     }
     return {key: value for key, value in mapping.items() if value is not None}
 
@@ -158,6 +176,27 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--min-sync-period", help="minimum interval between syncs (default 1s)")
     p.add_argument("--sync-period", help="maximum interval between syncs (default 30s)")
+    p.add_argument(
+        "--conntrack-tcp-timeout-established",
+        help="conntrack timeout of established TCP flows (default 24h; 0 leaves the kernel's)",
+    )
+    p.add_argument(
+        "--conntrack-tcp-timeout-close-wait",
+        help="conntrack timeout of TCP flows in CLOSE_WAIT (default 1h; 0 leaves the kernel's)",
+    )
+    p.add_argument(
+        "--conntrack-tcp-be-liberal",
+        action="store_const",
+        const=True,
+        help="let conntrack accept TCP packets outside the window instead of marking them INVALID",
+    )
+    p.add_argument(
+        "--conntrack-udp-timeout", help="conntrack timeout of UDP flows (default 0: the kernel's)"
+    )
+    p.add_argument(
+        "--conntrack-udp-timeout-stream",
+        help="conntrack timeout of UDP streams (default 0: the kernel's)",
+    )
     p.add_argument("--metrics-bind-address", help="default 127.0.0.1:10249")
     p.add_argument("--healthz-bind-address", help="default 0.0.0.0:10256")
     p.add_argument(
@@ -208,7 +247,7 @@ def load(argv: list[str] | None = None) -> Config:
     values["nodeport_addresses"] = _cidrs(
         values.get("nodeport_addresses", ()), "--nodeport-addresses", allow_primary=True
     )
-    for name in ("min_sync_period", "sync_period"):
+    for name in ("min_sync_period", "sync_period", *CONNTRACK_TIMEOUTS):
         if name in values:
             values[name] = parse_duration(values[name])
     config = Config(**values)
@@ -222,4 +261,19 @@ def load(argv: list[str] | None = None) -> Config:
         raise ConfigError("--iptables-masquerade-bit must be within 0..31")
     if config.sync_period <= 0 or config.min_sync_period < 0:
         raise ConfigError("sync periods must be positive")
+    if any(getattr(config, name) < 0 for name in CONNTRACK_TIMEOUTS):
+        raise ConfigError("conntrack timeouts must not be negative")
     return config
+
+
+def conntrack_sysctls(config: Config) -> dict[str, str]:
+    """The conntrack sysctls kube-proxy sets from its conntrack options (a timeout of 0
+    leaves the kernel's value; tcpBeLiberal only ever turns liberal mode on)."""
+    wanted = {
+        f"net/netfilter/{sysctl}": str(int(getattr(config, name)))
+        for name, sysctl in CONNTRACK_TIMEOUTS.items()
+        if getattr(config, name) > 0
+    }
+    if config.conntrack_tcp_be_liberal:
+        wanted["net/netfilter/nf_conntrack_tcp_be_liberal"] = "1"
+    return wanted

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ from kubernetes import config as kubeconfig
 from cni import install, server, sysctl
 from cni.errors import CniError
 from proxyd import collector, watch
-from proxyd.config import MODES, Config, ConfigError, load
+from proxyd.config import MODES, Config, ConfigError, conntrack_sysctls, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
 from proxyd.iptables.chains import owned_by_kube_proxy
 from proxyd.iptables.kernel import Iptables
@@ -43,6 +44,26 @@ SYSCTLS_FOR_BRIDGED_PODS = (
     "net/bridge/bridge-nf-call-ip6tables",
 )
 SYSCTLS_FOR_ROUTING = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
+BRIDGE_SYSCTLS = Path("/proc/sys/net/bridge")
+"""Present once br_netfilter is loaded."""
+
+
+def _load_br_netfilter() -> None:
+    """Pods on one bridge reaching each other through a Service need their bridged replies to
+    pass netfilter, or conntrack cannot undo the DNAT; kernels that build br_netfilter as a
+    module (Ubuntu's, GitHub's runners') do not load it on their own, and recent Docker no
+    longer does it for kind."""
+    try:
+        subprocess.run(
+            ["modprobe", "br_netfilter"], check=True, capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        log.warning(
+            "cannot load br_netfilter (%s): a pod reaching a Service through a pod on its "
+            "own node gets no answer",
+            str(detail).strip(),
+        )
 
 
 def _write_sysctl(name: str, value: str) -> None:
@@ -125,6 +146,7 @@ class Daemon:
         self.node_network = _node_network(config)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
         self.stop = threading.Event()
+        self._conntrack_tuned = False
 
     def _queued(self) -> None:
         now = time.time()
@@ -173,6 +195,8 @@ class Daemon:
         self.metrics.no_local_endpoints.labels(traffic_policy="external").set(external)
         self.health.updated()
         self.health_servers.update(result.health_checks)
+        if not self._conntrack_tuned:
+            self._tune_conntrack()
         log.info(
             "%s sync of %d changed services in %.1f ms",
             "full" if result.full else "partial",
@@ -227,7 +251,9 @@ class Daemon:
     def _set_sysctls(self) -> None:
         if self.config.localhost_nodeports:
             _write_sysctl("net/ipv4/conf/all/route_localnet", "1")
-        if Path("/proc/sys/net/bridge").exists():
+        if not BRIDGE_SYSCTLS.exists():
+            _load_br_netfilter()
+        if BRIDGE_SYSCTLS.exists():
             for name in SYSCTLS_FOR_BRIDGED_PODS:
                 _write_sysctl(name, "1")
         if self.config.routing != "none":
@@ -237,6 +263,13 @@ class Daemon:
             ipvs_netlink.load_module()
             for name in ipvs_netlink.SYSCTLS:
                 _write_sysctl(name, "1")
+
+    def _tune_conntrack(self) -> None:
+        """kube-proxy's conntrack timeouts, once: after the first sync, whose rules have made
+        the kernel load conntrack (its sysctls exist only then)."""
+        for name, value in conntrack_sysctls(self.config).items():
+            _write_sysctl(name, value)
+        self._conntrack_tuned = True
 
     def _prepare_cni(self) -> server.CniServer | None:
         """Install the plugin, release what pods gone since the last run held, then serve

@@ -423,7 +423,7 @@ def test_the_final_stage_has_no_build_tools(dockerfile):
     for code in commands(final, "RUN"):
         assert not BUILD_TOOLS.search(code), code
     (install,) = commands(final, "RUN")
-    assert {"iptables", "nftables"} <= set(install.split())
+    assert {"iptables", "nftables", "kmod"} <= set(install.split())
     for code in commands(final, "COPY"):
         assert "--from=builder" in code
     assert commands(final, "USER") == ["USER root"]

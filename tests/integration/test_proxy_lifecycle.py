@@ -80,6 +80,20 @@ def test_api_outage_keeps_rules_and_recovers(
     assert eventually(lambda: client.ns.exchange(later, 80), timeout=60)[1] == "backend"
 
 
+def test_conntrack_timeouts_are_kube_proxys_defaults(proxy_node: ProxyNode) -> None:
+    def timeouts() -> dict[str, str]:
+        names = ("tcp_timeout_established", "tcp_timeout_close_wait")
+        return {
+            name: proxy_node.ns.run(
+                "cat", f"/proc/sys/net/netfilter/nf_conntrack_{name}"
+            ).stdout.strip()
+            for name in names
+        }
+
+    expected = {"tcp_timeout_established": "86400", "tcp_timeout_close_wait": "3600"}
+    eventually(lambda: timeouts() == expected, what=f"{expected}, not {timeouts()}")
+
+
 def test_healthz_fails_while_the_autoscaler_is_deleting_the_node(
     proxy_node: ProxyNode, kube: Kube
 ) -> None:

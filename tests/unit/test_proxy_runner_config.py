@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from proxyd.addresses import nodeport_addresses
-from proxyd.config import ConfigError, load, parse_duration
+from proxyd.config import ConfigError, conntrack_sysctls, load, parse_duration
 from proxyd.model import NodeInfo, parse_node
 from proxyd.runner import BoundedFrequencyRunner
 
@@ -109,3 +109,24 @@ def test_runner_retries_wait_for_the_rate_limit() -> None:
         thread.join()
     assert len(runs) == 2, runs
     assert runs[1] - runs[0] >= 0.28, runs
+
+
+def test_conntrack_options_as_kube_proxy_takes_them(tmp_path: Path) -> None:
+    assert conntrack_sysctls(load([])) == {
+        "net/netfilter/nf_conntrack_tcp_timeout_established": "86400",
+        "net/netfilter/nf_conntrack_tcp_timeout_close_wait": "3600",
+    }
+    config_file = tmp_path / "proxy.yaml"
+    config_file.write_text(
+        "conntrack:\n  tcpEstablishedTimeout: 0s\n  tcpCloseWaitTimeout: 1h0m0s\n"
+        "  tcpBeLiberal: true\n  udpTimeout: 30s\n"
+    )
+    config = load(["--config", str(config_file), "--conntrack-udp-timeout-stream", "2m"])
+    assert conntrack_sysctls(config) == {
+        "net/netfilter/nf_conntrack_tcp_timeout_close_wait": "3600",
+        "net/netfilter/nf_conntrack_udp_timeout": "30",
+        "net/netfilter/nf_conntrack_udp_timeout_stream": "120",
+        "net/netfilter/nf_conntrack_tcp_be_liberal": "1",
+    }
+    with pytest.raises(ConfigError):
+        load(["--conntrack-tcp-timeout-close-wait=-1s"])

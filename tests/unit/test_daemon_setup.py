@@ -1,0 +1,52 @@
+"""What the daemon sets up on its node before syncing: kernel modules (unit level: a fake
+modprobe on PATH, since this kernel has br_netfilter built in and the daemon never needs
+to load it here)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from proxyd.daemon import _load_br_netfilter
+
+
+def fake_modprobe(directory: Path, exit_code: int) -> Path:
+    calls = directory / "calls"
+    script = directory / "modprobe"
+    script.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\necho "modprobe: FATAL: not found" >&2\n'
+        f"exit {exit_code}\n"
+    )
+    script.chmod(0o755)
+    return calls
+
+
+def test_br_netfilter_is_loaded_with_modprobe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = fake_modprobe(tmp_path, 0)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        _load_br_netfilter()
+    assert calls.read_text().split() == ["br_netfilter"]
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_failed_load_is_a_warning_naming_what_breaks(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    installed: bool,
+) -> None:
+    if installed:
+        fake_modprobe(tmp_path, 1)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        _load_br_netfilter()
+    assert "cannot load br_netfilter" in caplog.text
+    assert "own node gets no answer" in caplog.text
+    if installed:
+        assert "FATAL: not found" in caplog.text
