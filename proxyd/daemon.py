@@ -249,14 +249,14 @@ class Daemon:
                     log.info("removed %d objects the %s mode left behind", removed, mode)
 
     def _set_sysctls(self) -> None:
-        if self.config.localhost_nodeports:
+        if self.proxier.options.localhost_nodeports:
             _write_sysctl("net/ipv4/conf/all/route_localnet", "1")
         if not BRIDGE_SYSCTLS.exists():
             _load_br_netfilter()
         if BRIDGE_SYSCTLS.exists():
             for name in SYSCTLS_FOR_BRIDGED_PODS:
                 _write_sysctl(name, "1")
-        if self.config.routing != "none":
+        if self.config.routing != "none" or self.config.proxy_mode == "ipvs":
             for name in SYSCTLS_FOR_ROUTING:
                 _write_sysctl(name, "1")
         if self.config.proxy_mode == "ipvs":

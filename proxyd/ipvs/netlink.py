@@ -12,6 +12,7 @@ import errno
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from pyroute2 import IPVS, IPVSDest, IPVSService
@@ -70,6 +71,11 @@ def open_socket() -> IPVS:
                 " load the ip_vs module or build with CONFIG_IP_VS)"
             ) from err
         raise
+
+
+def ipvs_loaded() -> bool:
+    """Whether this namespace has IPVS (the kernel's ip_vs is loaded)."""
+    return Path("/proc/net/ip_vs").exists()
 
 
 def load_module() -> None:

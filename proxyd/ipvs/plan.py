@@ -58,18 +58,14 @@ def dummy_addresses(members: Iterable[Member]) -> set[str]:
 
 
 def nodeport_addresses(ctx: FamilyContext, local: Iterable[str]) -> tuple[str, ...]:
-    """Where NodePort virtual servers listen: --nodeport-addresses, else the node's local
-    addresses (of other links than the dummy) but loopback and link-local ones."""
+    """Where NodePort virtual servers listen: the node's addresses on links other than the
+    dummy (`local`) but loopback, narrowed by --nodeport-addresses when given (whose CIDRs
+    were matched against every link's addresses, the dummy's service addresses included),
+    else without link-local ones."""
+    usable = {a for a in local if ctx.of_family(a) and not ipaddress.ip_address(a).is_loopback}
     if ctx.nodeport_addresses is not None:
-        return ctx.nodeport_addresses
-    chosen = {
-        a
-        for a in local
-        if ctx.of_family(a)
-        and not ipaddress.ip_address(a).is_loopback
-        and not ipaddress.ip_address(a).is_link_local
-    }
-    return tuple(sorted(chosen))
+        return tuple(sorted(usable & set(ctx.nodeport_addresses)))
+    return tuple(sorted(a for a in usable if not ipaddress.ip_address(a).is_link_local))
 
 
 def _net(cidr: str) -> str:

@@ -10,7 +10,9 @@ removed real servers whose connections ended (see servers.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
+from dataclasses import replace
 
 from pyroute2.ipset import IPSetError
 from pyroute2.netlink.exceptions import NetlinkError
@@ -21,7 +23,7 @@ from proxyd.iptables.render import TABLES
 from proxyd.iptables.restore import RuleSet
 from proxyd.ipvs import dummy, names
 from proxyd.ipvs.ipsets import Ipsets, destroy_owned
-from proxyd.ipvs.netlink import IpvsKernel, IpvsUnavailable, open_socket
+from proxyd.ipvs.netlink import IpvsKernel, IpvsUnavailable, ipvs_loaded, open_socket
 from proxyd.ipvs.plan import Desired, Frontend, dummy_addresses, nodeport_addresses, port_state
 from proxyd.ipvs.rules import render
 from proxyd.ipvs.servers import ServerSync
@@ -61,7 +63,10 @@ class IpvsProxier(Proxier):
         metrics: Metrics,
         scheduler: str = "rr",
     ) -> None:
-        super().__init__(options, families, metrics)
+        # IPVS serves no NodePort on loopback, so route_localnet stays off (it would need the
+        # other modes' drop of martian localnet traffic, CVE-2020-8558) and the NodePort
+        # rules leave 127.0.0.0/8 out.
+        super().__init__(replace(options, localhost_nodeports=False), families, metrics)
         self.scheduler = scheduler
         self.iptables = {family: Iptables(family) for family in families}
         self.ipsets = {family: Ipsets(family) for family in families}
@@ -87,10 +92,7 @@ class IpvsProxier(Proxier):
         self._desired[family] = None
         try:
             self._kernel()
-            local = (
-                () if ctx.nodeport_addresses is not None else local_addresses(family, names.DUMMY)
-            )
-            nodeports = nodeport_addresses(ctx, local)
+            nodeports = nodeport_addresses(ctx, local_addresses(family, names.DUMMY))
             if full or desired is None or nodeports != self._nodeports.get(family):
                 desired, full = self._full(ctx, plans, nodeports), True
             else:
@@ -156,12 +158,14 @@ class IpvsProxier(Proxier):
 
     def cleanup(self) -> int:
         """Remove knit's IPVS virtual servers (on the dummy link's addresses, or on NodePorts
-        its sets name), its chains, its sets and the dummy link; returns how many went."""
+        its sets name), its chains, its sets and the dummy link; returns how many went. The
+        other modes call it at start: without ip_vs loaded there is no virtual server to
+        remove, and asking IPVS's netlink family would load the module."""
         removed = 0
-        try:
-            ipvs: IpvsKernel | None = IpvsKernel(open_socket())
-        except IpvsUnavailable:
-            ipvs = None
+        ipvs: IpvsKernel | None = None
+        if ipvs_loaded():
+            with contextlib.suppress(IpvsUnavailable):
+                ipvs = IpvsKernel(open_socket())
         if ipvs is not None:
             for family in self.families:
                 services = ipvs.services(family)

@@ -48,6 +48,12 @@ def render(ctx: FamilyContext) -> BaseRules:
         services.append(f"{comment('masquerade all')} {cluster} {masq}")
     elif ctx.cluster_cidr:
         services.append(f"{comment('off-cluster source')} ! -s {ctx.cluster_cidr} {cluster} {masq}")
+    else:
+        # Without a cluster CIDR, at least the node's own connections: the dummy link holds
+        # every cluster IP, so the node picks the service address itself as their source.
+        services.append(
+            f"{comment('from a service address')} {match(n.CLUSTER_IP.key, f, 'src,dst')} {masq}"
+        )
     services += [
         f"{comment('cluster IPs')} {cluster} -j ACCEPT",
         f"{comment('external IPs')} {match(n.EXTERNAL_IP.key, f, 'dst,dst')} {masq}",

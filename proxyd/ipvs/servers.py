@@ -1,9 +1,10 @@
 """Make the kernel's virtual servers match the wanted ones, removing real servers gracefully.
 
-A real server that leaves a TCP or SCTP virtual server first gets weight 0 (no new
-connections, established ones continue) and is deleted once IPVS counts neither active nor
-inactive connections to it, checked on every later sync; one without connections, and every
-UDP real server, is deleted at once. A real server that comes back is given weight 1 again.
+A real server that leaves a TCP virtual server first gets weight 0 (no new connections,
+established ones continue) and is deleted once IPVS counts neither active nor inactive
+connections to it, checked on every later sync; one without connections, and every UDP and
+SCTP real server, is deleted at once (kube-proxy's rule: IPVS counts no connection state for
+those it could wait on). A real server that comes back is given weight 1 again.
 A virtual server that is no longer wanted is deleted with its real servers.
 """
 
@@ -15,6 +16,7 @@ from proxyd.ipvs.netlink import DestInfo, IpvsKernel, ServiceInfo
 from proxyd.ipvs.plan import Frontend, RealServer, VirtualServer
 
 WEIGHT = 1
+IMMEDIATE_REMOVAL = frozenset({"UDP", "SCTP"})
 
 
 def _idle(info: DestInfo) -> bool:
@@ -93,7 +95,7 @@ class ServerSync:
         for real, info in sorted(dests.items()):
             if real in server.real_servers:
                 continue
-            if frontend.protocol == "UDP" or _idle(info):
+            if frontend.protocol in IMMEDIATE_REMOVAL or _idle(info):
                 self.kernel.delete_dest(frontend, real)
                 continue
             if info.weight != 0:

@@ -538,6 +538,14 @@ def test_the_workflow_focuses_on_network_and_conformance_tests(workflow):
     ]
     assert [name for name in kept if focus.search(name) and not skip.search(name)] == kept
     assert [name for name in dropped if focus.search(name) and not skip.search(name)] == []
+    affinity_timeout = (
+        "[sig-network] Services should have session affinity timeout work for service with "
+        "type clusterIP [LinuxOnly] [Conformance]"
+    )
+    assert focus.search(affinity_timeout) and not skip.search(affinity_timeout)
+    ipvs_skip = re.compile(f"{workflow['env']['E2E_SKIP']}|{workflow['env']['E2E_SKIP_IPVS']}")
+    assert ipvs_skip.search(affinity_timeout)
+    assert [name for name in kept if ipvs_skip.search(name)] == []
 
 
 def test_the_workflows_mode_overlay_sets_the_daemons_proxy_mode(

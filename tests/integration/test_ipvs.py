@@ -2,8 +2,9 @@
 
 Here (no IPVS, no dummy links in this kernel): the ipsets and their members, the iptables
 rules loaded by iptables-restore and read back, and the proxier's full and partial syncs with
-a fake IPVS socket. Where /proc/net/ip_vs exists (the kind workflow): real virtual servers,
-traffic through them, and graceful removal of a real server with a live connection.
+a fake IPVS socket. Where /proc/net/ip_vs exists (`make test` on a kernel with IPVS; the kind
+workflow runs Kubernetes' e2e tests instead): real virtual servers, traffic through them, and
+graceful removal of a real server with a live connection.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
     fake = FakeIpvs()
     bound: set[str] = set()
     monkeypatch.setattr(ipvs_proxier, "open_socket", lambda: fake)
+    monkeypatch.setattr(ipvs_proxier, "ipvs_loaded", lambda: True)
     monkeypatch.setattr(dummy, "ensure", lambda: None)
 
     def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]:
@@ -209,9 +211,20 @@ def test_proxier_syncs_sets_servers_and_rules(
     assert fake_kernel.bound == set()  # type: ignore[attr-defined]
 
     with ns.entered():
+        proxier._program(ctx, plans, set(plans), full=True)
+        assert fake_kernel.services
         assert fresh.cleanup() > 0
         assert "KNIT" not in ipset_save(ns)
         assert names.CHAIN_PREFIX not in Iptables(4, fresh.iptables[4].flavour).save("nat")
+    assert fake_kernel.services == {}, "cleanup removes the virtual servers"
+
+
+def test_ipvs_serves_no_localhost_node_ports(make_netns: Callable[[str], Netns]) -> None:
+    with make_netns("ipvs").entered():
+        proxier = IpvsProxier(OPTIONS, (4,), Metrics())
+        services = render(proxier.context(4, NODE)).chains[("nat", names.SERVICES)]
+    assert OPTIONS.localhost_nodeports and not proxier.options.localhost_nodeports
+    assert any("--dst-type LOCAL ! -d 127.0.0.0/8 -j KNIT-IPVS-NODE-PORT" in r for r in services)
 
 
 @pytest.mark.skipif(HAS_IPVS, reason="checks the message on a kernel without IPVS")

@@ -266,15 +266,17 @@ def test_a_draining_real_server_that_comes_back_gets_its_weight_again() -> None:
     assert not sync.terminating
 
 
-def test_idle_tcp_and_any_udp_real_server_go_at_once() -> None:
+def test_idle_tcp_and_any_udp_or_sctp_real_server_go_at_once() -> None:
     fake = FakeIpvs()
     sync = ServerSync(IpvsKernel(fake), 4)
     udp = Frontend("10.96.0.10", "UDP", 53)
-    before = {CLUSTER: vs(CLUSTER, A, B), udp: vs(udp, A, B)}
+    sctp = Frontend("10.96.0.10", "SCTP", 9)
+    before = {CLUSTER: vs(CLUSTER, A, B), udp: vs(udp, A, B), sctp: vs(sctp, A, B)}
     full(sync, before)
     fake.connections[("10.244.1.5", 8080)] = (5, 5)
-    sync.apply(before, {CLUSTER: vs(CLUSTER, B), udp: vs(udp, B)}.get)
+    sync.apply(before, {CLUSTER: vs(CLUSTER, B), udp: vs(udp, B), sctp: vs(sctp, B)}.get)
     assert fake.weights("10.96.0.10", 53, socket.IPPROTO_UDP) == {("10.244.2.5", 8080): 1}
+    assert fake.weights("10.96.0.10", 9, 132) == {("10.244.2.5", 8080): 1}
     assert fake.weights("10.96.0.10", 80)[("10.244.1.5", 8080)] == 0
     fake.connections.clear()
     sync.apply({CLUSTER: vs(CLUSTER, B)}, {CLUSTER: vs(CLUSTER)}.get)

@@ -173,11 +173,22 @@ def test_ipv6_uses_its_own_addresses_only() -> None:
 
 
 def test_nodeport_addresses_skip_loopback_and_link_local_unless_configured() -> None:
-    local = ("127.0.0.1", "192.0.2.10", "fe80::1", "2001:db8::1", "::1")
-    assert nodeport_addresses(CTX, local) == ("192.0.2.10",)
+    local = ("127.0.0.1", "192.0.2.10", "fe80::1", "2001:db8::1", "::1", "198.51.100.10")
+    assert nodeport_addresses(CTX, local) == ("192.0.2.10", "198.51.100.10")
     assert nodeport_addresses(CTX6, local) == ("2001:db8::1",)
     chosen = dataclasses.replace(CTX, nodeport_addresses=("198.51.100.10",))
     assert nodeport_addresses(chosen, local) == ("198.51.100.10",)
+    link_local = dataclasses.replace(CTX6, nodeport_addresses=("fe80::1", "::1"))
+    assert nodeport_addresses(link_local, local) == ("fe80::1",)
+
+
+def test_nodeport_addresses_leave_out_the_dummy_links_service_addresses() -> None:
+    # --nodeport-addresses 0.0.0.0/0 matched every link's address, the cluster IPs the dummy
+    # link holds included; `local` (every link but the dummy) leaves those out
+    everything = dataclasses.replace(
+        CTX, nodeport_addresses=("10.96.0.10", "127.0.0.1", "192.0.2.10")
+    )
+    assert nodeport_addresses(everything, ("127.0.0.1", "192.0.2.10")) == ("192.0.2.10",)
 
 
 def test_desired_counts_owners_so_shared_members_stay() -> None:
@@ -264,6 +275,13 @@ def test_nodeport_addresses_restrict_the_nodeport_jump() -> None:
     assert "--dst-type LOCAL -j KNIT-IPVS-NODE-PORT" not in text
     assert "--dst-type LOCAL -j KNIT-IPVS-NODE-PORT" in script(CTX)
     assert "--dst-type LOCAL ! -d ::1/128 -j KNIT-IPVS-NODE-PORT" in script(CTX6)
+
+
+def test_without_a_cluster_cidr_connections_from_a_service_address_are_masqueraded() -> None:
+    no_cidr = dataclasses.replace(CTX, cluster_cidr="")
+    services = render(no_cidr).chains[("nat", names.SERVICES)]
+    assert any("--match-set KNIT-CLUSTER-IP src,dst -j KNIT-IPVS-MARK-MASQ" in r for r in services)
+    assert not any("src,dst" in r for r in render(CTX).chains[("nat", names.SERVICES)])
 
 
 def test_rules_share_the_iptables_modes_masquerade_and_forward_chains() -> None:
