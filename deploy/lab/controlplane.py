@@ -13,7 +13,6 @@ what `up` wrote to DIR.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import ctypes
 import http.client
@@ -117,26 +116,25 @@ def make_pki(pki: Path, service_cidrs: Sequence[str]) -> None:
 
 
 def _admin_config(pki: Path, server: str) -> dict[str, object]:
-    """An admin kubeconfig for server, with the CA and the client cert embedded."""
-
-    def data(name: str) -> str:
-        return base64.b64encode((pki / name).read_bytes()).decode()
-
+    """An admin kubeconfig for server, naming the CA and client cert files in pki rather than
+    embedding them: the Python client copies embedded ones to /tmp files that stay there when
+    a process using it is killed."""
+    pki = pki.resolve()
     return {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [
             {
                 "name": "knit",
-                "cluster": {"server": server, "certificate-authority-data": data("ca.crt")},
+                "cluster": {"server": server, "certificate-authority": str(pki / "ca.crt")},
             }
         ],
         "users": [
             {
                 "name": ADMIN,
                 "user": {
-                    "client-certificate-data": data("admin.crt"),
-                    "client-key-data": data("admin.key"),
+                    "client-certificate": str(pki / "admin.crt"),
+                    "client-key": str(pki / "admin.key"),
                 },
             }
         ],

@@ -7,6 +7,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from kubernetes import client
@@ -160,3 +161,18 @@ def test_cli_up_leaves_it_running_and_down_removes_it(tmp_path):
         subprocess.run([*cli, "down", "--dir", str(state)], check=True, timeout=60)
     assert not state.exists()
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_kubeconfig_names_its_credential_files_so_clients_copy_nothing_to_tmp(
+    control_plane, tmp_path, monkeypatch
+):
+    # embedded (*-data) credentials are copied by the Python client to temp files, which a
+    # killed daemon leaves behind in the host's /tmp
+    kubeconfig = control_plane.write_kubeconfig(tmp_path / "kubeconfig")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    api = new_client_from_config(str(kubeconfig))
+    assert client.VersionApi(api).get_code().git_version.startswith("v1.")
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert "-data" not in kubeconfig.read_text()
