@@ -138,15 +138,18 @@ def _ip(text: Any, what: str) -> str:
         raise InvalidObject(f"{what} {text!r} is not an IP address") from err
 
 
+def _usable_ip(value: Any, what: str, owner: str) -> str | None:
+    """The address; None, logged, when value is not one."""
+    try:
+        return _ip(value, what)
+    except InvalidObject as err:
+        log.warning("%s: skipping %s", owner, err)
+        return None
+
+
 def _usable_ips(values: list[Any], what: str, owner: str) -> tuple[str, ...]:
     """The entries that are IP addresses; the others are logged and left out."""
-    usable: list[str] = []
-    for value in values:
-        try:
-            usable.append(_ip(value, what))
-        except InvalidObject as err:
-            log.warning("%s: skipping %s", owner, err)
-    return tuple(usable)
+    return tuple(ip for value in values if (ip := _usable_ip(value, what, owner)) is not None)
 
 
 def _cidr(text: Any, what: str) -> str:
@@ -261,7 +264,7 @@ def parse_endpoint_slice(obj: Obj) -> EndpointSlice | None:
         addresses = entry.get("addresses") or []
         if not addresses:
             continue
-        ip = next(iter(_usable_ips(addresses[:1], "endpoint address", owner)), None)
+        ip = _usable_ip(addresses[0], "endpoint address", owner)
         if ip is None:
             continue
         if ipaddress.ip_address(ip).version != version:

@@ -79,7 +79,6 @@ class ClusterState:
         self._trigger_times: dict[ServiceKey, float] = {}
         self._started = time.time()
         self._listed: set[str] = set()
-        self.changes_seen = {"services": 0, "endpoints": 0}
 
     # ------------------------------------------------------------ feeding
     def ready(self) -> bool:
@@ -108,7 +107,6 @@ class ClusterState:
         else:
             self._services.pop(key, None)
         self._pending_services.add(key)
-        self.changes_seen["services"] += 1
         return True
 
     def _set_slice(self, slice_key: tuple[str, str], obj: Obj | None) -> bool:
@@ -134,9 +132,8 @@ class ClusterState:
         if parsed is not None:
             changed.add((parsed.namespace, parsed.service))
         self._pending_endpoints |= changed
-        self.changes_seen["endpoints"] += len(changed)
-        at = _trigger_time(obj) if obj is not None else None
-        if at is not None and at > self._started and parsed is not None:
+        at = _trigger_time(obj) if obj is not None and parsed is not None else None
+        if parsed is not None and at is not None and at > self._started:
             key = (parsed.namespace, parsed.service)
             self._trigger_times[key] = min(self._trigger_times.get(key, at), at)
         return bool(changed)

@@ -13,6 +13,14 @@ from cni.invocation import CNI_PREFIX, Invocation
 from cni.result import Result
 
 
+def _decode(answer: bytes) -> Result:
+    try:
+        data = json.loads(answer)
+    except ValueError as err:
+        raise CniError(Code.DECODE_FAILURE, f"IPAM plugin answer: {err}") from err
+    return Result.from_json(data)
+
+
 class Delegate:
     def __init__(self, plugin_type: str, stdin: bytes, invocation: Invocation) -> None:
         self.plugin_type = plugin_type
@@ -53,11 +61,7 @@ class Delegate:
         it holds does not leak."""
         answer = self._call("ADD")
         try:
-            try:
-                decoded = json.loads(answer)
-            except ValueError as err:
-                raise CniError(Code.DECODE_FAILURE, f"IPAM plugin answer: {err}") from err
-            return Result.from_json(decoded)
+            return _decode(answer)
         except CniError:
             with contextlib.suppress(CniError):
                 self._call("DEL")

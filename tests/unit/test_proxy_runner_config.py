@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,32 +17,38 @@ from proxyd.model import NodeInfo, parse_node
 from proxyd.runner import BoundedFrequencyRunner
 
 
-def test_runner_coalesces_a_storm_and_respects_the_minimum_interval() -> None:
+@contextlib.contextmanager
+def running(
+    min_interval: float, max_interval: float, burst: int = 2
+) -> Iterator[tuple[BoundedFrequencyRunner, list[float]]]:
+    """A runner looping in a thread, and the times it ran; stopped on leaving."""
     runs: list[float] = []
-    runner = BoundedFrequencyRunner(lambda: runs.append(time.monotonic()), 0.2, 60, burst=1)
+    runner = BoundedFrequencyRunner(
+        lambda: runs.append(time.monotonic()), min_interval, max_interval, burst=burst
+    )
     thread = threading.Thread(target=runner.loop)
     thread.start()
     try:
+        yield runner, runs
+    finally:
+        runner.stop()
+        thread.join()
+
+
+def test_runner_coalesces_a_storm_and_respects_the_minimum_interval() -> None:
+    with running(0.2, 60, burst=1) as (runner, runs):
         for _ in range(50):
             runner.run()
             time.sleep(0.01)
         time.sleep(0.5)
-    finally:
-        runner.stop()
-        thread.join()
     assert 2 <= len(runs) <= 5, runs
     gaps = [b - a for a, b in itertools.pairwise(runs)]
     assert all(gap >= 0.18 for gap in gaps), gaps
 
 
 def test_runner_runs_at_the_maximum_interval_without_requests() -> None:
-    runs: list[float] = []
-    runner = BoundedFrequencyRunner(lambda: runs.append(time.monotonic()), 0, 0.1)
-    thread = threading.Thread(target=runner.loop)
-    thread.start()
-    time.sleep(0.35)
-    runner.stop()
-    thread.join()
+    with running(0, 0.1) as (_, runs):
+        time.sleep(0.35)
     assert len(runs) >= 2
 
 
@@ -93,20 +101,13 @@ def test_nodeport_addresses_primary_is_the_first_node_ip_of_the_family() -> None
 
 
 def test_runner_retries_wait_for_the_rate_limit() -> None:
-    runs: list[float] = []
-    runner = BoundedFrequencyRunner(lambda: runs.append(time.monotonic()), 0.3, 60, burst=1)
-    thread = threading.Thread(target=runner.loop)
-    thread.start()
-    try:
+    with running(0.3, 60, burst=1) as (runner, runs):
         runner.run()
         deadline = time.monotonic() + 5
         while not runs and time.monotonic() < deadline:
             time.sleep(0.005)
         runner.retry_after(0)
         time.sleep(0.6)
-    finally:
-        runner.stop()
-        thread.join()
     assert len(runs) == 2, runs
     assert runs[1] - runs[0] >= 0.28, runs
 
