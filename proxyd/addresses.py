@@ -26,21 +26,26 @@ def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]
         )
 
 
-def nodeport_addresses(selectors: tuple[str, ...], family: int, node: NodeInfo) -> tuple[str, ...]:
+def nodeport_addresses(
+    selectors: tuple[str, ...], family: int, node: NodeInfo
+) -> tuple[str, ...] | None:
     """The addresses of this family that --nodeport-addresses selects: local addresses inside
     the given CIDRs, and the node's primary address (its first InternalIP of the family, else
-    its first ExternalIP) for `primary`."""
-    chosen: set[str] = set()
+    its first ExternalIP) for `primary`. None (every local address) when nothing in the flag
+    speaks for this family, as kube-proxy reads it."""
     networks = [
         ipaddress.ip_network(s, strict=False)
         for s in selectors
         if s != "primary" and ipaddress.ip_network(s, strict=False).version == family
     ]
+    primary = next((a for a in node.addresses if ipaddress.ip_address(a).version == family), None)
+    if "primary" not in selectors:
+        primary = None
+    if not networks and primary is None:
+        return None
+    chosen = {primary} if primary is not None else set()
     if networks:
         for address in local_addresses(family):
             if any(ipaddress.ip_address(address) in net for net in networks):
                 chosen.add(address)
-    primary = next((a for a in node.addresses if ipaddress.ip_address(a).version == family), None)
-    if "primary" in selectors and primary is not None:
-        chosen.add(primary)
     return tuple(sorted(chosen))

@@ -100,6 +100,7 @@ def _options(config: Config) -> ProxyOptions:
         masquerade_bit=config.masquerade_bit,
         nodeport_addresses=config.nodeport_addresses,
         localhost_nodeports=config.localhost_nodeports,
+        drop_invalid=not config.conntrack_tcp_be_liberal,
     )
 
 

@@ -3,6 +3,7 @@ one health-check server per healthCheckNodePort of externalTrafficPolicy Local s
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NamedTuple
 
 from proxyd.metrics import Metrics
 
@@ -50,6 +52,13 @@ class ProxyHealth:
             return not stale, self._last_updated, now
 
 
+class Response(NamedTuple):
+    status: int
+    content_type: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -60,9 +69,11 @@ class _Server(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
 
-
-Response = tuple[int, str, bytes]
-"""(status, content type, body)."""
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            # `::` takes IPv4 too, whatever net.ipv6.bindv6only says.
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -71,13 +82,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         routes = self.server.routes
         route = routes.get(self.path.split("?", 1)[0]) or routes.get("*")
-        status, content_type, body = route() if route else (404, "text/plain", b"not found\n")
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
+        answer = route() if route else Response(404, "text/plain", b"not found\n")
+        self.send_response(answer.status)
+        self.send_header("Content-Type", answer.content_type)
         self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Length", str(len(body)))
+        for name, value in answer.headers:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(answer.body)))
         self.end_headers()
-        self.wfile.write(body)
+        self.wfile.write(answer.body)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -103,7 +116,7 @@ def serve_health(address: str, health: ProxyHealth, metrics: Metrics) -> _Server
             body["nodeEligible"] = eligible
         code = 200 if ok else 503
         counter.labels(code=str(code)).inc()  # type: ignore[attr-defined]
-        return code, "application/json", json.dumps(body).encode()
+        return Response(code, "application/json", json.dumps(body).encode())
 
     routes = {
         "/healthz": lambda: answer(True, metrics.healthz),
@@ -114,15 +127,17 @@ def serve_health(address: str, health: ProxyHealth, metrics: Metrics) -> _Server
 
 def serve_metrics(address: str, metrics: Metrics, mode: str) -> _Server:
     routes: dict[str, Callable[[], Response]] = {
-        "/metrics": lambda: (200, "text/plain; version=0.0.4", metrics.exposition()),
-        "/proxyMode": lambda: (200, "text/plain", mode.encode()),
-        "/healthz": lambda: (200, "text/plain", b"ok"),
+        "/metrics": lambda: Response(200, "text/plain; version=0.0.4", metrics.exposition()),
+        "/proxyMode": lambda: Response(200, "text/plain", mode.encode()),
+        "/healthz": lambda: Response(200, "text/plain", b"ok"),
     }
     return _start(_Server(split_address(address), routes), "metrics")
 
 
 class ServiceHealthServers:
-    """One HTTP server per healthCheckNodePort, answering with the local endpoint count."""
+    """One HTTP server per healthCheckNodePort, answering with the local endpoint count (also
+    in kube-proxy's X-Load-Balancing-Endpoint-Weight header), on every address of both
+    families, or of IPv4 alone when the node has no IPv6."""
 
     def __init__(self, health: ProxyHealth, bind_host: str = "::") -> None:
         self._health = health
@@ -141,7 +156,8 @@ class ServiceHealthServers:
             "serviceProxyHealthy": healthy,
         }
         code = 200 if local > 0 and healthy else 503
-        return code, "application/json", json.dumps(body).encode()
+        weight = (("X-Load-Balancing-Endpoint-Weight", str(local)),)
+        return Response(code, "application/json", json.dumps(body).encode(), weight)
 
     def update(self, wanted: dict[int, tuple[str, str, int]]) -> None:
         """wanted: health-check node port -> (namespace, name, local endpoints)."""
@@ -153,14 +169,20 @@ class ServiceHealthServers:
             server.server_close()
         for port in wanted.keys() - self._servers.keys():
             try:
-                server = _Server(
-                    (self._bind_host, port),
-                    {"*": lambda port=port: self._answer(port)},
-                )
+                server = self._bind(port)
             except OSError as err:
                 log.error("cannot serve health check node port %d: %s", port, err)
                 continue
             self._servers[port] = _start(server, f"health-{port}")
+
+    def _bind(self, port: int) -> _Server:
+        routes = {"*": lambda: self._answer(port)}
+        try:
+            return _Server((self._bind_host, port), routes)
+        except OSError as err:
+            if err.errno != errno.EAFNOSUPPORT or self._bind_host != "::":
+                raise
+            return _Server(("0.0.0.0", port), routes)
 
     def close(self) -> None:
         self.update({})

@@ -68,9 +68,10 @@ class ServicePort:
 
     @property
     def uses_cluster_endpoints(self) -> bool:
-        return not self.internal_policy_local or (
-            self.externally_accessible and not self.external_policy_local
-        )
+        """Cluster-IP traffic under the Cluster policy, and any externally reachable port:
+        pods and the node itself reach its external frontends through every endpoint, even
+        under an external Local policy."""
+        return not self.internal_policy_local or self.externally_accessible
 
     @property
     def uses_local_endpoints(self) -> bool:

@@ -27,6 +27,7 @@ class FamilyContext:
     nodeport_addresses: tuple[str, ...] | None = None
     """Node addresses NodePorts answer on; None: every local address."""
     localhost_nodeports: bool = True
+    drop_invalid: bool = True
 
     def of_family(self, address: str) -> bool:
         """For addresses and CIDRs the model already validated."""

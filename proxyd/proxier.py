@@ -34,6 +34,9 @@ class ProxyOptions:
     masquerade_bit: int = 14
     nodeport_addresses: tuple[str, ...] = ()
     localhost_nodeports: bool = True
+    drop_invalid: bool = True
+    """Drop forwarded packets conntrack marks INVALID (off with --conntrack-tcp-be-liberal,
+    as kube-proxy: a liberal conntrack lets such packets through on purpose)."""
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,7 @@ class Proxier(ABC):
 
     def context(self, family: int, node: NodeInfo) -> FamilyContext:
         cidr = next((c for c in self.options.cluster_cidrs if _family_of(c) == family), "")
-        selected = None
-        if self.options.nodeport_addresses:
-            selected = nodeport_addresses(self.options.nodeport_addresses, family, node)
+        selected = nodeport_addresses(self.options.nodeport_addresses, family, node)
         return FamilyContext(
             family=family,
             node=node,
@@ -98,6 +99,7 @@ class Proxier(ABC):
             masquerade_mark=1 << self.options.masquerade_bit,
             nodeport_addresses=selected,
             localhost_nodeports=self.options.localhost_nodeports,
+            drop_invalid=self.options.drop_invalid,
         )
 
     def sync(self, changes: Changes) -> SyncResult:

@@ -51,7 +51,9 @@ class Changes:
     """When the changes to program were made, from the slices' last-change-trigger-time
     annotations (kube-proxy's network programming latency); one per changed service."""
     service_changes: int = 0
+    """Service events that changed something since the last sync (kube-proxy counts events)."""
     endpoint_changes: int = 0
+    """EndpointSlice events that changed something since the last sync."""
 
 
 def _trigger_time(obj: Obj) -> float | None:
@@ -76,6 +78,8 @@ class ClusterState:
         self.node = NodeInfo(node_name)
         self._pending_services: set[ServiceKey] = set()
         self._pending_endpoints: set[ServiceKey] = set()
+        self._service_events = 0
+        self._endpoint_events = 0
         self._trigger_times: dict[ServiceKey, float] = {}
         self._started = time.time()
         self._listed: set[str] = set()
@@ -107,6 +111,7 @@ class ClusterState:
         else:
             self._services.pop(key, None)
         self._pending_services.add(key)
+        self._service_events += 1
         return True
 
     def _set_slice(self, slice_key: tuple[str, str], obj: Obj | None) -> bool:
@@ -132,6 +137,7 @@ class ClusterState:
         if parsed is not None:
             changed.add((parsed.namespace, parsed.service))
         self._pending_endpoints |= changed
+        self._endpoint_events += 1
         at = _trigger_time(obj) if obj is not None and parsed is not None else None
         if parsed is not None and at is not None and at > self._started:
             key = (parsed.namespace, parsed.service)
@@ -194,10 +200,11 @@ class ClusterState:
                 services={key: self._view(key) for key in changed},
                 node=self.node,
                 trigger_times=list(self._trigger_times.values()),
-                service_changes=len(self._pending_services),
-                endpoint_changes=len(self._pending_endpoints),
+                service_changes=self._service_events,
+                endpoint_changes=self._endpoint_events,
             )
             self._pending_services.clear()
             self._pending_endpoints.clear()
+            self._service_events = self._endpoint_events = 0
             self._trigger_times.clear()
             return changes

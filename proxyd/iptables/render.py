@@ -231,10 +231,11 @@ def postrouting_rules(ctx: FamilyContext) -> Rules:
 
 
 def forward_rules(ctx: FamilyContext) -> Rules:
-    """The forward chain: drop invalid packets, accept marked and established traffic."""
+    """The forward chain: drop invalid packets (unless conntrack is liberal), accept marked
+    and established traffic."""
     mark = _mark(ctx)
     return (
-        "-m conntrack --ctstate INVALID -j DROP",
+        *(("-m conntrack --ctstate INVALID -j DROP",) if ctx.drop_invalid else ()),
         f"{comment('knit forwarding rules')} -m mark --mark {mark}/{mark} -j ACCEPT",
         f"{comment('knit forwarding conntrack rule')}"
         " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",

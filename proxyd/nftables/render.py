@@ -457,7 +457,7 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         "filter-prerouting": (f"{new} jump {FIREWALL_CHECK}",),
         "filter-input": tuple(input_rules),
         "filter-forward": (
-            "ct state invalid drop",
+            *(("ct state invalid drop",) if ctx.drop_invalid else ()),
             f"{new} jump {CLUSTER_IPS_CHECK}",
             f"{new} jump {EXTERNAL_CHECK}",
         ),

@@ -57,25 +57,28 @@ def proxy_node(
     tmp = tmp_path_factory.mktemp("proxy-node")
     node_ns = module_netns("node")
     forward = NetnsForward(node_ns.name, control_plane.port)
-    kubeconfig = control_plane.write_kubeconfig(tmp / "kubeconfig", forward.listen_port)
-    name = unique_name("node")
     kube = Kube(kube_api)
-    kube.create("/api/v1/nodes", node_object(name))
-    proxy = setup_node(
-        Node(node_ns, tmp / "ipam", module_netns),
-        module_netns("outside"),
-        name,
-        kubeconfig,
-        tmp / "proxyd.log",
-        proxy_mode,
-    )
-    proxy.forward = forward
-    proxy.start()
+    proxy: ProxyNode | None = None
     try:
+        kubeconfig = control_plane.write_kubeconfig(tmp / "kubeconfig", forward.listen_port)
+        name = unique_name("node")
+        kube.create("/api/v1/nodes", node_object(name))
+        proxy = setup_node(
+            Node(node_ns, tmp / "ipam", module_netns),
+            module_netns("outside"),
+            name,
+            kubeconfig,
+            tmp / "proxyd.log",
+            proxy_mode,
+        )
+        proxy.forward = forward
+        proxy.start()
         yield proxy
     finally:
-        proxy.stop()
-        proxy.forward.stop()
+        if proxy is not None:
+            proxy.stop()
+            forward = proxy.forward  # a test may have replaced it
+        forward.stop()
         kube.cleanup()
 
 

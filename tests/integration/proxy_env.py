@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from deploy.lab.cluster import eventually
 from deploy.lab.controlplane import die_with_parent
@@ -20,7 +20,6 @@ SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
 EXTERNAL_NET = "203.0.113.0/24"
 CLUSTER_CIDRS = "10.244.0.0/16,fd10:244::/32"
 REMOTE_NODE = "node-elsewhere"
-T = TypeVar("T")
 IPVS_LISTING = (
     sys.executable,
     "-c",
@@ -83,9 +82,6 @@ class ProxyNode:
     def restart(self, *extra: str) -> None:
         self.stop()
         self.start(*extra)
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def http(self, url: str) -> tuple[int, str]:
         """(status, body) of a GET made inside the node."""

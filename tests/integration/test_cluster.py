@@ -9,6 +9,7 @@ attached through libcni with each node's own config and plugin directory.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import sys
@@ -236,7 +237,12 @@ def test_gc_after_a_reboot_releases_the_addresses_of_vanished_pods(cluster: Clus
     old = time.time() - 120
     for path in store.iterdir():
         os.utime(path, (old, old))
+    # an ADD between reserving its address and creating its veth: young, so kept
+    in_progress = store / str(ipaddress.ip_address(survivor.address()) + 200)
+    in_progress.write_bytes(b"adding\r\neth0")
     cluster.start_daemon(b)
     assert not (store / lost.address()).exists()
     assert not (store / lost.address(6)).exists()
     assert (store / survivor.address()).exists() and (store / survivor.address(6)).exists()
+    assert in_progress.read_bytes() == b"adding\r\neth0", "a reservation within the grace"
+    in_progress.unlink()

@@ -487,8 +487,7 @@ def test_the_workflow_passes_actionlint():
 
 def test_the_workflows_scripts_pass_shellcheck():
     shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    assert shellcheck is not None, "shellcheck is missing (make test installs it)"
     result = actionlint(WORKFLOW, shellcheck)
     assert result.returncode == 0, result.stdout
 

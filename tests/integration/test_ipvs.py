@@ -34,7 +34,6 @@ from proxyd.proxier import ProgramError, ProxyOptions
 from tests.conftest import Netns
 from tests.unit.test_ipvs_netlink import FakeIpvs
 
-pytestmark = pytest.mark.netns
 HAS_IPVS = os.path.exists("/proc/net/ip_vs")
 needs_ipvs = pytest.mark.skipif(not HAS_IPVS, reason="the kernel has no IPVS (/proc/net/ip_vs)")
 

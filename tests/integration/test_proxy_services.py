@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.integration.proxy_env import (
 )
 
 GATEWAY = "10.244.1.1"
+GATEWAY6 = "fd10:244:1::1"
 HTTP = {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}
 SLICE_HTTP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
 
@@ -233,10 +233,31 @@ def test_node_port_from_outside_is_masqueraded_and_nodeport_addresses_restrict_i
     assert source == GATEWAY, "eTP Cluster traffic from outside is masqueraded"
     assert pods["client"].ns.exchange(GATEWAY, node_port)[1] == "backend-a"
     assert proxy_node.ns.exchange("127.0.0.1", node_port)[1] == "backend-a", "localhost NodePort"
+    dual = create_service(
+        kube,
+        "np-dual",
+        type="NodePort",
+        ipFamilyPolicy="RequireDualStack",
+        ipFamilies=["IPv4", "IPv6"],
+    )
+    kube.create(
+        SLICES,
+        slice_object(
+            "np-dual",
+            [endpoint(pods["b"].address(6), proxy_node.name)],
+            SLICE_HTTP,
+            address_type="IPv6",
+        ),
+    )
+    dual_port = dual["spec"]["ports"][0]["nodePort"]
+    assert eventually(lambda: pods["client"].ns.exchange(GATEWAY6, dual_port))[1] == "backend-b"
     try:
         proxy_node.restart("--nodeport-addresses", "198.18.0.0/24")
         assert eventually(lambda: outside.exchange(UPLINK_NODE, node_port))[1] == "backend-a"
         assert not pods["client"].ns.reaches(GATEWAY, node_port), "not on the bridge address"
+        assert pods["client"].ns.exchange(GATEWAY6, dual_port)[1] == "backend-b", (
+            "no IPv6 CIDR in the flag: IPv6 NodePorts stay on every address"
+        )
     finally:
         proxy_node.restart()
 
@@ -267,9 +288,9 @@ def test_external_ips_and_load_balancer_vips(
         f"{SERVICES}/lb-denied/status",
         {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.21"}]}}},
     )
+    proxied_and_vip = [{"ip": "203.0.113.22", "ipMode": "Proxy"}, {"ip": "203.0.113.23"}]
     kube.patch(
-        f"{SERVICES}/lb-proxy/status",
-        {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.22", "ipMode": "Proxy"}]}}},
+        f"{SERVICES}/lb-proxy/status", {"status": {"loadBalancer": {"ingress": proxied_and_vip}}}
     )
     outside = proxy_node.outside
     assert eventually(lambda: outside.exchange("203.0.113.10", 80))[1] == "backend-a"
@@ -283,6 +304,8 @@ def test_external_ips_and_load_balancer_vips(
             and firewall_drops(proxy_node, "203.0.113.21") > 0
         )
     )
+    # the status's VIP entry in the kernel shows the daemon has seen its Proxy entry too
+    eventually(lambda: "203.0.113.23" in proxy_node.rules())
     assert "203.0.113.22" not in proxy_node.rules(), "ipMode Proxy gets no rule"
 
 
@@ -316,6 +339,26 @@ def test_external_traffic_policy_local(
     )
 
 
+def test_both_policies_local_still_send_pods_to_remote_endpoints_of_external_frontends(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    svc = create_backed(
+        kube,
+        "both-local",
+        type="NodePort",
+        externalTrafficPolicy="Local",
+        internalTrafficPolicy="Local",
+        endpoints=[endpoint(pods["b"].address(), REMOTE_NODE)],
+    )
+    node_port = svc["spec"]["ports"][0]["nodePort"]
+    client = pods["client"].ns
+    assert eventually(lambda: client.exchange(GATEWAY, node_port))[1] == "backend-b", (
+        "pods reach an external frontend through every endpoint"
+    )
+    assert not proxy_node.outside.reaches(UPLINK_NODE, node_port), "outside: no local endpoint"
+    assert not client.reaches(svc["spec"]["clusterIP"], 80), "cluster IP: no local endpoint"
+
+
 def test_internal_traffic_policy_local(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
@@ -337,7 +380,7 @@ def test_internal_traffic_policy_local(
     assert not refused(client, ip, 80), "no local endpoint: dropped, not rejected"
 
 
-def test_client_ip_affinity_sticks_until_its_timeout(
+def test_client_ip_affinity_sticks_and_its_timeout_is_in_the_rules(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
     svc = create_backed(
@@ -530,8 +573,11 @@ def test_metrics_health_and_proxy_mode(proxy_node: ProxyNode) -> None:
 
 
 def test_sync_after_a_change_is_partial(proxy_node: ProxyNode, kube: Kube) -> None:
-    before = proxy_node.metric("kubeproxy_sync_partial_proxy_rules_duration_seconds_count")
-    moment = time.time()
-    create_service(kube, "partial")
-    eventually(lambda: proxy_node.synced_after(moment))
-    assert proxy_node.metric("kubeproxy_sync_partial_proxy_rules_duration_seconds_count") > before
+    partial, full = (
+        f"kubeproxy_sync_{kind}_proxy_rules_duration_seconds_count" for kind in ("partial", "full")
+    )
+    partial_before, full_before = proxy_node.metric(partial), proxy_node.metric(full)
+    ip = create_service(kube, "partial")["spec"]["clusterIP"]
+    eventually(lambda: ip in proxy_node.rules())
+    assert proxy_node.metric(partial) > partial_before
+    assert proxy_node.metric(full) == full_before, "the change was programmed by a partial sync"

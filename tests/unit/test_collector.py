@@ -24,8 +24,12 @@ def test_the_collector_is_held_off_and_left_as_it_was() -> None:
 def test_overlapping_pauses_hold_it_off_until_the_last_ends() -> None:
     listing, sync = collector.paused(), collector.paused()
     listing.__enter__()
-    sync.__enter__()
-    listing.__exit__(None, None, None)
-    assert not gc.isenabled(), "the sync that began during the list still runs without it"
-    sync.__exit__(None, None, None)
+    try:
+        sync.__enter__()
+    finally:
+        listing.__exit__(None, None, None)
+    try:
+        assert not gc.isenabled(), "the sync that began during the list still runs without it"
+    finally:
+        sync.__exit__(None, None, None)
     assert gc.isenabled()

@@ -277,3 +277,9 @@ def test_chunks_start_small_and_double_up_to_the_largest() -> None:
     sizes = [len(chunk) for chunk in nftables_proxier.chunks(names)]
     assert sizes == [100, 200, 400, 800, 1000]
     assert [name for chunk in nftables_proxier.chunks(names) for name in chunk] == names
+
+
+def test_invalid_packets_are_dropped_unless_conntrack_is_liberal() -> None:
+    assert "ct state invalid drop" in render_base(CTX).chains["filter-forward"]
+    liberal = dataclasses.replace(CTX, drop_invalid=False)
+    assert "ct state invalid drop" not in render_base(liberal).chains["filter-forward"]

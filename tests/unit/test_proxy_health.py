@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 import urllib.error
 import urllib.request
+from email.message import Message
+from typing import Any
+
+import pytest
 
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health
 from proxyd.metrics import Metrics
@@ -19,11 +25,23 @@ class Clock:
 
 
 def get(url: str) -> tuple[int, dict[str, object]]:
+    return get_with_headers(url)[:2]
+
+
+def get_with_headers(url: str) -> tuple[int, dict[str, object], Message]:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, json.loads(response.read())
+            return response.status, json.loads(response.read()), response.headers
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        return err.code, json.loads(err.read()), err.headers
+
+
+def free_port() -> int:
+    probe = serve_health("127.0.0.1:0", ProxyHealth(60), Metrics())
+    port = probe.server_address[1]
+    probe.shutdown()
+    probe.server_close()
+    return port
 
 
 def test_a_change_left_unsynced_past_the_timeout_makes_the_proxy_unhealthy() -> None:
@@ -58,14 +76,11 @@ def test_healthz_reports_node_deletion_and_livez_does_not() -> None:
 
 def test_health_check_node_port_counts_local_endpoints() -> None:
     servers = ServiceHealthServers(ProxyHealth(timeout=60), bind_host="127.0.0.1")
-    probe = serve_health("127.0.0.1:0", ProxyHealth(60), Metrics())
-    port = probe.server_address[1]
-    probe.shutdown()
-    probe.server_close()
+    port = free_port()
     try:
         servers.update({port: ("ns", "web", 2)})
-        status, body = get(f"http://127.0.0.1:{port}/")
-        assert status == 200
+        status, body, headers = get_with_headers(f"http://127.0.0.1:{port}/")
+        assert status == 200 and headers["X-Load-Balancing-Endpoint-Weight"] == "2"
         assert body == {
             "service": {"namespace": "ns", "name": "web"},
             "localEndpoints": 2,
@@ -73,5 +88,26 @@ def test_health_check_node_port_counts_local_endpoints() -> None:
         }
         servers.update({port: ("ns", "web", 0)})
         assert get(f"http://127.0.0.1:{port}/")[0] == 503
+    finally:
+        servers.close()
+
+
+def test_health_check_node_ports_fall_back_to_ipv4_on_a_node_without_ipv6(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_socket = socket.socket
+
+    def without_ipv6(family: int = socket.AF_INET, *args: Any, **kwargs: Any) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real_socket(family, *args, **kwargs)
+
+    port = free_port()
+    servers = ServiceHealthServers(ProxyHealth(timeout=60))
+    monkeypatch.setattr(socket, "socket", without_ipv6)
+    try:
+        servers.update({port: ("ns", "web", 1)})
+        monkeypatch.undo()
+        assert get(f"http://127.0.0.1:{port}/")[0] == 200
     finally:
         servers.close()

@@ -173,6 +173,19 @@ def test_local_policies_use_local_endpoints_and_ignore_hints() -> None:
     chosen = categorize(port, (local, remote), NODE)
     assert chosen.local == (local,) and chosen.cluster == () and chosen.any_usable
     assert categorize(port, (remote,), NODE).local == ()
+    (both_local,) = parse_service(
+        service(
+            type="NodePort",
+            internalTrafficPolicy="Local",
+            externalTrafficPolicy="Local",
+            ports=[{"name": "http", "port": 80, "nodePort": 30080}],
+        )
+    )
+    here, there = ep("10.0.0.1", node_name="node-a"), ep("10.0.0.2", node_name="node-b")
+    chosen = categorize(both_local, (here, there), NODE)
+    assert chosen.local == (here,) and chosen.cluster == (here, there), (
+        "an external frontend's pod and node traffic goes to every endpoint"
+    )
 
 
 def test_node_addresses_internal_first_and_deletion_by_timestamp_or_autoscaler_taint() -> None:

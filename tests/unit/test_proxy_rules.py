@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from proxyd.config import load
+from proxyd.daemon import _options
 from proxyd.iptables.chains import ServiceChains, owned_by_knit, owned_by_kube_proxy
 from proxyd.iptables.render import ServiceRules, render_base, render_service
 from proxyd.iptables.restore import RuleSet, batched_full_scripts, full_script, partial_script
@@ -151,3 +153,12 @@ def test_batched_full_sync_switches_each_service_whole_and_dispatch_last() -> No
     single = full_script(ruleset, {}).text()
     written = [line for s in scripts for line in s.text().splitlines() if line.startswith("-A")]
     assert sorted(written) == sorted(line for line in single.splitlines() if line.startswith("-A"))
+
+
+def test_invalid_packets_are_dropped_unless_conntrack_is_liberal() -> None:
+    invalid = "-A KNIT-FORWARD -m conntrack --ctstate INVALID -j DROP"
+    assert invalid in rules_text(PORT, READY)
+    liberal = dataclasses.replace(CTX, drop_invalid=False)
+    assert invalid not in rules_text(PORT, READY, liberal)
+    assert _options(load(["--conntrack-tcp-be-liberal"])).drop_invalid is False
+    assert _options(load([])).drop_invalid is True

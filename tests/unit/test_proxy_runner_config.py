@@ -84,7 +84,10 @@ def test_nodeport_addresses_primary_is_the_first_node_ip_of_the_family() -> None
     node = NodeInfo("node-a", addresses=("192.0.2.10", "192.0.2.11", "fd00::10", "fd00::11"))
     assert nodeport_addresses(("primary",), 4, node) == ("192.0.2.10",)
     assert nodeport_addresses(("primary",), 6, node) == ("fd00::10",)
-    assert nodeport_addresses(("primary",), 6, NodeInfo("node-b", addresses=("192.0.2.12",))) == ()
+    v4_only = NodeInfo("node-b", addresses=("192.0.2.12",))
+    assert nodeport_addresses(("primary",), 6, v4_only) is None, "no IPv6 primary: every address"
+    assert nodeport_addresses(("192.0.2.0/24",), 6, node) is None, "no IPv6 CIDR: every address"
+    assert nodeport_addresses((), 4, node) is None
     external_only_v4 = parse_node(
         {
             "metadata": {"name": "node-c"},

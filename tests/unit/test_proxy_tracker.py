@@ -90,6 +90,21 @@ def test_a_slice_moving_to_another_service_changes_both() -> None:
     assert set(state.take().services) == {("ns", "a"), ("ns", "b")}
 
 
+def test_change_totals_count_events_and_pending_counts_services() -> None:
+    state = ClusterState("node-a")
+    state.replace_services([svc("a")])
+    state.replace_slices([eps("a-1", "a")])
+    state.take()
+    state.slice_event("MODIFIED", eps("a-1", "a", "10.244.1.6"))
+    state.slice_event("MODIFIED", eps("a-1", "a", "10.244.1.7"))
+    state.slice_event("MODIFIED", eps("a-1", "a", "10.244.1.7"))
+    state.service_event("MODIFIED", svc("a", port=81))
+    assert state.pending() == (1, 1)
+    changes = state.take()
+    assert (changes.service_changes, changes.endpoint_changes) == (1, 2)
+    assert state.take().endpoint_changes == 0
+
+
 def with_trigger_time(obj: dict[str, Any], at: float) -> dict[str, Any]:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
     annotations = {"endpoints.kubernetes.io/last-change-trigger-time": stamp}
