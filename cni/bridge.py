@@ -22,7 +22,7 @@ from cni.links import (
     routes,
 )
 from cni.netconf import NetConf
-from cni.result import Interface, IPConfig, IPInterface, Result, Route
+from cni.result import Interface, IPAddress, IPConfig, IPInterface, Result, Route
 
 HOST_VETH_PREFIX = "knit"
 HAIRPIN = 1
@@ -47,8 +47,11 @@ def gateway_interfaces(ips: list[IPConfig]) -> list[IPInterface]:
 
 
 def container_routes(conf: NetConf, ipam: Result) -> list[Route]:
-    """IPAM's routes with gateways filled in per family, plus default routes if asked for."""
-    gateways = {g.version: g.ip for g in gateway_interfaces(ipam.ips)}
+    """IPAM's routes with gateways filled in per family, plus default routes if asked for;
+    a family's gateway is its first address's, as in the reference plugin."""
+    gateways: dict[int, IPAddress] = {}
+    for gateway in gateway_interfaces(ipam.ips):
+        gateways.setdefault(gateway.version, gateway.ip)
     filled = [Route(r.dst, r.gw or gateways.get(r.dst.version), r.extras) for r in ipam.routes]
     if conf.is_default_gateway:
         for version, gateway in gateways.items():
@@ -70,11 +73,12 @@ def ensure_bridge(ipr: IPRoute, conf: NetConf) -> Link:
     if bridge is None or bridge.kind != "bridge":
         raise CniError(Code.INVALID_NETWORK_CONFIG, f"{conf.bridge} exists and is not a bridge")
     with netlink_errors(f"cannot configure bridge {conf.bridge}"):
+        if conf.promisc_mode and not bridge.flags & IFF_PROMISC:
+            # A request of its own: pyroute2 takes flags= in place of the UP bit state= sets.
+            ipr.link("set", index=bridge.index, flags=IFF_PROMISC, mask=IFF_PROMISC)
         changes: dict[str, object] = {"state": "up"}
         if conf.mtu and bridge.mtu != conf.mtu:
             changes["mtu"] = conf.mtu
-        if conf.promisc_mode and not bridge.flags & IFF_PROMISC:
-            changes.update(flags=IFF_PROMISC, mask=IFF_PROMISC)
         ipr.link("set", index=bridge.index, **changes)
     return bridge
 
@@ -236,7 +240,8 @@ def setup(
         Interface(container.name, container.mac, sandbox=netns_path, mtu=container.mtu),
     ]
     ips = [IPConfig(ip.address, ip.gateway, interface=2) for ip in ipam.ips]
-    return Result(interfaces=interfaces, ips=ips, routes=route_list, dns=ipam.dns)
+    dns = ipam.dns if conf.dns is None else conf.dns
+    return Result(interfaces=interfaces, ips=ips, routes=route_list, dns=dns)
 
 
 def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Result) -> None:

@@ -7,18 +7,24 @@ Only when the daemon cannot answer does it import cni.plugin, to print the error
 would, in the call's cniVersion.
 
 Wire format, one call per connection (lengths are 4-byte big-endian):
-  request:  version byte, len + environment ("KEY=VALUE" joined by NUL: the CNI_* variables),
-            len + stdin
+  request:  version byte, sent alone with the descriptor of CNI_NETNS as SCM_RIGHTS ancillary
+            data (none when CNI_NETNS is empty), len + environment ("KEY=VALUE" joined by NUL:
+            the CNI_* variables), len + stdin
   response: version byte, exit code byte, len + stdout
 Each side checks the other's version byte first, so a plugin and a daemon of different
 protocol versions answer with a clear error instead of misreading each other.
+
+The plugin opens CNI_NETNS itself because the daemon lives in mount and PID namespaces of its
+own, where the runtime's path (/proc/<pid>/ns/net, a bind mount under the runtime's state
+directory) may name nothing or something else. When the plugin cannot open it, the call runs
+here and reports that as it would without a daemon.
 """
 
 import _socket
 import posix
 import sys
 
-PROTOCOL = 1
+PROTOCOL = 2
 FORWARDED = frozenset({b"ADD", b"CHECK", b"DEL"})
 ENV_PREFIX = b"CNI_"
 LENGTH_BYTES = 4
@@ -28,20 +34,38 @@ HEADER_BYTES = 2 + LENGTH_BYTES
 def main(socket_path: str | None) -> None:
     _drop_ld_library_path()
     if socket_path and posix.environ.get(b"CNI_COMMAND") in FORWARDED:
-        connection = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
-            connection.connect(socket_path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            connection.close()  # no daemon: the call runs here
-        except OSError as err:
-            connection.close()
-            reason = f"cannot reach the knit daemon at {socket_path}: {err}"
-            _finish(1, _error(reason, _read_all(0)))
+            netns_fd = open_netns()
+        except OSError:
+            pass  # the call runs here, and names the namespace it cannot open either
         else:
-            _finish(*_exchange(connection))
+            _forward(socket_path, netns_fd)
     from cni.plugin import main as in_process
 
     in_process()
+
+
+def open_netns() -> int | None:
+    """A descriptor of CNI_NETNS for the daemon; None when the call names no namespace."""
+    path = posix.environ.get(b"CNI_NETNS")
+    return posix.open(path, posix.O_RDONLY | posix.O_CLOEXEC) if path else None
+
+
+def _forward(socket_path: str, netns_fd: int | None) -> None:
+    """Print the daemon's answer and exit; return when no daemon listens."""
+    connection = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        connection.connect(socket_path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        connection.close()
+        if netns_fd is not None:
+            posix.close(netns_fd)
+        return
+    except OSError as err:
+        connection.close()
+        reason = f"cannot reach the knit daemon at {socket_path}: {err}"
+        _finish(1, _error(reason, _read_all(0)))
+    _finish(*_exchange(connection, netns_fd))
 
 
 def _drop_ld_library_path() -> None:
@@ -61,21 +85,30 @@ def encode_request(env: bytes, stdin: bytes) -> bytes:
     return b"".join((bytes((PROTOCOL,)), _length(env), env, _length(stdin), stdin))
 
 
-def _exchange(connection: _socket.socket) -> tuple[int, bytes]:
+def _exchange(connection: _socket.socket, netns_fd: int | None) -> tuple[int, bytes]:
     """Send the call and wait for its answer; never redo it here once the daemon has it."""
     stdin = _read_all(0)
-    _send(connection, encode_request(forwarded_environment(), stdin))
+    send_request(connection, encode_request(forwarded_environment(), stdin), netns_fd)
     answer = _receive_all(connection)
     connection.close()
     return decode_response(answer, stdin)
 
 
-def _send(connection: _socket.socket, request: bytes) -> None:
+def send_request(connection: _socket.socket, request: bytes, netns_fd: int | None) -> None:
+    """The version byte alone carries the descriptor, so the daemon finds it on its first read."""
     try:
-        connection.sendall(request)
+        connection.sendmsg([request[:1]], _rights(netns_fd))
+        connection.sendall(request[1:])
         connection.shutdown(_socket.SHUT_WR)
     except OSError:
         return  # the daemon left: what it answered before, if anything, is still readable
+
+
+def _rights(netns_fd: int | None) -> list[tuple[int, int, bytes]]:
+    """The descriptor as SCM_RIGHTS carries it, a C int (array would cost an import)."""
+    if netns_fd is None:
+        return []
+    return [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, netns_fd.to_bytes(4, sys.byteorder))]
 
 
 def decode_response(answer: bytes, stdin: bytes) -> tuple[int, bytes]:

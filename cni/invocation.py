@@ -22,6 +22,7 @@ KNOWN_ARGS = frozenset(
         "K8S_POD_INFRA_CONTAINER_ID",
         "K8S_POD_UID",
         "IP",
+        "MAC",
     }
 )
 # IFNAMSIZ less the terminating NUL: the kernel counts bytes, not characters.
@@ -40,9 +41,12 @@ class Invocation:
     # The call's own CNI_* variables, for a delegated plugin: a call served by the node
     # daemon must not see the daemon's environment.
     variables: dict[str, str] = field(default_factory=dict)
+    # CNI_NETNS opened by the caller (the fast path's plugin): the verbs use it in place of
+    # opening the path, which the node daemon may not resolve.
+    netns_fd: int | None = None
 
 
-def from_environ(environ: Mapping[str, str]) -> Invocation:
+def from_environ(environ: Mapping[str, str], netns_fd: int | None = None) -> Invocation:
     command = environ.get("CNI_COMMAND", "")
     if not command:
         raise CniError(Code.INVALID_ENV, "required env variable CNI_COMMAND is missing")
@@ -70,6 +74,7 @@ def from_environ(environ: Mapping[str, str]) -> Invocation:
         args=attachment_args(command, environ.get("CNI_ARGS", "")),
         cni_path=tuple(p for p in environ.get("CNI_PATH", "").split(":") if p),
         variables={k: v for k, v in environ.items() if k.startswith(CNI_PREFIX)},
+        netns_fd=netns_fd,
     )
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from cni.errors import CniError, Code
 from cni.invocation import MAX_IFNAME_BYTES
+from cni.result import DNS
 from cni.version import require_supported
 
 # Keys the runtime (libcni) inserts or that the spec defines for every plugin.
@@ -44,6 +46,7 @@ BRIDGE_OPTIONS = {
 MASQ_BACKENDS = ("iptables", "nftables")
 DEFAULT_BRIDGE = "cni0"
 MAX_VLAN = 4094
+DNS_LISTS = ("nameservers", "search", "options")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class NetConf:
     vlan: int = 0
     mac_spoof_check: bool = False
     enable_dad: bool = False
+    # The config's own dns: in the result in place of IPAM's when set (the reference's rule).
+    dns: DNS | None = None
 
 
 def parse_version_and_name(raw: dict[str, Any]) -> tuple[str, str]:
@@ -83,24 +88,27 @@ def parse(raw: dict[str, Any]) -> NetConf:
     if unknown:
         raise CniError(
             Code.UNSUPPORTED_FIELD,
-            f"unknown option(s) {', '.join(unknown)}",
+            f"unknown option(s) {describe_fields(raw, unknown)}",
             f"known options: {', '.join(sorted(BRIDGE_OPTIONS))}",
         )
     for key, kind in BRIDGE_OPTIONS.items():
         if key in raw and type(raw[key]) is not kind:
             raise CniError(Code.INVALID_NETWORK_CONFIG, f"option {key} must be a {kind.__name__}")
-    ipam = raw.get("ipam")
-    if not isinstance(ipam, dict) or not isinstance(ipam.get("type"), str):
-        raise CniError(Code.INVALID_NETWORK_CONFIG, "ipam with a type is required")
+    ipam = raw.get("ipam", {})
+    if not isinstance(ipam, dict) or not isinstance(ipam.get("type", ""), str):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "ipam must be an object with a string type")
+    # Without IPAM there is no address to route, gateway or masquerade: the reference bridge
+    # ignores those three options then, and so do we.
+    layer3 = bool(ipam.get("type"))
     conf = NetConf(
         cni_version=version,
         name=name,
         ipam=ipam,
         bridge=raw.get("bridge", DEFAULT_BRIDGE),
-        is_gateway=raw.get("isGateway", False) or raw.get("isDefaultGateway", False),
-        is_default_gateway=raw.get("isDefaultGateway", False),
+        is_gateway=layer3 and (raw.get("isGateway", False) or raw.get("isDefaultGateway", False)),
+        is_default_gateway=layer3 and raw.get("isDefaultGateway", False),
         force_address=raw.get("forceAddress", False),
-        ip_masq=raw.get("ipMasq", False),
+        ip_masq=layer3 and raw.get("ipMasq", False),
         ip_masq_backend=raw.get("ipMasqBackend", "iptables"),
         mtu=raw.get("mtu", 0),
         hairpin_mode=raw.get("hairpinMode", False),
@@ -108,9 +116,44 @@ def parse(raw: dict[str, Any]) -> NetConf:
         vlan=raw.get("vlan", 0),
         mac_spoof_check=raw.get("macspoofchk", False),
         enable_dad=raw.get("enabledad", False),
+        dns=parse_dns(raw.get("dns")),
     )
     _check_consistency(conf)
     return conf
+
+
+def describe_fields(raw: dict[str, Any], keys: list[str]) -> str:
+    """key=value for each key, as the spec wants code 2's message to name them."""
+    return ", ".join(f"{key}={json.dumps(raw[key])}" for key in keys)
+
+
+def parse_dns(raw: Any) -> DNS | None:
+    """The config's dns, or None when it sets nothing: no list (even an empty one) and no
+    domain, as the reference bridge decides."""
+    if raw is None:
+        return None
+    _check_dns(raw)
+    if all(raw.get(key) is None for key in DNS_LISTS) and not raw.get("domain"):
+        return None
+    return DNS(
+        nameservers=list(raw.get("nameservers") or []),
+        domain=raw.get("domain") or "",
+        search=list(raw.get("search") or []),
+        options=list(raw.get("options") or []),
+    )
+
+
+def _check_dns(raw: Any) -> None:
+    if not isinstance(raw, dict):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "dns must be an object")
+    for key in DNS_LISTS:
+        value = raw.get(key)
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(v, str) for v in value)
+        ):
+            raise CniError(Code.INVALID_NETWORK_CONFIG, f"dns.{key} must be a list of strings")
+    if not isinstance(raw.get("domain") or "", str):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "dns.domain must be a string")
 
 
 def _check_consistency(conf: NetConf) -> None:
@@ -123,6 +166,11 @@ def _check_consistency(conf: NetConf) -> None:
         problems.append(f"ipMasqBackend must be one of {MASQ_BACKENDS}")
     if not 0 <= conf.vlan <= MAX_VLAN:
         problems.append(f"vlan {conf.vlan} is outside 0-{MAX_VLAN}")
+    if conf.vlan and conf.is_gateway:
+        problems.append(
+            f"vlan {conf.vlan} cannot be used with isGateway or isDefaultGateway: the gateway "
+            "address would be on the bridge's VLAN 1 only, out of the pods' reach"
+        )
     if conf.mtu < 0 or 0 < conf.mtu < 68:
         problems.append(f"mtu {conf.mtu} is too small")
     if problems:

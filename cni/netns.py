@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from cni.errors import CniError, Code
 
 CLONE_NEWNET = 0x40000000
+NS_GET_NSTYPE = 0xB703  # _IO(0xb7, 0x3): the CLONE_NEW* kind of an nsfs descriptor
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -20,14 +22,27 @@ def _setns(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def open_netns(path: str) -> int:
-    """An fd for the namespace at path; CniError 3 when the container's netns is gone."""
+def open_netns(path: str, opened: int | None = None) -> int:
+    """An fd of the caller's own for the namespace at path, or for the one opened already
+    (the fast path's plugin opens CNI_NETNS); CniError 3 when the container's netns is gone or
+    path is not a network namespace."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if opened is None else os.dup(opened)
     except FileNotFoundError as err:
         raise CniError(Code.UNKNOWN_CONTAINER, f"network namespace {path} does not exist") from err
     except OSError as err:
         raise CniError(Code.IO_FAILURE, f"cannot open network namespace {path}: {err}") from err
+    if _namespace_kind(fd) != CLONE_NEWNET:
+        os.close(fd)
+        raise CniError(Code.UNKNOWN_CONTAINER, f"{path} is not a network namespace")
+    return fd
+
+
+def _namespace_kind(fd: int) -> int | None:
+    try:
+        return fcntl.ioctl(fd, NS_GET_NSTYPE)
+    except OSError:
+        return None  # not an nsfs file
 
 
 @contextmanager

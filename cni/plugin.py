@@ -50,14 +50,24 @@ def version_answer(stdin: bytes) -> dict[str, Any]:
     }
 
 
-def _requested_mac(raw: dict[str, Any]) -> str:
+def _requested_mac(raw: dict[str, Any], cni_args: dict[str, str]) -> str:
+    """runtimeConfig.mac, else args.cni.mac, else CNI_ARGS MAC=: the reference bridge's order."""
     mac = (
         (raw.get("runtimeConfig") or {}).get("mac")
         or (((raw.get("args") or {}).get("cni") or {}).get("mac"))
         or ""
     )
-    if mac and not (isinstance(mac, str) and MAC_PATTERN.fullmatch(mac)):
+    if not mac:
+        return _cni_args_mac(cni_args)
+    if not (isinstance(mac, str) and MAC_PATTERN.fullmatch(mac)):
         raise CniError(Code.INVALID_NETWORK_CONFIG, f"requested MAC {mac!r} is not a MAC address")
+    return mac
+
+
+def _cni_args_mac(cni_args: dict[str, str]) -> str:
+    mac = cni_args.get("MAC", "")
+    if mac and not MAC_PATTERN.fullmatch(mac):
+        raise CniError(Code.INVALID_ENV, f"CNI_ARGS: MAC {mac!r} is not a MAC address")
     return mac
 
 
@@ -93,10 +103,10 @@ def cmd_add(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> dict[s
     from cni import bridge, masq, netns, spoofcheck
 
     conf = netconf.parse(raw)
-    mac = _requested_mac(raw)
+    mac = _requested_mac(raw, invocation.args)
     ipam = ipam_module.for_config(raw, stdin, invocation)
     cid, ifname = invocation.container_id, invocation.ifname
-    netns_fd = netns.open_netns(invocation.netns)
+    netns_fd = netns.open_netns(invocation.netns, invocation.netns_fd)
     try:
         if bridge.container_has_interface(netns_fd, ifname):
             raise CniError(
@@ -169,7 +179,7 @@ def cmd_del(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
     netns_fd = None
     if invocation.netns:
         try:
-            netns_fd = netns.open_netns(invocation.netns)
+            netns_fd = netns.open_netns(invocation.netns, invocation.netns_fd)
         except CniError:
             netns_fd = None
     try:
@@ -197,7 +207,7 @@ def cmd_check(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None
         raise CniError(Code.INVALID_NETWORK_CONFIG, "CHECK needs a prevResult")
     prev = Result.from_json(raw["prevResult"])
     ipam_module.for_config(raw, stdin, invocation).check(invocation.container_id, invocation.ifname)
-    netns_fd = netns.open_netns(invocation.netns)
+    netns_fd = netns.open_netns(invocation.netns, invocation.netns_fd)
     try:
         bridge.check(conf, invocation.ifname, invocation.netns, netns_fd, prev)
     finally:
@@ -246,14 +256,17 @@ def cmd_gc(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
         )
 
 
-def execute(environ: Mapping[str, str], stdin: bytes) -> tuple[int, bytes]:
+def execute(
+    environ: Mapping[str, str], stdin: bytes, netns_fd: int | None = None
+) -> tuple[int, bytes]:
     """One call, from its CNI_* variables and stdin to (exit code, what it prints).
 
     The executable's in-process path and the node daemon's fast path (cni.server) both come
-    here, so the two give the same answer byte for byte.
+    here, so the two give the same answer byte for byte. netns_fd is CNI_NETNS opened by the
+    fast path's plugin; it stays the caller's to close.
     """
     try:
-        answer = run(from_environ(environ), stdin)
+        answer = run(from_environ(environ, netns_fd), stdin)
     except CniError as err:
         return 1, error_output(err, stdin)
     except Exception as err:

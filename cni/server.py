@@ -2,7 +2,8 @@
 
 Each connection carries one call (the wire format is in cni.client) and runs in its own
 thread, through cni.plugin.execute: the same code as the in-process path, with the call's
-forwarded CNI_* variables in place of the process environment.
+forwarded CNI_* variables in place of the process environment and the namespace the plugin
+opened in place of CNI_NETNS, which this daemon's mount and PID namespaces may not resolve.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from cni import client
@@ -33,6 +35,17 @@ LAZY_MODULES = ("cni.bridge", "cni.masq", "cni.spoofcheck", "cni.ipam.hostlocal"
 
 class ProtocolError(Exception):
     """A request this daemon cannot read; answered with an error, never executed."""
+
+
+@dataclass(frozen=True)
+class Request:
+    environ: dict[str, str]
+    stdin: bytes
+    netns_fd: int | None  # the plugin's descriptor of CNI_NETNS, closed after the call
+
+    def close(self) -> None:
+        if self.netns_fd is not None:
+            os.close(self.netns_fd)
 
 
 class CniServer:
@@ -89,19 +102,22 @@ class CniServer:
             with connection:
                 connection.settimeout(REQUEST_TIMEOUT)
                 try:
-                    environ, stdin = read_request(connection)
+                    request = read_request(connection)
                 except ProtocolError as err:
                     log.warning("CNI server: refused a call: %s", err)
                     connection.sendall(encode_response(1, error_json(str(err), b"")))
                     _drain(connection)
                     return
-                code, output = self._execute(environ, stdin)
+                try:
+                    code, output = self._execute(request)
+                finally:
+                    request.close()
                 connection.sendall(encode_response(code, output))
             log.info(
                 "CNI %s %s/%s: exit %d in %.1f ms",
-                environ.get("CNI_COMMAND"),
-                environ.get("CNI_CONTAINERID"),
-                environ.get("CNI_IFNAME"),
+                request.environ.get("CNI_COMMAND"),
+                request.environ.get("CNI_CONTAINERID"),
+                request.environ.get("CNI_IFNAME"),
                 code,
                 (time.monotonic() - start) * 1000,
             )
@@ -111,14 +127,14 @@ class CniServer:
             with self._lock:
                 self._in_flight.discard(threading.current_thread())
 
-    def _execute(self, environ: dict[str, str], stdin: bytes) -> tuple[int, bytes]:
-        command = environ.get("CNI_COMMAND", "")
+    def _execute(self, request: Request) -> tuple[int, bytes]:
+        command = request.environ.get("CNI_COMMAND", "")
         if command not in SERVED:
             verbs = ", ".join(sorted(SERVED))
-            return 1, error_json(f"the knit daemon serves {verbs}, not {command!r}", stdin)
+            return 1, error_json(f"the knit daemon serves {verbs}, not {command!r}", request.stdin)
         with self._lock:
             self.calls += 1
-        return execute(environ, stdin)
+        return execute(request.environ, request.stdin, request.netns_fd)
 
 
 def serve(socket_path: str) -> CniServer:
@@ -154,11 +170,34 @@ def _warm_up() -> None:
         importlib.import_module(name)
 
 
-def read_request(connection: socket.socket) -> tuple[dict[str, str], bytes]:
-    version = _receive_exactly(connection, 1)[0]
-    if version != client.PROTOCOL:
+def read_request(connection: socket.socket) -> Request:
+    """The call, with the namespace descriptor that came with its version byte, if any; a
+    request refused here leaves no descriptor open."""
+    version, fds, _, _ = socket.recv_fds(connection, 1, 1, socket.MSG_CMSG_CLOEXEC)
+    netns_fd = fds[0] if fds else None
+    try:
+        environ, stdin = _read_call(connection, version)
+        _check_netns(environ.get("CNI_NETNS", ""), netns_fd)
+    except BaseException:
+        if netns_fd is not None:
+            os.close(netns_fd)
+        raise
+    return Request(environ, stdin, netns_fd)
+
+
+def _check_netns(path: str, netns_fd: int | None) -> None:
+    if path and netns_fd is None:
+        raise ProtocolError(f"the plugin named CNI_NETNS {path} without passing its descriptor")
+    if netns_fd is not None and not path:
+        raise ProtocolError("the plugin passed a namespace descriptor without CNI_NETNS")
+
+
+def _read_call(connection: socket.socket, version: bytes) -> tuple[dict[str, str], bytes]:
+    if not version:
+        raise ProtocolError("the plugin closed the connection before sending its call")
+    if version[0] != client.PROTOCOL:
         raise ProtocolError(
-            f"the plugin speaks protocol {version}, this knit daemon speaks {client.PROTOCOL}"
+            f"the plugin speaks protocol {version[0]}, this knit daemon speaks {client.PROTOCOL}"
         )
     env = _receive_exactly(connection, _receive_length(connection, MAX_ENV_BYTES))
     stdin = _receive_exactly(connection, _receive_length(connection, MAX_STDIN_BYTES))

@@ -20,8 +20,29 @@ class Ipam(Protocol):
     def status(self) -> None: ...
 
 
+class Layer2Only:
+    """No IPAM type (the reference bridge's layer-2 mode): nothing to allocate or give back."""
+
+    def add(self, container_id: str, ifname: str) -> Result:
+        return Result()
+
+    def release(self, container_id: str, ifname: str) -> None:
+        pass
+
+    def check(self, container_id: str, ifname: str) -> None:
+        pass
+
+    def gc(self, valid: set[tuple[str, str]]) -> None:
+        pass
+
+    def status(self) -> None:
+        pass
+
+
 def for_config(raw: dict[str, Any], stdin: bytes, invocation: Invocation) -> Ipam:
-    plugin_type = raw["ipam"]["type"]
+    plugin_type = raw.get("ipam", {}).get("type")
+    if not plugin_type:
+        return Layer2Only()
     if plugin_type == "host-local":
         from cni.ipam.hostlocal import HostLocal, parse_conf
 

@@ -57,15 +57,21 @@ class Delegate:
             ) from None
 
     def add(self, container_id: str, ifname: str) -> Result:
-        """The plugin's Result; one that cannot be decoded is given back (DEL), so the address
-        it holds does not leak."""
+        """The plugin's Result; one that cannot be decoded or holds no address is given back
+        (DEL), so what the plugin reserved does not leak."""
         answer = self._call("ADD")
         try:
-            return _decode(answer)
+            result = _decode(answer)
+            if not result.ips:
+                raise CniError(
+                    Code.DELEGATE_FAILURE,
+                    f"IPAM plugin {self.plugin_type} returned missing IP config",
+                )
         except CniError:
             with contextlib.suppress(CniError):
                 self._call("DEL")
             raise
+        return result
 
     def release(self, container_id: str, ifname: str) -> None:
         self._call("DEL")

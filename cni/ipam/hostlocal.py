@@ -11,6 +11,7 @@ from typing import Any
 
 from cni.errors import CniError, Code
 from cni.ipam.store import Store
+from cni.netconf import describe_fields
 from cni.result import DNS, IPAddress, IPConfig, IPNetwork, Result, Route, parse_route
 
 DEFAULT_DATA_DIR = "/var/lib/cni/networks"
@@ -104,7 +105,9 @@ def parse_conf(raw: dict[str, Any], network: str, cni_args: dict[str, str]) -> H
     ipam = raw["ipam"]
     unknown = sorted(set(ipam) - IPAM_KEYS)
     if unknown:
-        raise CniError(Code.UNSUPPORTED_FIELD, f"unknown host-local option(s) {', '.join(unknown)}")
+        raise CniError(
+            Code.UNSUPPORTED_FIELD, f"unknown host-local option(s) {describe_fields(ipam, unknown)}"
+        )
     raw_sets: list[Any] = list((raw.get("runtimeConfig") or {}).get("ipRanges") or [])
     if ipam.get("subnet"):
         raw_sets.append(
@@ -268,7 +271,7 @@ class HostLocal:
 
     def release(self, container_id: str, ifname: str) -> None:
         with self.store.locked():
-            for ip in self.store.owned_by(container_id, ifname):
+            for ip in self.store.released_by(container_id, ifname):
                 self.store.release(ip)
 
     def check(self, container_id: str, ifname: str) -> None:

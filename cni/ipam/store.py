@@ -90,5 +90,13 @@ class Store:
             if owner == cid and owner_ifname in (ifname, "")
         ]
 
+    def released_by(self, container_id: str, ifname: str) -> list[IPAddress]:
+        """What DEL gives back: the attachment's addresses, or when it has none, those of old
+        files naming its container (the reference's ReleaseByID)."""
+        cid = container_id.strip()
+        reservations = self.reservations().items()
+        current = [ip for ip, owner in reservations if owner == (cid, ifname)]
+        return current or [ip for ip, owner in reservations if owner == (cid, "")]
+
     def release(self, ip: IPAddress) -> None:
         (self.directory / str(ip)).unlink(missing_ok=True)

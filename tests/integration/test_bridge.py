@@ -282,6 +282,74 @@ def test_mtu_hairpin_and_promisc(node):
     assert "PROMISC" in node.ns.ip("link", "show", "kbr0")
 
 
+def link_flags(ns: Netns, name: str) -> list[str]:
+    return json.loads(ns.run("ip", "-j", "link", "show", name).stdout)[0]["flags"]
+
+
+def test_promisc_mode_on_a_new_bridge_leaves_it_up(node):
+    pod = node.add_pod(bridge_conf(node.data_dir, promiscMode=True), "promisc-first")
+    assert {"UP", "PROMISC"} <= set(link_flags(node.ns, "kbr0"))
+    node.ns.serve("10.244.1.1", 9090)
+    assert pod.ns.request("10.244.1.1", 9090) == pod.address()
+
+
+def global_addresses(ns: Netns, name: str) -> list[str]:
+    info = json.loads(ns.run("ip", "-j", "addr", "show", name).stdout)[0]["addr_info"]
+    return [a["local"] for a in info if a["scope"] != "link"]
+
+
+def test_without_an_ipam_type_a_pod_gets_a_layer_2_port(node):
+    conf = {**bridge_conf(node.data_dir, ipMasq=True), "ipam": {}}
+    pods = [node.add_pod(conf, f"l2-{i}") for i in range(2)]
+    result = pods[0].result
+    assert [i["name"] for i in result["interfaces"]][::2] == ["kbr0", "eth0"]
+    assert "ips" not in result and "routes" not in result
+    assert global_addresses(node.ns, "kbr0") == [], "isGateway needs addresses to set"
+    assert node.knit_rules() == [], "ipMasq needs addresses to masquerade"
+    for i, pod in enumerate(pods):
+        assert "UP" in link_flags(pod.ns, "eth0")
+        assert global_addresses(pod.ns, "eth0") == []
+        assert pod.ns.ip("-4", "route") == "" and "default" not in pod.ns.ip("-6", "route")
+        pod.ns.run("ip", "addr", "add", f"192.0.2.{i + 1}/24", "dev", "eth0")
+    pods[0].ns.serve("192.0.2.1", 8080)
+    assert pods[1].ns.request("192.0.2.1", 8080) == "192.0.2.2", "the bridge carries frames"
+    for pod in pods:
+        pod.ns.run("ip", "addr", "flush", "dev", "eth0")
+        assert node.call("CHECK", node.with_prev(conf, pod), pod).code == 0
+        assert node.call("DEL", node.with_prev(conf, pod), pod).code == 0
+        assert "eth0" not in pod.ns.ip("link")
+    assert node.leftovers() == {}
+
+
+def test_cni_args_mac_comes_after_args_and_runtime_config(node, make_netns):
+    macs = ["0a:58:00:00:00:01", "0a:58:00:00:00:02", "0a:58:00:00:00:03"]
+    cni_args = f"IgnoreUnknown=1;K8S_POD_NAME=p;MAC={macs[0]}"
+    confs = [
+        bridge_conf(node.data_dir),
+        bridge_conf(node.data_dir, args={"cni": {"mac": macs[1]}}),
+        bridge_conf(node.data_dir, args={"cni": {"mac": macs[1]}}, runtimeConfig={"mac": macs[2]}),
+    ]
+    for i, (conf, mac) in enumerate(zip(confs, macs, strict=True)):
+        pod_ns = make_netns("pod")
+        answer = node.call("ADD", conf, container_id=f"mac{i}", netns=pod_ns.path, args=cni_args)
+        assert answer.code == 0, answer
+        assert answer.output["interfaces"][2]["mac"] == mac
+        assert f"link/ether {mac}" in pod_ns.ip("link", "show", "eth0")
+
+
+def test_the_configs_dns_replaces_ipams(node, tmp_path):
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 10.0.0.53\nsearch from-ipam\n")
+    conf = bridge_conf(node.data_dir)
+    conf["ipam"]["resolvConf"] = str(resolv)
+    assert node.add_pod(conf, "dns-ipam").result["dns"] == {
+        "nameservers": ["10.0.0.53"],
+        "search": ["from-ipam"],
+    }
+    dns = {"nameservers": ["10.96.0.10"], "domain": "cluster.local", "options": ["ndots:5"]}
+    assert node.add_pod({**conf, "dns": dns}, "dns-conf").result["dns"] == dns
+
+
 def test_hairpin_lets_a_pod_reach_itself_through_the_node(node):
     conf = bridge_conf(node.data_dir, hairpinMode=True)
     pod = node.add_pod(conf, "hairpin")
@@ -353,7 +421,7 @@ def test_vlan_is_refused_cleanly_by_a_kernel_without_bridge_vlan_filtering(node)
     )
     if probe.returncode == 0:
         pytest.skip("kernel has bridge VLAN filtering; covered where it is missing")
-    conf = bridge_conf(node.data_dir, vlan=100)
+    conf = bridge_conf(node.data_dir, vlan=100, isGateway=False, isDefaultGateway=False)
     pod_ns = node.make_netns("pod")
     answer = node.call("ADD", conf, container_id="vlan", netns=pod_ns.path)
     assert answer.output["code"] == 101 and "cannot create bridge kbr0" in answer.output["msg"]

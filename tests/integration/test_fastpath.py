@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,12 +72,14 @@ class Daemon:
         self.proc.wait(timeout=30)
 
 
-@pytest.fixture
-def daemon(node: Node, tmp_path: Path) -> Iterator[Daemon]:
-    """cni.server running inside the node namespace."""
-    socket_path, log = tmp_path / "run" / "cni.sock", tmp_path / "daemon.log"
+@contextmanager
+def running_daemon(node: Node, directory: Path, through: Sequence[str] = ()) -> Iterator[Daemon]:
+    """cni.server inside the node namespace, started through a command prefix if given."""
+    directory.mkdir(exist_ok=True)
+    socket_path, log = directory / "run" / "cni.sock", directory / "daemon.log"
+    server = [sys.executable, "-c", SERVER, str(socket_path), str(log)]
     proc = subprocess.Popen(
-        ["ip", "netns", "exec", node.ns.name, sys.executable, "-c", SERVER, socket_path, log],
+        ["ip", "netns", "exec", node.ns.name, *through, *server],
         cwd=ROOT,
         # A call must never see the daemon's own environment (see the delegation test).
         env={**os.environ, "CNI_CONTAINERID": "the-daemons-own"},
@@ -94,6 +97,19 @@ def daemon(node: Node, tmp_path: Path) -> Iterator[Daemon]:
 
 
 @pytest.fixture
+def daemon(node: Node, tmp_path: Path) -> Iterator[Daemon]:
+    with running_daemon(node, tmp_path) as served:
+        yield served
+
+
+def in_own_mount_namespace(mount: str, *args: str) -> list[str]:
+    """A command prefix: the command after it runs in a mount namespace of its own, once
+    `mount` (a shell command, given args as $1...) has run there."""
+    script = f'{mount} && shift {len(args)} && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *args]
+
+
+@pytest.fixture
 def launchers(tmp_path: Path, daemon: Daemon) -> dict[str, Path]:
     return {
         "in-process": build_launcher(tmp_path / "plain", None),
@@ -102,7 +118,12 @@ def launchers(tmp_path: Path, daemon: Daemon) -> dict[str, Path]:
 
 
 def raw_call(
-    node: Node, launcher: Path, command: str, stdin: bytes, **env: str
+    node: Node,
+    launcher: Path,
+    command: str,
+    stdin: bytes,
+    through: Sequence[str] = (),
+    **env: str,
 ) -> tuple[int, bytes]:
     full_env = {
         "PATH": os.environ["PATH"],
@@ -111,7 +132,7 @@ def raw_call(
         "CNI_PATH": f"{PLUGIN_DIR}:{REFERENCE_DIR}",
         **env,
     }
-    done = node.ns.run(str(launcher), stdin=stdin, env=full_env, check=False)
+    done = node.ns.run(*through, str(launcher), stdin=stdin, env=full_env, check=False)
     return done.returncode, done.stdout
 
 
@@ -213,7 +234,8 @@ def test_errors_are_byte_identical(node, make_netns, tmp_path, launchers, daemon
         assert answers["fast"] == answers["in-process"]
         code, output = answers["fast"]
         assert code == 1 and json.loads(output)["code"] == expected, output
-    daemon.wait_served(["ADD"] * len(cases))
+    # The plugin runs the call naming a namespace it cannot open itself.
+    daemon.wait_served(["ADD"] * (len(cases) - 1))
     assert node.leftovers() == {}
 
 
@@ -287,7 +309,9 @@ def test_a_daemon_gone_mid_call_gives_an_error_and_nothing_is_redone(node, make_
     def take_the_call_and_die() -> None:
         connection, _ = listener.accept()
         with connection:
-            received.append(read_request(connection))
+            request = read_request(connection)
+            request.close()
+            received.append(request)
 
     thread = threading.Thread(target=take_the_call_and_die)
     thread.start()
@@ -301,8 +325,39 @@ def test_a_daemon_gone_mid_call_gives_an_error_and_nothing_is_redone(node, make_
     error = json.loads(output)
     assert error["code"] == 199 and error["cniVersion"] == "1.1.0"
     assert "closed the connection before answering" in error["msg"]
-    environ, forwarded_stdin = received[0]
-    assert environ["CNI_COMMAND"] == "ADD" and forwarded_stdin == stdin
+    environ = received[0].environ
+    assert environ["CNI_COMMAND"] == "ADD" and received[0].stdin == stdin
     assert "PATH" not in environ, "only the CNI_* variables are forwarded"
     assert "eth0" not in pod.ip("link")
     assert node.leftovers() == {}
+
+
+def test_a_namespace_the_daemon_cannot_see_is_served_through_the_plugins_descriptor(
+    node, make_netns, tmp_path
+):
+    """The runtime's CNI_NETNS names nothing in the daemon's mount namespace (as /proc/<pid>/
+    ns/net or a runtime's private bind mount would not): the plugin's descriptor carries it."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    netns_file = hidden / "pod-netns"
+    netns_file.touch()
+    pod = make_netns("pod")
+    hide = in_own_mount_namespace('mount -t tmpfs knit-test "$1"', str(hidden))
+    runtime = in_own_mount_namespace('mount --bind "$1" "$2"', pod.path, str(netns_file))
+    with running_daemon(node, tmp_path / "daemon", through=hide) as daemon:
+        assert not Path(f"/proc/{daemon.proc.pid}/root{netns_file}").exists()
+        launcher = build_launcher(tmp_path / "fast", daemon.socket_path)
+        conf = bridge_conf(node.data_dir)
+        env = {"CNI_CONTAINERID": "hidden", "CNI_NETNS": str(netns_file)}
+        code, added = raw_call(node, launcher, "ADD", json.dumps(conf).encode(), runtime, **env)
+        assert code == 0, added
+        result = json.loads(added)
+        assert result["interfaces"][2]["sandbox"] == str(netns_file)
+        assert "eth0" in pod.ip("link")
+        prev = json.dumps({**conf, "prevResult": result}).encode()
+        assert raw_call(node, launcher, "CHECK", prev, runtime, **env) == (0, b"")
+        assert raw_call(node, launcher, "DEL", prev, runtime, **env) == (0, b"")
+        assert "eth0" not in pod.ip("link")
+        assert node.leftovers() == {}
+        daemon.wait_served(["ADD", "CHECK", "DEL"])
+        assert daemon.served() == ["ADD", "CHECK", "DEL"], "the daemon served, in that order"

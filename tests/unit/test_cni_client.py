@@ -9,20 +9,27 @@ import socket
 import stat
 import subprocess
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from cni import client, plugin
+from cni import client, plugin, version
 from cni.errors import CniError, Code
 from cni.invocation import from_environ
 from cni.ipam.delegate import Delegate
 from cni.server import encode_response, read_request, serve
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-ADD_ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/x", "CNI_IFNAME": "eth0"}
+OWN_NETNS = "/proc/self/ns/net"  # one every process can open: the client opens CNI_NETNS
+ADD_ENV = {
+    "CNI_COMMAND": "ADD",
+    "CNI_CONTAINERID": "c1",
+    "CNI_NETNS": OWN_NETNS,
+    "CNI_IFNAME": "eth0",
+}
 CONF = b'{"cniVersion": "1.0.0", "name": "n", "type": "knit"}'
 
 
@@ -77,24 +84,69 @@ def stand_in(tmp_path: Path) -> Iterator[Callable[[Callable[[socket.socket], Non
         listener.close()
 
 
-def test_the_daemons_answer_is_printed_with_its_exit_code(stand_in):
-    received = []
+Received = list[tuple[dict[str, str], bytes, int | None]]
+
+
+def take(received: Received) -> Callable[[socket.socket], None]:
+    """A stand-in's handler: note the call (its namespace by inode) and answer exit 3."""
 
     def answer(connection: socket.socket) -> None:
-        received.append(read_request(connection))
+        request = read_request(connection)
+        inode = None if request.netns_fd is None else os.fstat(request.netns_fd).st_ino
+        request.close()
+        received.append((request.environ, request.stdin, inode))
         connection.sendall(encode_response(3, b'{"any": "bytes"}\n'))
 
-    path = stand_in(answer)
+    return answer
+
+
+def test_the_daemons_answer_is_printed_with_its_exit_code(stand_in):
+    received: Received = []
+    path = stand_in(take(received))
     done = run_client(path, {**ADD_ENV, "OTHER": "x", "CNI_ARGS": "K8S_POD_NAME=p"})
     assert (done.returncode, done.stdout, done.stderr) == (3, b'{"any": "bytes"}\n', b"")
-    environ, stdin = received[0]
+    environ, stdin, _ = received[0]
     assert environ == {**ADD_ENV, "CNI_ARGS": "K8S_POD_NAME=p"}, "only CNI_* is forwarded"
     assert stdin == CONF
 
 
+def test_the_plugin_passes_the_namespace_it_opened(stand_in):
+    received: Received = []
+    done = run_client(stand_in(take(received)), ADD_ENV)
+    assert done.returncode == 3
+    assert received[0][2] == os.stat(OWN_NETNS).st_ino, "the client's netns came along"
+
+
+@pytest.mark.parametrize("netns", ["", None])
+def test_a_del_without_a_namespace_is_forwarded_without_a_descriptor(stand_in, netns):
+    received: Received = []
+    env = {**ADD_ENV, "CNI_COMMAND": "DEL"}
+    if netns is None:
+        del env["CNI_NETNS"]
+    else:
+        env["CNI_NETNS"] = netns
+    assert run_client(stand_in(take(received)), env).returncode == 3
+    assert received[0][2] is None
+
+
+def test_a_namespace_the_plugin_cannot_open_is_not_forwarded(tmp_path):
+    path = tmp_path / "cni.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        listener.setblocking(False)
+        env = {**ADD_ENV, "CNI_NETNS": str(tmp_path / "gone")}
+        with_pyroute2 = f"sys.path.append({sysconfig.get_paths()['purelib']!r}); "
+        done = run_client(path, env, prelude=with_pyroute2)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    assert (done.returncode, done.stdout) == plugin.execute(env, CONF)
+    assert json.loads(done.stdout)["code"] == Code.UNKNOWN_CONTAINER
+
+
 def test_a_forwarded_call_imports_only_c_modules(stand_in):
     def answer(connection: socket.socket) -> None:
-        read_request(connection)
+        read_request(connection).close()
         connection.sendall(encode_response(0, b""))
 
     path = stand_in(answer)
@@ -117,7 +169,7 @@ def test_a_forwarded_call_imports_only_c_modules(stand_in):
 
 
 def test_a_daemon_gone_before_answering_gives_the_error_json(stand_in):
-    path = stand_in(read_request)
+    path = stand_in(lambda connection: read_request(connection).close())
     done = run_client(path, ADD_ENV)
     assert done.returncode == 1
     error = json.loads(done.stdout)
@@ -140,7 +192,7 @@ def test_an_unreachable_daemon_is_named_in_the_calls_version(tmp_path):
 
 def test_a_half_answer_is_not_taken_for_an_answer(stand_in):
     def half(connection: socket.socket) -> None:
-        read_request(connection)
+        read_request(connection).close()
         connection.sendall(encode_response(0, b'{"cniVersion": "1.1.0"}\n')[:-5])
 
     done = run_client(stand_in(half), ADD_ENV)
@@ -195,19 +247,29 @@ def server(tmp_path: Path) -> Iterator[Path]:
     served.close()
 
 
-def exchange(path: Path, request: bytes) -> bytes:
+def exchange(path: Path, request: bytes, netns_fd: int | None = None) -> bytes:
     with socket.socket(socket.AF_UNIX) as connection:
         connection.connect(str(path))
-        connection.sendall(request)
+        client.send_request(connection, request, netns_fd)
         chunks = []
         while chunk := connection.recv(1 << 16):
             chunks.append(chunk)
     return b"".join(chunks)
 
 
-def call(path: Path, environ: dict[str, str], stdin: bytes) -> tuple[int, bytes]:
+def call(
+    path: Path, environ: dict[str, str], stdin: bytes, netns: str | None = None
+) -> tuple[int, bytes]:
+    """A call as the plugin makes it, with a descriptor of netns (by default CNI_NETNS)."""
     env = b"\0".join(f"{k}={v}".encode() for k, v in environ.items())
-    return client.decode_response(exchange(path, client.encode_request(env, stdin)), stdin)
+    netns = environ.get("CNI_NETNS") if netns is None else netns
+    netns_fd = os.open(netns, os.O_RDONLY) if netns else None
+    try:
+        answer = exchange(path, client.encode_request(env, stdin), netns_fd)
+    finally:
+        if netns_fd is not None:
+            os.close(netns_fd)
+    return client.decode_response(answer, stdin)
 
 
 def test_the_server_answers_as_the_plugin_does(server):
@@ -217,6 +279,27 @@ def test_the_server_answers_as_the_plugin_does(server):
         ({**ADD_ENV, "CNI_COMMAND": "DEL"}, b'{"cniVersion": "9.9.9", "name": "n"}'),
     ]:
         assert call(server, env, stdin) == plugin.execute(env, stdin)
+
+
+def test_the_server_refuses_a_namespace_without_its_descriptor(server):
+    code, output = call(server, ADD_ENV, CONF, netns="")
+    assert code == 1
+    assert json.loads(output) == {
+        "cniVersion": version.LATEST,
+        "code": 199,
+        "msg": f"the plugin named CNI_NETNS {OWN_NETNS} without passing its descriptor",
+    }
+
+
+def test_a_descriptor_that_is_not_a_network_namespace_is_named(server, tmp_path):
+    not_a_netns = tmp_path / "file"
+    not_a_netns.write_text("")
+    env = {**ADD_ENV, "CNI_NETNS": str(not_a_netns)}
+    answer = call(server, env, CONF)
+    assert answer == plugin.execute(env, CONF)
+    error = json.loads(answer[1])
+    assert error["code"] == Code.UNKNOWN_CONTAINER
+    assert error["msg"] == f"{not_a_netns} is not a network namespace"
 
 
 def test_the_server_serves_only_attachment_verbs(server):
@@ -296,4 +379,19 @@ def test_an_undecodable_delegated_add_is_given_back(tmp_path, answer):
     with pytest.raises(CniError) as err:
         Delegate("odd-ipam", b"{}", invocation).add("c1", "eth0")
     assert err.value.code == Code.DECODE_FAILURE
+    assert (tmp_path / "calls").read_text().split() == ["ADD", "DEL"]
+
+
+def test_a_delegated_add_without_addresses_is_given_back(tmp_path):
+    script = tmp_path / "empty-ipam"
+    script.write_text(
+        f'#!/bin/sh\necho "$CNI_COMMAND" >> "{tmp_path}/calls"\n'
+        '[ "$CNI_COMMAND" = ADD ] && printf \'{"cniVersion": "1.0.0", "dns": {}}\'\nexit 0\n'
+    )
+    script.chmod(0o755)
+    invocation = from_environ({**ADD_ENV, "CNI_PATH": str(tmp_path)})
+    with pytest.raises(CniError) as err:
+        Delegate("empty-ipam", b"{}", invocation).add("c1", "eth0")
+    assert err.value.code == Code.DELEGATE_FAILURE
+    assert err.value.msg == "IPAM plugin empty-ipam returned missing IP config"
     assert (tmp_path / "calls").read_text().split() == ["ADD", "DEL"]

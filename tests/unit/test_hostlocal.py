@@ -186,3 +186,22 @@ def test_concurrent_allocations_are_distinct(tmp_path):
         t.join()
     assert len(set(results)) == 32
     assert all(ipaddress.ip_interface(r) in ipaddress.ip_network("10.1.0.0/24") for r in results)
+
+
+def test_an_unknown_option_is_code_2_naming_key_and_value(tmp_path):
+    with pytest.raises(CniError) as err:
+        make(tmp_path, [[{"subnet": "10.1.0.0/24"}]], resolvconf="/etc/resolv.conf")
+    assert err.value.code == Code.UNSUPPORTED_FIELD
+    assert err.value.msg == 'unknown host-local option(s) resolvconf="/etc/resolv.conf"'
+
+
+def test_release_takes_old_format_files_only_when_no_current_one_matches(tmp_path):
+    ipam = make(tmp_path, [[{"subnet": "10.1.0.0/24"}]])
+    ipam.add("c", "eth0")
+    old = tmp_path / "net1" / "10.1.0.99"
+    old.write_text("c")  # the container's reservation from a plugin before ifnames
+    ipam.release("c", "eth0")
+    assert not (tmp_path / "net1" / "10.1.0.2").exists()
+    assert old.exists(), "the reference's ReleaseByID keeps it while a current file matched"
+    ipam.release("c", "eth0")
+    assert not old.exists()

@@ -11,7 +11,7 @@ from cni import netconf, plugin, version
 from cni.errors import CniError, Code
 from cni.firewall import Tag
 from cni.invocation import from_environ, parse_cni_args
-from cni.result import Result
+from cni.result import DNS, Result
 
 BASE_ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "abc", "CNI_NETNS": "/x", "CNI_IFNAME": "eth0"}
 PREV = {
@@ -113,9 +113,60 @@ def test_a_requested_mac_must_be_a_whole_mac_address(mac):
 
 def test_unknown_option_is_named_with_code_2():
     with pytest.raises(CniError) as err:
-        netconf.parse(conf(hairpinmode=True))
+        netconf.parse(conf(hairpinmode=True, promisc="on"))
     assert err.value.code == Code.UNSUPPORTED_FIELD
-    assert "hairpinmode" in err.value.msg
+    assert err.value.msg == 'unknown option(s) hairpinmode=true, promisc="on"'
+
+
+def test_a_bad_mac_in_cni_args_is_code_4():
+    env = {**BASE_ENV, "CNI_ARGS": "MAC=aa:bb:cc:dd:ee"}
+    code, output = plugin.execute(env, json.dumps(conf()).encode())
+    answer = json.loads(output)
+    assert code == 1 and answer["code"] == Code.INVALID_ENV
+    assert answer["msg"] == "CNI_ARGS: MAC 'aa:bb:cc:dd:ee' is not a MAC address"
+
+
+@pytest.mark.parametrize("ipam", [{}, {"type": ""}, "absent"])
+def test_without_an_ipam_type_there_is_no_gateway_and_no_masquerade(ipam):
+    raw = conf(isDefaultGateway=True, ipMasq=True, vlan=7)
+    if ipam == "absent":
+        del raw["ipam"]
+    else:
+        raw["ipam"] = ipam
+    parsed = netconf.parse(raw)
+    assert not (parsed.is_gateway or parsed.is_default_gateway or parsed.ip_masq)
+
+
+@pytest.mark.parametrize("ipam", [{"type": 5}, [], None])
+def test_an_ipam_that_is_not_an_object_with_a_string_type_is_code_7(ipam):
+    with pytest.raises(CniError) as err:
+        netconf.parse(conf(ipam=ipam))
+    assert err.value.code == Code.INVALID_NETWORK_CONFIG
+
+
+@pytest.mark.parametrize(
+    ("dns", "expected"),
+    [
+        (None, None),
+        ({}, None),
+        ({"domain": ""}, None),
+        ({"nameservers": []}, DNS()),
+        ({"domain": "cluster.local"}, DNS(domain="cluster.local")),
+        (
+            {"nameservers": ["10.96.0.10"], "search": ["svc"], "options": ["ndots:5"]},
+            DNS(nameservers=["10.96.0.10"], search=["svc"], options=["ndots:5"]),
+        ),
+    ],
+)
+def test_the_configs_dns_counts_when_it_sets_a_field(dns, expected):
+    assert netconf.parse(conf(dns=dns)).dns == expected
+
+
+@pytest.mark.parametrize("dns", [["10.0.0.1"], {"nameservers": "10.0.0.1"}, {"domain": 5}])
+def test_a_malformed_dns_is_code_7(dns):
+    with pytest.raises(CniError) as err:
+        netconf.parse(conf(dns=dns))
+    assert err.value.code == Code.INVALID_NETWORK_CONFIG
 
 
 @pytest.mark.parametrize(
@@ -123,6 +174,8 @@ def test_unknown_option_is_named_with_code_2():
     [
         ({"hairpinMode": True, "promiscMode": True}, "cannot both be set"),
         ({"vlan": 5000}, "vlan 5000"),
+        ({"vlan": 100, "isGateway": True}, "cannot be used with isGateway or isDefaultGateway"),
+        ({"vlan": 100, "isDefaultGateway": True}, "out of the pods' reach"),
         ({"mtu": 10}, "mtu 10"),
         ({"ipMasqBackend": "pf"}, "ipMasqBackend"),
         ({"isGateway": "yes"}, "isGateway must be a bool"),
