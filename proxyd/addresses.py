@@ -38,9 +38,8 @@ def nodeport_addresses(
         for s in selectors
         if s != "primary" and ipaddress.ip_network(s, strict=False).version == family
     ]
-    primary = next((a for a in node.addresses if ipaddress.ip_address(a).version == family), None)
-    if "primary" not in selectors:
-        primary = None
+    of_family = (a for a in node.addresses if ipaddress.ip_address(a).version == family)
+    primary = next(of_family, None) if "primary" in selectors else None
     if not networks and primary is None:
         return None
     chosen = {primary} if primary is not None else set()
