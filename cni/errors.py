@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Mapping
 from enum import IntEnum
 
 
@@ -34,6 +36,14 @@ class CniError(Exception):
         self.code = int(code)
         self.msg = msg
         self.details = details
+
+    @classmethod
+    def unsupported_fields(
+        cls, what: str, raw: Mapping[str, object], keys: Iterable[str], details: str = ""
+    ) -> CniError:
+        """Code 2, naming each field with its value as the spec asks."""
+        fields = ", ".join(f"{key}={json.dumps(raw[key])}" for key in keys)
+        return cls(Code.UNSUPPORTED_FIELD, f"unknown {what}(s) {fields}", details)
 
     def to_json(self, cni_version: str) -> dict[str, object]:
         out: dict[str, object] = {"cniVersion": cni_version, "code": self.code, "msg": self.msg}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -86,10 +85,8 @@ def parse(raw: dict[str, Any]) -> NetConf:
     version, name = parse_version_and_name(raw)
     unknown = sorted(set(raw) - RUNTIME_KEYS - set(BRIDGE_OPTIONS))
     if unknown:
-        raise CniError(
-            Code.UNSUPPORTED_FIELD,
-            f"unknown option(s) {describe_fields(raw, unknown)}",
-            f"known options: {', '.join(sorted(BRIDGE_OPTIONS))}",
+        raise CniError.unsupported_fields(
+            "option", raw, unknown, f"known options: {', '.join(sorted(BRIDGE_OPTIONS))}"
         )
     for key, kind in BRIDGE_OPTIONS.items():
         if key in raw and type(raw[key]) is not kind:
@@ -120,11 +117,6 @@ def parse(raw: dict[str, Any]) -> NetConf:
     )
     _check_consistency(conf)
     return conf
-
-
-def describe_fields(raw: dict[str, Any], keys: list[str]) -> str:
-    """key=value for each key, as the spec wants code 2's message to name them."""
-    return ", ".join(f"{key}={json.dumps(raw[key])}" for key in keys)
 
 
 def parse_dns(raw: Any) -> DNS | None:

@@ -11,7 +11,6 @@ from typing import Any
 
 from cni.errors import CniError, Code
 from cni.ipam.store import Store
-from cni.netconf import describe_fields
 from cni.result import DNS, IPAddress, IPConfig, IPNetwork, Result, Route, parse_route
 
 DEFAULT_DATA_DIR = "/var/lib/cni/networks"
@@ -105,9 +104,7 @@ def parse_conf(raw: dict[str, Any], network: str, cni_args: dict[str, str]) -> H
     ipam = raw["ipam"]
     unknown = sorted(set(ipam) - IPAM_KEYS)
     if unknown:
-        raise CniError(
-            Code.UNSUPPORTED_FIELD, f"unknown host-local option(s) {describe_fields(ipam, unknown)}"
-        )
+        raise CniError.unsupported_fields("host-local option", ipam, unknown)
     raw_sets: list[Any] = list((raw.get("runtimeConfig") or {}).get("ipRanges") or [])
     if ipam.get("subnet"):
         raw_sets.append(

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from kubernetes.client import ApiClient
 
-from deploy.lab.controlplane import ControlPlane, NetnsForward
+from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import Kube
-from tests.conftest import ROOT, Netns, netns_factory, unique_name
+from tests.conftest import ROOT, Netns, netns_factory
 from tests.integration.cni_env import Node
-from tests.integration.proxy_env import ProxyNode, node_object, setup_node
+from tests.integration.proxy_env import ProxyNode, running_proxy_node
 
 
 @pytest.fixture(scope="session")
@@ -54,31 +54,18 @@ def proxy_node(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ProxyNode]:
     """A node running knit-proxyd against the real API server, with an outside host."""
-    tmp = tmp_path_factory.mktemp("proxy-node")
-    node_ns = module_netns("node")
-    forward = NetnsForward(node_ns.name, control_plane.port)
     kube = Kube(kube_api)
-    proxy: ProxyNode | None = None
     try:
-        kubeconfig = control_plane.write_kubeconfig(tmp / "kubeconfig", forward.listen_port)
-        name = unique_name("node")
-        kube.create("/api/v1/nodes", node_object(name))
-        proxy = setup_node(
-            Node(node_ns, tmp / "ipam", module_netns),
-            module_netns("outside"),
-            name,
-            kubeconfig,
-            tmp / "proxyd.log",
+        with running_proxy_node(
+            control_plane,
+            kube,
+            module_netns("node"),
+            module_netns,
+            tmp_path_factory.mktemp("proxy-node"),
             proxy_mode,
-        )
-        proxy.forward = forward
-        proxy.start()
-        yield proxy
+        ) as proxy:
+            yield proxy
     finally:
-        if proxy is not None:
-            proxy.stop()
-            forward = proxy.forward  # a test may have replaced it
-        forward.stop()
         kube.cleanup()
 
 

@@ -7,13 +7,16 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deploy.lab.cluster import eventually
-from deploy.lab.controlplane import die_with_parent
-from tests.conftest import ROOT, Netns
+from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent
+from deploy.lab.kube import Kube
+from tests.conftest import ROOT, Netns, unique_name
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, bridge_conf
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
@@ -199,6 +202,40 @@ def setup_node(
         outside.run("ip", "route", "add", destination, "via", UPLINK_NODE)
     conf = bridge_conf(node.data_dir, dual_stack=True, hairpinMode=True)
     return ProxyNode(node, outside, name, kubeconfig, log_path, conf, mode)
+
+
+@contextmanager
+def running_proxy_node(
+    control_plane: ControlPlane,
+    kube: Kube,
+    node_ns: Netns,
+    make_netns: Callable[[str], Netns],
+    tmp: Path,
+    mode: str = "iptables",
+) -> Iterator[ProxyNode]:
+    """knit-proxyd started in node_ns as a Node of the API server (reached through a
+    NetnsForward), with an outside host; stopped, with its forward, even when start-up fails."""
+    forward = NetnsForward(node_ns.name, control_plane.port)
+    proxy: ProxyNode | None = None
+    try:
+        name = unique_name("node")
+        kube.create("/api/v1/nodes", node_object(name))
+        proxy = setup_node(
+            Node(node_ns, tmp / "ipam", make_netns),
+            make_netns("outside"),
+            name,
+            control_plane.write_kubeconfig(tmp / "kubeconfig", forward.listen_port),
+            tmp / "proxyd.log",
+            mode,
+        )
+        proxy.forward = forward
+        proxy.start()
+        yield proxy
+    finally:
+        if proxy is not None:
+            proxy.stop()
+            forward = proxy.forward  # a test may have replaced it
+        forward.stop()
 
 
 def node_object(name: str, zone: str = "zone-a") -> dict[str, Any]:

@@ -15,9 +15,8 @@ import pytest
 from deploy.lab.controlplane import ControlPlane, NetnsForward
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from proxyd.iptables.chains import owned_by_knit
-from tests.conftest import ECHO, ROOT, Netns, unique_name
-from tests.integration.cni_env import Node
-from tests.integration.proxy_env import ProxyNode, eventually, node_object, setup_node
+from tests.conftest import ECHO, ROOT, Netns
+from tests.integration.proxy_env import ProxyNode, eventually, running_proxy_node
 
 HTTP = [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
 SLICE_HTTP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
@@ -174,25 +173,9 @@ def test_the_node_iptables_flavour_is_followed(
     node_ns = make_netns("legacy-node")
     for _ in range(3):
         node_ns.run("iptables-legacy", "-A", "INPUT", "-j", "ACCEPT")
-    forward = NetnsForward(node_ns.name, control_plane.port)
-    try:
-        name = unique_name("legacy-node")
-        kube.create("/api/v1/nodes", node_object(name))
-        proxy = setup_node(
-            Node(node_ns, tmp_path / "ipam", make_netns),
-            make_netns("legacy-outside"),
-            name,
-            control_plane.write_kubeconfig(tmp_path / "kubeconfig", forward.listen_port),
-            tmp_path / "proxyd.log",
-        )
-        proxy.start()
-        try:
-            assert "KNIT-SERVICES" in node_ns.run("iptables-legacy-save", "-t", "nat").stdout
-            assert "KNIT-SERVICES" not in node_ns.run("iptables-nft-save", "-t", "nat").stdout
-        finally:
-            proxy.stop()
-    finally:
-        forward.stop()
+    with running_proxy_node(control_plane, kube, node_ns, make_netns, tmp_path):
+        assert "KNIT-SERVICES" in node_ns.run("iptables-legacy-save", "-t", "nat").stdout
+        assert "KNIT-SERVICES" not in node_ns.run("iptables-nft-save", "-t", "nat").stdout
 
 
 def test_switching_to_nftables_and_back_replaces_the_rules_and_adopts_the_table(

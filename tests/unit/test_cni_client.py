@@ -23,11 +23,13 @@ from cni.ipam.delegate import Delegate
 from cni.server import encode_response, read_request, serve
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-OWN_NETNS = "/proc/self/ns/net"  # one every process can open: the client opens CNI_NETNS
+# The client opens CNI_NETNS, so the calls name a file every process can open; not a network
+# namespace (the host's own would be the one at hand), so no call served here ever reaches one.
+CALL_NETNS = __file__
 ADD_ENV = {
     "CNI_COMMAND": "ADD",
     "CNI_CONTAINERID": "c1",
-    "CNI_NETNS": OWN_NETNS,
+    "CNI_NETNS": CALL_NETNS,
     "CNI_IFNAME": "eth0",
 }
 CONF = b'{"cniVersion": "1.0.0", "name": "n", "type": "knit"}'
@@ -114,7 +116,7 @@ def test_the_plugin_passes_the_namespace_it_opened(stand_in):
     received: Received = []
     done = run_client(stand_in(take(received)), ADD_ENV)
     assert done.returncode == 3
-    assert received[0][2] == os.stat(OWN_NETNS).st_ino, "the client's netns came along"
+    assert received[0][2] == os.stat(CALL_NETNS).st_ino, "the client's netns came along"
 
 
 @pytest.mark.parametrize("netns", ["", None])
@@ -287,7 +289,7 @@ def test_the_server_refuses_a_namespace_without_its_descriptor(server):
     assert json.loads(output) == {
         "cniVersion": version.LATEST,
         "code": 199,
-        "msg": f"the plugin named CNI_NETNS {OWN_NETNS} without passing its descriptor",
+        "msg": f"the plugin named CNI_NETNS {CALL_NETNS} without passing its descriptor",
     }
 
 

@@ -137,13 +137,6 @@ def test_without_an_ipam_type_there_is_no_gateway_and_no_masquerade(ipam):
     assert not (parsed.is_gateway or parsed.is_default_gateway or parsed.ip_masq)
 
 
-@pytest.mark.parametrize("ipam", [{"type": 5}, [], None])
-def test_an_ipam_that_is_not_an_object_with_a_string_type_is_code_7(ipam):
-    with pytest.raises(CniError) as err:
-        netconf.parse(conf(ipam=ipam))
-    assert err.value.code == Code.INVALID_NETWORK_CONFIG
-
-
 @pytest.mark.parametrize(
     ("dns", "expected"),
     [
@@ -162,10 +155,20 @@ def test_the_configs_dns_counts_when_it_sets_a_field(dns, expected):
     assert netconf.parse(conf(dns=dns)).dns == expected
 
 
-@pytest.mark.parametrize("dns", [["10.0.0.1"], {"nameservers": "10.0.0.1"}, {"domain": 5}])
-def test_a_malformed_dns_is_code_7(dns):
+@pytest.mark.parametrize(
+    "malformed",
+    [
+        {"ipam": {"type": 5}},
+        {"ipam": []},
+        {"ipam": None},
+        {"dns": ["10.0.0.1"]},
+        {"dns": {"nameservers": "10.0.0.1"}},
+        {"dns": {"domain": 5}},
+    ],
+)
+def test_an_ipam_or_dns_of_the_wrong_shape_is_code_7(malformed):
     with pytest.raises(CniError) as err:
-        netconf.parse(conf(dns=dns))
+        netconf.parse(conf(**malformed))
     assert err.value.code == Code.INVALID_NETWORK_CONFIG
 
 
