@@ -127,6 +127,9 @@ METRICS = "http://127.0.0.1:10249/metrics"
 FULL = "kubeproxy_sync_full_proxy_rules_duration_seconds"
 PARTIAL = "kubeproxy_sync_partial_proxy_rules_duration_seconds"
 LAST_SYNC = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
+IP_FAMILY_LABEL = re.compile(r'ip_family="IPv[46]",?')
+"""Both families' parts of one sync are read as one: their times summed (`_sum`), the rest
+(sync counts, timestamps) the larger of the two."""
 SYNC_LOGGED = {
     FULL: re.compile(r"knit-proxyd: full sync of "),
     PARTIAL: re.compile(r"knit-proxyd: partial sync of [1-9]"),
@@ -278,11 +281,14 @@ class Daemon:
             tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
             raise RuntimeError(f"knit-proxyd exited with {self.process.returncode}:\n{tail}")
         body = self.ns.run("curl", "-sf", METRICS, check=False).stdout
-        values = {}
+        values: dict[str, float] = {}
         for line in body.splitlines():
             if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                values[key] = float(value)
+                labelled, _, text = line.rpartition(" ")
+                key, value = IP_FAMILY_LABEL.sub("", labelled).replace("{}", ""), float(text)
+                if key in values:
+                    value = values[key] + value if key.endswith("_sum") else max(values[key], value)
+                values[key] = value
         return values
 
     def log_size(self) -> int:

@@ -249,33 +249,33 @@ def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Resu
     with IPRoute() as ipr:
         bridge = link_by_name(ipr, conf.bridge)
         if bridge is None or bridge.kind != "bridge":
-            _check_failed(f"bridge {conf.bridge} is missing")
+            check_failed(f"bridge {conf.bridge} is missing")
         host_names = [i.name for i in prev.interfaces if not i.sandbox and i.name != conf.bridge]
         if not host_names:
-            _check_failed("prevResult names no host veth")
+            check_failed("prevResult names no host veth")
         host = link_by_name(ipr, host_names[0])
         if host is None:
-            _check_failed(f"host veth {host_names[0]} is missing")
+            check_failed(f"host veth {host_names[0]} is missing")
         if host.master != bridge.index:
-            _check_failed(f"host veth {host.name} is not attached to bridge {conf.bridge}")
+            check_failed(f"host veth {host.name} is not attached to bridge {conf.bridge}")
     index, expected = next(
         ((n, i) for n, i in enumerate(prev.interfaces) if i.sandbox and i.name == ifname),
         (None, None),
     )
     if expected is None:
-        _check_failed(f"prevResult has no interface {ifname} in {netns_path}")
+        check_failed(f"prevResult has no interface {ifname} in {netns_path}")
     with netns.entered(netns_fd), IPRoute() as ipc:
         link = link_by_name(ipc, ifname)
         if link is None:
-            _check_failed(f"container interface {ifname} is missing")
+            check_failed(f"container interface {ifname} is missing")
         if link.kind != "veth":
-            _check_failed(f"container interface {ifname} is a {link.kind or 'device'}, not a veth")
+            check_failed(f"container interface {ifname} is a {link.kind or 'device'}, not a veth")
         if expected.mac and link.mac.lower() != expected.mac.lower():
-            _check_failed(f"container interface {ifname} has MAC {link.mac}, not {expected.mac}")
+            check_failed(f"container interface {ifname} has MAC {link.mac}, not {expected.mac}")
         present = addresses(ipc, link.index)
         for ip in prev.ips:
             if ip.interface in (None, index) and ip.address not in present:
-                _check_failed(f"address {ip.address} is missing from {ifname}")
+                check_failed(f"address {ip.address} is missing from {ifname}")
         for route in prev.routes:
             installed = routes(ipc, link.index, route.extras.get("table", MAIN_TABLE))
             if not any(
@@ -283,8 +283,8 @@ def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Resu
                 for dst, gw in installed
             ):
                 via = f" via {route.gw}" if route.gw else ""
-                _check_failed(f"route to {route.dst}{via} is missing from {ifname}")
+                check_failed(f"route to {route.dst}{via} is missing from {ifname}")
 
 
-def _check_failed(what: str) -> NoReturn:
+def check_failed(what: str) -> NoReturn:
     raise CniError(Code.CHECK_FAILED, f"CHECK failed: {what}")

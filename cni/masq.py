@@ -8,7 +8,7 @@ one tagged rule per pod address in `inet knit_masq` postrouting.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from cni.firewall import (
     IPTables,
@@ -33,10 +33,15 @@ def chain_name(tag: Tag) -> str:
     return CHAIN_PREFIX + digest.hexdigest()[:16]
 
 
-def setup(backend: str, tag: Tag, addresses: Iterable[IPInterface]) -> None:
+def _by_family(addresses: Iterable[IPInterface]) -> dict[int, list[IPInterface]]:
     by_family: dict[int, list[IPInterface]] = {}
     for address in addresses:
         by_family.setdefault(address.version, []).append(address)
+    return by_family
+
+
+def setup(backend: str, tag: Tag, addresses: Iterable[IPInterface]) -> None:
+    by_family = _by_family(addresses)
     if backend == "nftables":
         _nft_setup(tag, by_family)
         return
@@ -77,7 +82,7 @@ def teardown(backends: Iterable[str], select: Selector, families: Collection[int
     to remove: DEL and GC must not fail on what the attachment never used.
     """
     if "nftables" in backends:
-        handles = [h for h, tag in nft_tagged_rules("inet", NFT_TABLE, NFT_CHAIN) if select(tag)]
+        handles = _nft_handles(select)
         if handles:
             nft_apply(
                 "".join(f"delete rule inet {NFT_TABLE} {NFT_CHAIN} handle {h}\n" for h in handles)
@@ -90,16 +95,53 @@ def teardown(backends: Iterable[str], select: Selector, families: Collection[int
                 _iptables_teardown(iptables, select)
 
 
+def present(backend: str, select: Selector, addresses: Collection[IPInterface]) -> bool:
+    """Whether the backend holds the selected attachment's masquerade rules for these pod
+    addresses: a tagged rule per address in nftables; in iptables, per address of each family,
+    a tagged POSTROUTING jump and a tagged MASQUERADE rule in that family's nat table."""
+    if backend == "nftables":
+        return len(_nft_handles(select)) >= len(addresses)
+    flavour = detect_iptables_flavour()
+    for version, family_addresses in _by_family(addresses).items():
+        iptables = IPTables(version, flavour)
+        if not iptables.may_hold_rules("nat"):
+            return False
+        rules = _iptables_rules(iptables, select, lambda line: _is_jump(line) or _is_masq(line))
+        jumps = [line for line in rules if _is_jump(line)]
+        masquerades = [line for line in rules if _is_masq(line)]
+        if min(len(jumps), len(masquerades)) < len(family_addresses):
+            return False
+    return True
+
+
+def _nft_handles(select: Selector) -> list[int]:
+    return [h for h, tag in nft_tagged_rules("inet", NFT_TABLE, NFT_CHAIN) if select(tag)]
+
+
+def _iptables_rules(iptables: IPTables, select: Selector, kind: Callable[[str], bool]) -> list[str]:
+    """The family's nat rules of this kind (tested first: the table may hold kube-proxy's
+    thousands) whose tag the selector picks, as iptables-save prints them."""
+    return [
+        line
+        for line in iptables.save("nat").splitlines()
+        if kind(line) and (tag := Tag.parse(line)) is not None and select(tag)
+    ]
+
+
+def _is_jump(line: str) -> bool:
+    """An attachment's entry: the jump from POSTROUTING to its chain."""
+    return line.startswith("-A POSTROUTING ") and f"-j {CHAIN_PREFIX}" in line
+
+
+def _is_masq(line: str) -> bool:
+    return line.startswith(f"-A {CHAIN_PREFIX}") and line.endswith(" -j MASQUERADE")
+
+
 def _iptables_teardown(iptables: IPTables, select: Selector) -> None:
-    jumps, chains = [], set()
-    for line in iptables.save("nat").splitlines():
-        if not line.startswith("-A POSTROUTING ") or f"-j {CHAIN_PREFIX}" not in line:
-            continue
-        tag = Tag.parse(line)
-        if tag is not None and select(tag):
-            jumps.append("-D" + line[2:])
-            chains.add(line.rsplit("-j ", 1)[1].strip())
+    jumps = _iptables_rules(iptables, select, _is_jump)
+    chains = {line.rsplit("-j ", 1)[1].strip() for line in jumps}
     if jumps:
         flushes = [f":{c} - [0:0]" for c in sorted(chains)]
         removals = [f"-X {c}" for c in sorted(chains)]
-        iptables.restore("\n".join(["*nat", *flushes, *jumps, *removals, "COMMIT", ""]))
+        deletions = ["-D" + line[2:] for line in jumps]
+        iptables.restore("\n".join(["*nat", *flushes, *deletions, *removals, "COMMIT", ""]))

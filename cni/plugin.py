@@ -212,6 +212,22 @@ def cmd_check(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None
         bridge.check(conf, invocation.ifname, invocation.netns, netns_fd, prev)
     finally:
         os.close(netns_fd)
+    if conf.ip_masq:
+        _check_masq(conf, invocation.container_id, invocation.ifname, prev)
+
+
+def _check_masq(conf: NetConf, container_id: str, ifname: str, prev: Result) -> None:
+    """The attachment's masquerade rules, in the node's namespace, for prevResult's addresses."""
+    from cni import bridge, masq
+
+    select = attachment_selector(masq.KIND, conf.name, container_id, ifname)
+    addresses = [ip.address for ip in prev.ips]
+    if not masq.present(conf.ip_masq_backend, select, addresses):
+        tag = Tag(masq.KIND, conf.name, container_id, ifname)
+        listed = ", ".join(str(address) for address in addresses)
+        bridge.check_failed(
+            f'{conf.ip_masq_backend} masquerade rule "{tag}" for {listed} is missing'
+        )
 
 
 def cmd_status(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:

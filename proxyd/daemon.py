@@ -31,7 +31,7 @@ from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
-from proxyd.proxier import Proxier, ProxyOptions
+from proxyd.proxier import ProgramError, Proxier, ProxyOptions
 from proxyd.runner import BoundedFrequencyRunner
 from proxyd.tracker import ClusterState
 
@@ -140,9 +140,9 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.health = ProxyHealth(timeout=2 * config.sync_period)
-        self.health_servers = ServiceHealthServers(self.health)
         self.proxier = make_proxier(config.proxy_mode, config, self.metrics)
+        self.health = ProxyHealth(self.proxier.families, timeout=2 * config.sync_period)
+        self.health_servers = ServiceHealthServers(self.health)
         self.state = ClusterState(_node_name(config), on_change=self._queued)
         self.node_network = _node_network(config)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
@@ -153,10 +153,12 @@ class Daemon:
         now = time.time()
         self.health.queued()
         self.health.node_deleting = self.state.node.deleting
-        self.metrics.last_queued.set(now)
         services, endpoints = self.state.pending()
         self.metrics.service_changes_pending.set(services)
-        self.metrics.endpoint_changes_pending.set(endpoints)
+        for family in self.proxier.families:
+            metrics = self.metrics.for_family(family)
+            metrics.last_queued.set(now)
+            metrics.endpoint_changes_pending.set(endpoints[family])
         self.runner.run()
 
     def sync(self) -> None:
@@ -174,27 +176,21 @@ class Daemon:
         self.metrics.service_changes.inc(changes.service_changes)
         self.metrics.endpoint_changes.inc(changes.endpoint_changes)
         self.metrics.service_changes_pending.set(0)
-        self.metrics.endpoint_changes_pending.set(0)
+        for family in self.proxier.families:
+            self.metrics.for_family(family).endpoint_changes_pending.set(0)
         start = time.monotonic()
         try:
             result = self.proxier.sync(changes)
-        except Exception:
+        except Exception as err:
             log.exception("sync failed; a full sync follows")
+            failed = err.families if isinstance(err, ProgramError) else self.proxier.families
+            for family in set(self.proxier.families) - set(failed):
+                self.health.updated(family)
             self.runner.retry_after(max(self.config.min_sync_period, 1.0))
             return False
         elapsed = time.monotonic() - start
-        self.metrics.sync_duration.observe(elapsed)
-        (
-            self.metrics.full_sync_duration if result.full else self.metrics.partial_sync_duration
-        ).observe(elapsed)
-        now = time.time()
-        self.metrics.last_sync.set(now)
-        for trigger in changes.trigger_times:
-            self.metrics.network_programming.observe(max(0.0, now - trigger))
-        internal, external = self.proxier.no_local_endpoints()
-        self.metrics.no_local_endpoints.labels(traffic_policy="internal").set(internal)
-        self.metrics.no_local_endpoints.labels(traffic_policy="external").set(external)
-        self.health.updated()
+        for family in self.proxier.families:
+            self.health.updated(family)
         self.health_servers.update(result.health_checks)
         if not self._conntrack_tuned:
             self._tune_conntrack()

@@ -14,42 +14,66 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 
-from proxyd.metrics import Metrics
+from proxyd.metrics import Metrics, family_label
 
 log = logging.getLogger(__name__)
 
 
-def _stamp(seconds: float) -> str:
+def _stamp(seconds: float | None) -> str:
+    """RFC 3339 in UTC; Go's zero time (what kube-proxy shows) for never."""
+    if seconds is None:
+        return "0001-01-01T00:00:00Z"
     return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
 
 
-class ProxyHealth:
-    """Healthy unless a queued change has waited longer than `timeout` for a successful sync."""
+class HealthStatus(NamedTuple):
+    healthy: bool
+    last_updated: float | None
+    """The latest successful sync of any family."""
+    now: float
+    families: dict[int, tuple[bool, float]]
+    """Per family synced at least once: (healthy, its last successful sync)."""
 
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.time) -> None:
+
+class ProxyHealth:
+    """Per IP family, healthy unless a queued change has waited longer than `timeout` for that
+    family's successful sync (kube-proxy's rule, one proxier per family)."""
+
+    def __init__(
+        self, families: tuple[int, ...], timeout: float, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.families = families
         self.timeout = timeout
         self._clock = clock
         self._lock = threading.Lock()
-        self._last_updated = 0.0
-        self._oldest_queued: float | None = None
+        self._last_updated: dict[int, float] = {}
+        self._oldest_queued: dict[int, float] = {}
         self.node_deleting = False
 
     def queued(self) -> None:
         with self._lock:
-            if self._oldest_queued is None:
-                self._oldest_queued = self._clock()
+            now = self._clock()
+            for family in self.families:
+                self._oldest_queued.setdefault(family, now)
 
-    def updated(self) -> None:
+    def updated(self, family: int) -> None:
         with self._lock:
-            self._last_updated = self._clock()
-            self._oldest_queued = None
+            self._last_updated[family] = self._clock()
+            self._oldest_queued.pop(family, None)
 
-    def status(self) -> tuple[bool, float, float]:
-        """(healthy, last updated, now)."""
+    def status(self) -> HealthStatus:
         with self._lock:
             now = self._clock()
-            stale = self._oldest_queued is not None and now - self._oldest_queued > self.timeout
-            return not stale, self._last_updated, now
+            families = {
+                family: (
+                    now - self._oldest_queued.get(family, now) < self.timeout,
+                    updated,
+                )
+                for family, updated in sorted(self._last_updated.items())
+            }
+            last = max(self._last_updated.values(), default=None)
+            healthy = all(ok for ok, _ in families.values())
+            return HealthStatus(healthy, last, now, families)
 
 
 class Response(NamedTuple):
@@ -106,17 +130,34 @@ def split_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def health_body(status: HealthStatus, node_eligible: bool | None) -> dict[str, object]:
+    """kube-proxy's /healthz and /livez JSON: lastUpdated reads `now` while healthy (its
+    compatibility rule), nodeEligible only on /healthz, and the state of each family."""
+    healthy = status.healthy and node_eligible is not False
+    body: dict[str, object] = {
+        "lastUpdated": _stamp(status.now if healthy else status.last_updated),
+        "currentTime": _stamp(status.now),
+    }
+    if node_eligible is not None:
+        body["nodeEligible"] = node_eligible
+    body["healthy"] = status.healthy
+    if status.families:
+        body["status"] = {
+            family_label(family): {"lastUpdated": _stamp(updated), "healthy": ok}
+            for family, (ok, updated) in status.families.items()
+        }
+    return body
+
+
 def serve_health(address: str, health: ProxyHealth, metrics: Metrics) -> _Server:
     def answer(check_node: bool, counter: object) -> Response:
-        healthy, updated, now = health.status()
-        eligible = not health.node_deleting
-        ok = healthy and (eligible or not check_node)
-        body: dict[str, object] = {"lastUpdated": _stamp(updated), "currentTime": _stamp(now)}
-        if check_node:
-            body["nodeEligible"] = eligible
+        status = health.status()
+        eligible = not health.node_deleting if check_node else None
+        ok = status.healthy and eligible is not False
         code = 200 if ok else 503
         counter.labels(code=str(code)).inc()  # type: ignore[attr-defined]
-        return Response(code, "application/json", json.dumps(body).encode())
+        body = json.dumps(health_body(status, eligible)).encode()
+        return Response(code, "application/json", body, (("X-Content-Type-Options", "nosniff"),))
 
     routes = {
         "/healthz": lambda: answer(True, metrics.healthz),
@@ -149,7 +190,7 @@ class ServiceHealthServers:
     def _answer(self, port: int) -> Response:
         with self._lock:
             namespace, name, local = self._state[port]
-        healthy, _, _ = self._health.status()
+        healthy = self._health.status().healthy
         body = {
             "service": {"namespace": namespace, "name": name},
             "localEndpoints": local,

@@ -1,6 +1,9 @@
-"""Metrics under kube-proxy's own names, so dashboards built for kube-proxy keep working."""
+"""Metrics under kube-proxy's own names and labels (the `ip_family` label of kube-proxy 1.33 and
+later on what one family's proxier records), so dashboards built for kube-proxy keep working."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
@@ -15,6 +18,33 @@ PROGRAMMING_BUCKETS = (
 )
 
 
+FAMILY = ("ip_family",)
+
+
+def family_label(family: int) -> str:
+    return f"IPv{family}"
+
+
+@dataclass(frozen=True)
+class FamilyMetrics:
+    """The series one IP family's part of a sync records (its `ip_family` label filled in)."""
+
+    sync_duration: Histogram
+    full_sync_duration: Histogram
+    partial_sync_duration: Histogram
+    network_programming: Histogram
+    last_sync: Gauge
+    last_queued: Gauge
+    endpoint_changes_pending: Gauge
+    restore_failures: Counter
+    partial_restore_failures: Counter
+    nftables_sync_failures: Counter
+    no_local_internal: Gauge
+    no_local_external: Gauge
+    conntrack_sync_duration: Histogram
+    conntrack_deleted: Counter
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -22,40 +52,47 @@ class Metrics:
         self.sync_duration = Histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
+            FAMILY,
             buckets=SYNC_BUCKETS,
             registry=r,
         )
         self.full_sync_duration = Histogram(
             "kubeproxy_sync_full_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds for full resyncs",
+            FAMILY,
             buckets=SYNC_BUCKETS,
             registry=r,
         )
         self.partial_sync_duration = Histogram(
             "kubeproxy_sync_partial_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds for partial resyncs",
+            FAMILY,
             buckets=SYNC_BUCKETS,
             registry=r,
         )
         self.network_programming = Histogram(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
+            FAMILY,
             buckets=PROGRAMMING_BUCKETS,
             registry=r,
         )
         self.last_sync = Gauge(
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "The last time proxy rules were successfully synced",
+            FAMILY,
             registry=r,
         )
         self.last_queued = Gauge(
             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
             "The last time a sync of proxy rules was queued",
+            FAMILY,
             registry=r,
         )
         self.endpoint_changes_pending = Gauge(
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
             "Pending proxy rules Endpoint changes",
+            FAMILY,
             registry=r,
         )
         self.endpoint_changes = Counter(
@@ -88,22 +125,38 @@ class Metrics:
         self.restore_failures = Counter(
             "kubeproxy_sync_proxy_rules_iptables_restore_failures",
             "Cumulative proxy iptables restore failures",
+            FAMILY,
             registry=r,
         )
         self.partial_restore_failures = Counter(
             "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
             "Cumulative proxy iptables partial restore failures",
+            FAMILY,
             registry=r,
         )
         self.nftables_sync_failures = Counter(
             "kubeproxy_sync_proxy_rules_nftables_sync_failures",
             "Cumulative proxy nftables sync failures",
+            FAMILY,
             registry=r,
         )
         self.no_local_endpoints = Gauge(
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints",
-            ["traffic_policy"],
+            ["traffic_policy", "ip_family"],
+            registry=r,
+        )
+        self.conntrack_sync_duration = Histogram(
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            "ReconcileConntrackFlowsLatency latency in seconds",
+            FAMILY,
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
+        self.conntrack_deleted = Counter(
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            "Cumulative conntrack flows deleted by conntrack reconciler",
+            FAMILY,
             registry=r,
         )
         self.healthz = Counter(
@@ -111,6 +164,32 @@ class Metrics:
         )
         self.livez = Counter(
             "kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", ["code"], registry=r
+        )
+        self._families: dict[int, FamilyMetrics] = {}
+
+    def for_family(self, family: int) -> FamilyMetrics:
+        """One family's series; the first ask creates them, so they read 0 before the first
+        event."""
+        if family not in self._families:
+            self._families[family] = self._make_family(family_label(family))
+        return self._families[family]
+
+    def _make_family(self, label: str) -> FamilyMetrics:
+        return FamilyMetrics(
+            sync_duration=self.sync_duration.labels(label),
+            full_sync_duration=self.full_sync_duration.labels(label),
+            partial_sync_duration=self.partial_sync_duration.labels(label),
+            network_programming=self.network_programming.labels(label),
+            last_sync=self.last_sync.labels(label),
+            last_queued=self.last_queued.labels(label),
+            endpoint_changes_pending=self.endpoint_changes_pending.labels(label),
+            restore_failures=self.restore_failures.labels(label),
+            partial_restore_failures=self.partial_restore_failures.labels(label),
+            nftables_sync_failures=self.nftables_sync_failures.labels(label),
+            no_local_internal=self.no_local_endpoints.labels("internal", label),
+            no_local_external=self.no_local_endpoints.labels("external", label),
+            conntrack_sync_duration=self.conntrack_sync_duration.labels(label),
+            conntrack_deleted=self.conntrack_deleted.labels(label),
         )
 
     def exposition(self) -> bytes:

@@ -108,6 +108,7 @@ class EndpointSlice:
     namespace: str
     name: str
     service: str
+    family: int
     ports: tuple[SlicePort, ...]
     endpoints: tuple[Endpoint, ...]
 
@@ -288,7 +289,7 @@ def parse_endpoint_slice(obj: Obj) -> EndpointSlice | None:
                 node_hints=frozenset(h.get("name", "") for h in hints.get("forNodes") or []),
             )
         )
-    return EndpointSlice(namespace, name, service, ports, tuple(endpoints))
+    return EndpointSlice(namespace, name, service, version, ports, tuple(endpoints))
 
 
 def endpoints_for(port: ServicePort, slices: list[EndpointSlice]) -> tuple[Endpoint, ...]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from proxyd import conntrack
 from proxyd.addresses import local_addresses, nodeport_addresses
-from proxyd.metrics import Metrics
+from proxyd.metrics import FamilyMetrics, Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from proxyd.plan import FamilyContext, PortPlan, plan_port
 from proxyd.tracker import Changes, ServiceKey, ServiceView
@@ -49,6 +49,11 @@ class SyncResult:
 class ProgramError(RuntimeError):
     """The kernel refused a sync's changes; the next sync of that family is full."""
 
+    def __init__(self, message: str, families: frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.families = families
+        """The families whose sync failed (the others were written)."""
+
 
 def _family_of(cidr: str) -> int:
     return ipaddress.ip_network(cidr, strict=False).version
@@ -63,11 +68,13 @@ class Proxier(ABC):
         self.metrics = metrics
         self._views: dict[ServiceKey, ServiceView] = {}
         self._plans: dict[int, Plans] = {family: {} for family in families}
+        for family in families:
+            metrics.for_family(family)  # every family's series exported from the start, at 0
         self._in_sync: dict[int, bool] = dict.fromkeys(families, False)
         self._health_check_ports: dict[ServicePortName, ServicePort] = {}
         self._placement: tuple[str, str, tuple[str, ...]] | None = None
-        self._no_local_internal: set[tuple[int, ServicePortName]] = set()
-        self._no_local_external: set[tuple[int, ServicePortName]] = set()
+        self._no_local_internal: dict[int, set[ServicePortName]] = {f: set() for f in families}
+        self._no_local_external: dict[int, set[ServicePortName]] = {f: set() for f in families}
         self._last_full = 0.0
 
     @abstractmethod
@@ -82,11 +89,11 @@ class Proxier(ABC):
     def cleanup(self) -> int:
         """Remove everything this datapath installed; returns how many objects went."""
 
-    def _count_failure(self, full: bool) -> None:
+    def _count_failure(self, metrics: FamilyMetrics, full: bool) -> None:
         """kube-proxy's failure counters of the iptables-restore based modes."""
-        self.metrics.restore_failures.inc()
+        metrics.restore_failures.inc()
         if not full:
-            self.metrics.partial_restore_failures.inc()
+            metrics.partial_restore_failures.inc()
 
     def context(self, family: int, node: NodeInfo) -> FamilyContext:
         cidr = next((c for c in self.options.cluster_cidrs if _family_of(c) == family), "")
@@ -103,7 +110,8 @@ class Proxier(ABC):
         )
 
     def sync(self, changes: Changes) -> SyncResult:
-        """Program the changes; raises ProgramError when the kernel refused them."""
+        """Program the changes, recording each family's part in its metrics; raises
+        ProgramError, naming the families that failed, when the kernel refused them."""
         changed: set[ServicePortName] = set()
         fresh: dict[ServicePortName, tuple[ServicePort, ServiceView]] = {}
         for key, view in changes.services.items():
@@ -125,8 +133,10 @@ class Proxier(ABC):
         full = placement != self._placement or time.monotonic() - self._last_full > FULL_SYNC_PERIOD
         self._placement = placement
         wrote_all = full
-        failure: ProgramError | None = None
+        failed: dict[int, ProgramError] = {}
         for family in self.families:
+            start = time.monotonic()
+            metrics = self.metrics.for_family(family)
             ctx = self.context(family, node)
             family_full = full or not self._in_sync[family]
             plans = self._plans[family]
@@ -145,22 +155,38 @@ class Proxier(ABC):
             # family's next sync is full, planned afresh.
             self._in_sync[family] = False
             try:
-                wrote_all = self._program(ctx, plans, touched, family_full) or wrote_all
+                wrote = self._program(ctx, plans, touched, family_full)
             except ProgramError as err:
                 # The other families still get these changes: they are taken for good.
-                self._count_failure(family_full)
-                failure = failure or err
+                self._count_failure(metrics, family_full)
+                failed[family] = err
                 continue
+            wrote_all = wrote or wrote_all
             self._in_sync[family] = True
             self._plans[family] = plans
             self._track_no_local(family, plans, touched)
             udp = plans.values() if family_full else (plans[n] for n in fresh if n in plans)
             self._clear_udp(family, [plan for plan in udp if plan.port.protocol == "UDP"])
-        if failure is not None:
-            raise failure
+            elapsed = time.monotonic() - start
+            self._record_sync(metrics, family, wrote or family_full, elapsed, changes)
+        if failed:
+            first = next(iter(failed.values()))
+            raise ProgramError("; ".join(map(str, failed.values())), frozenset(failed)) from first
         if wrote_all:
             self._last_full = time.monotonic()
         return SyncResult(full=wrote_all, health_checks=self._health_checks(node.name))
+
+    def _record_sync(
+        self, metrics: FamilyMetrics, family: int, full: bool, elapsed: float, changes: Changes
+    ) -> None:
+        metrics.sync_duration.observe(elapsed)
+        (metrics.full_sync_duration if full else metrics.partial_sync_duration).observe(elapsed)
+        now = time.time()
+        metrics.last_sync.set(now)
+        for trigger in changes.trigger_times.get(family, ()):
+            metrics.network_programming.observe(max(0.0, now - trigger))
+        metrics.no_local_internal.set(len(self._no_local_internal[family]))
+        metrics.no_local_external.set(len(self._no_local_external[family]))
 
     def _plan_all(self, ctx: FamilyContext) -> Plans:
         plans: Plans = {}
@@ -187,8 +213,12 @@ class Proxier(ABC):
             if plan.port.node_port:
                 frontends.by_node_port[plan.port.node_port] = allowed
         if frontends:
+            start = time.monotonic()
             frontends.local_addresses = set(local_addresses(family))
             deleted = conntrack.clear_stale(frontends)
+            metrics = self.metrics.for_family(family)
+            metrics.conntrack_sync_duration.observe(time.monotonic() - start)
+            metrics.conntrack_deleted.inc(deleted)
             if deleted:
                 log.info("deleted %d stale UDP conntrack entries (IPv%d)", deleted, family)
 
@@ -213,16 +243,12 @@ class Proxier(ABC):
         }
 
     def _track_no_local(self, family: int, plans: Plans, names: set[ServicePortName]) -> None:
+        internal, external = self._no_local_internal[family], self._no_local_external[family]
         for name in names:
-            key = (family, name)
-            self._no_local_internal.discard(key)
-            self._no_local_external.discard(key)
+            internal.discard(name)
+            external.discard(name)
             plan = plans.get(name)
             if plan is not None and plan.no_local_internal:
-                self._no_local_internal.add(key)
+                internal.add(name)
             if plan is not None and plan.no_local_external:
-                self._no_local_external.add(key)
-
-    def no_local_endpoints(self) -> tuple[int, int]:
-        """(internal, external) counts of Local-policy service ports without local endpoints."""
-        return len(self._no_local_internal), len(self._no_local_external)
+                external.add(name)

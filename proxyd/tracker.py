@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -47,9 +48,10 @@ class Changes:
     services: dict[ServiceKey, ServiceView]
     """The changed services; a deleted one has no ports."""
     node: NodeInfo
-    trigger_times: list[float] = field(default_factory=list)
-    """When the changes to program were made, from the slices' last-change-trigger-time
-    annotations (kube-proxy's network programming latency); one per changed service."""
+    trigger_times: dict[int, list[float]] = field(default_factory=dict)
+    """Per IP family, when the changes to program were made, from the slices'
+    last-change-trigger-time annotations (kube-proxy's network programming latency); one per
+    changed service of that family."""
     service_changes: int = 0
     """Service events that changed something since the last sync (kube-proxy counts events)."""
     endpoint_changes: int = 0
@@ -77,10 +79,11 @@ class ClusterState:
         self._slice_owner: dict[tuple[str, str], ServiceKey] = {}
         self.node = NodeInfo(node_name)
         self._pending_services: set[ServiceKey] = set()
-        self._pending_endpoints: set[ServiceKey] = set()
+        self._pending_endpoints: dict[ServiceKey, set[int]] = {}
+        """Services whose slices changed -> the families of those slices."""
         self._service_events = 0
         self._endpoint_events = 0
-        self._trigger_times: dict[ServiceKey, float] = {}
+        self._trigger_times: dict[tuple[int, ServiceKey], float] = {}
         self._started = time.time()
         self._listed: set[str] = set()
 
@@ -89,9 +92,11 @@ class ClusterState:
         with self._lock:
             return {"services", "endpointslices"} <= self._listed
 
-    def pending(self) -> tuple[int, int]:
+    def pending(self) -> tuple[int, Counter[int]]:
+        """Services with changes to program, and per family those with endpoint changes."""
         with self._lock:
-            return len(self._pending_services), len(self._pending_endpoints)
+            families = Counter(f for fs in self._pending_endpoints.values() for f in fs)
+            return len(self._pending_services), families
 
     def has_pending(self) -> bool:
         with self._lock:
@@ -136,12 +141,14 @@ class ClusterState:
         changed = {old_owner} if old_owner is not None else set()
         if parsed is not None:
             changed.add((parsed.namespace, parsed.service))
-        self._pending_endpoints |= changed
+        families = {s.family for s in (old, parsed) if s is not None}
+        for key in changed:
+            self._pending_endpoints.setdefault(key, set()).update(families)
         self._endpoint_events += 1
         at = _trigger_time(obj) if obj is not None and parsed is not None else None
         if parsed is not None and at is not None and at > self._started:
-            key = (parsed.namespace, parsed.service)
-            self._trigger_times[key] = min(self._trigger_times.get(key, at), at)
+            timed = (parsed.family, (parsed.namespace, parsed.service))
+            self._trigger_times[timed] = min(self._trigger_times.get(timed, at), at)
         return bool(changed)
 
     def _notify(self, changed: bool) -> None:
@@ -195,11 +202,14 @@ class ClusterState:
     def take(self) -> Changes:
         """Every service changed since the last take, as it is now."""
         with self._lock:
-            changed = self._pending_services | self._pending_endpoints
+            changed = self._pending_services | self._pending_endpoints.keys()
+            trigger_times: dict[int, list[float]] = {}
+            for (family, _), at in self._trigger_times.items():
+                trigger_times.setdefault(family, []).append(at)
             changes = Changes(
                 services={key: self._view(key) for key in changed},
                 node=self.node,
-                trigger_times=list(self._trigger_times.values()),
+                trigger_times=trigger_times,
                 service_changes=self._service_events,
                 endpoint_changes=self._endpoint_events,
             )

@@ -41,8 +41,18 @@ class Delegate:
     def _call(self, command: str) -> bytes:
         env = {k: v for k, v in os.environ.items() if not k.startswith(CNI_PREFIX)}
         env.update(self.invocation.variables, CNI_COMMAND=command)
+        netns_fd = self.invocation.netns_fd
+        if netns_fd is not None:
+            # The fast path's daemon may not resolve the runtime's CNI_NETNS, and so neither
+            # may its child: the child gets the namespace the plugin opened, by descriptor.
+            env["CNI_NETNS"] = f"/proc/self/fd/{netns_fd}"
         proc = subprocess.run(
-            [self._executable()], input=self.stdin, env=env, capture_output=True, check=False
+            [self._executable()],
+            input=self.stdin,
+            env=env,
+            capture_output=True,
+            check=False,
+            pass_fds=() if netns_fd is None else (netns_fd,),
         )
         if proc.returncode == 0:
             return proc.stdout

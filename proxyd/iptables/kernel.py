@@ -5,11 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from cni.firewall import detect_iptables_flavour
 from proxyd.iptables.render import TABLES
-from proxyd.iptables.restore import RuleSet, Script, full_scripts
+from proxyd.iptables.restore import RuleSet, Script, TableSnapshot, full_scripts
 
 BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
 JUMP = re.compile(r"(?:^| )-j (\S+)")
@@ -17,13 +16,6 @@ JUMP = re.compile(r"(?:^| )-j (\S+)")
 
 class RestoreError(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class TableSnapshot:
-    chains: set[str]
-    jumps: set[tuple[str, str]]
-    """(built-in chain, target) of every jump in a built-in chain."""
 
 
 class Iptables:
@@ -55,9 +47,11 @@ class Iptables:
         return proc.stdout
 
     def snapshot(self, table: str, owned: Callable[[str], bool]) -> TableSnapshot:
-        """The owned chains of the table and the jumps from its built-in chains."""
+        """The owned chains of the table, the jumps from its built-in chains, and those of
+        them that jump into owned chains."""
         chains: set[str] = set()
         jumps: set[tuple[str, str]] = set()
+        owned_hooks: list[str] = []
         for line in self.save(table).splitlines():
             if line.startswith(":"):
                 name = line[1:].split(" ", 1)[0]
@@ -67,7 +61,9 @@ class Iptables:
                 chain = line.split(" ", 2)[1]
                 if chain in BUILTIN_CHAINS:
                     jumps.add((chain, match.group(1)))
-        return TableSnapshot(chains, jumps)
+                    if owned(match.group(1)):
+                        owned_hooks.append(line)
+        return TableSnapshot(chains, jumps, tuple(owned_hooks))
 
     def write(self, scripts: Iterable[Script]) -> None:
         """Restore each script that has something to do, in order."""
@@ -85,12 +81,7 @@ class Iptables:
         remove stale owned chains and add the missing hooks (restore.full_scripts); returns
         the scripts written."""
         snapshots = {table: self.snapshot(table, owned) for table in TABLES}
-        scripts = full_scripts(
-            ruleset,
-            {table: snapshot.chains for table, snapshot in snapshots.items()},
-            {table: snapshot.jumps for table, snapshot in snapshots.items()},
-            chains_per_script,
-        )
+        scripts = full_scripts(ruleset, snapshots, chains_per_script)
         self.write(scripts)
         return scripts
 
@@ -102,24 +93,12 @@ class Iptables:
         lines: list[str] = []
         removed = 0
         for table in TABLES:
-            saved = self.save(table).splitlines()
-            chains = [
-                line[1:].split(" ", 1)[0]
-                for line in saved
-                if line.startswith(":") and owned(line[1:].split(" ", 1)[0])
-            ]
-            jumps = [
-                "-D" + line[2:]
-                for line in saved
-                if line.startswith("-A ")
-                and line.split(" ", 2)[1] in BUILTIN_CHAINS
-                and (m := JUMP.search(line)) is not None
-                and owned(m.group(1))
-            ]
-            if not chains and not jumps:
+            snapshot = self.snapshot(table, owned)
+            if not snapshot.chains and not snapshot.owned_hooks:
                 continue
-            removed += len(chains)
-            lines += [f"*{table}", *jumps]
+            removed += len(snapshot.chains)
+            chains = sorted(snapshot.chains)
+            lines += [f"*{table}", *("-D" + hook[2:] for hook in snapshot.owned_hooks)]
             lines += [f":{chain} - [0:0]" for chain in chains]
             lines += [f"-X {chain}" for chain in chains]
             lines.append("COMMIT")

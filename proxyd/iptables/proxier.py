@@ -7,7 +7,7 @@ from proxyd.iptables.chains import owned_by_knit
 from proxyd.iptables.kernel import Iptables, RestoreError
 from proxyd.iptables.render import TABLES, ServiceRules, render_base, render_service
 from proxyd.iptables.restore import RuleSet, partial_script
-from proxyd.metrics import Metrics
+from proxyd.metrics import Metrics, family_label
 from proxyd.model import ServicePortName
 from proxyd.plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
@@ -76,10 +76,10 @@ class IptablesProxier(Proxier):
         self._written[family] = new
         self._counts[family] = counts
         for table in TABLES:
-            self.metrics.iptables_total.labels(table=table, ip_family=f"IPv{family}").set(
+            self.metrics.iptables_total.labels(table=table, ip_family=family_label(family)).set(
                 counts[table]
             )
-            self.metrics.iptables_last.labels(table=table, ip_family=f"IPv{family}").set(
+            self.metrics.iptables_last.labels(table=table, ip_family=family_label(family)).set(
                 sum(len(script.rules[table]) for script in scripts)
             )
         return full

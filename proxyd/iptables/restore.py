@@ -51,6 +51,18 @@ class RuleSet:
         return sum(len(rules) for rules in self.chains(table).values())
 
 
+@dataclass(frozen=True)
+class TableSnapshot:
+    """What a table holds that a full sync must know about."""
+
+    chains: set[str]
+    """The owned chains."""
+    jumps: set[tuple[str, str]]
+    """(built-in chain, target) of every jump in a built-in chain."""
+    owned_hooks: tuple[str, ...] = ()
+    """The rules (`-A <built-in chain> ...`) that jump into an owned chain."""
+
+
 @dataclass
 class Script:
     """iptables-restore input, built table by table."""
@@ -149,20 +161,27 @@ def batched_full_scripts(
 
 def full_scripts(
     ruleset: RuleSet,
-    existing: dict[str, set[str]],
-    jumps: dict[str, set[tuple[str, str]]],
+    snapshots: dict[str, TableSnapshot],
     chains_per_script: int | None = None,
 ) -> list[Script]:
     """A full sync: every owned chain written whole (in batches, see batched_full_scripts,
-    when chains_per_script is given), the `existing` owned chains not wanted removed, and the
-    base's hooks not yet in place (`jumps` per table: (built-in chain, target)) inserted at the
-    top of their built-in chains by the last script."""
+    when chains_per_script is given), the owned chains in `snapshots` not wanted removed with
+    the built-in chains' jumps into them (deleted by the first script: a chain still jumped to
+    cannot go), and the base's hooks not yet in place inserted at the top of their built-in
+    chains by the last script."""
+    existing = {table: snapshot.chains for table, snapshot in snapshots.items()}
     if chains_per_script is None:
         scripts = [full_script(ruleset, existing)]
     else:
         scripts = batched_full_scripts(ruleset, existing, chains_per_script)
+    for table, snapshot in snapshots.items():
+        stale = snapshot.chains - ruleset.chains(table).keys()
+        scripts[0].deletions[table].extend(
+            "-D" + hook[2:] for hook in snapshot.owned_hooks if hook_target(hook) in stale
+        )
     for table, chain, rule in reversed(ruleset.base.hooks):
-        if (chain, hook_target(rule)) not in jumps.get(table, set()):
+        snapshot = snapshots.get(table)
+        if snapshot is None or (chain, hook_target(rule)) not in snapshot.jumps:
             scripts[-1].insert(table, chain, rule)
     return scripts
 

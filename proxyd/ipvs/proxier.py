@@ -27,7 +27,7 @@ from proxyd.ipvs.netlink import IpvsKernel, IpvsUnavailable, ipvs_loaded, open_s
 from proxyd.ipvs.plan import Desired, Frontend, dummy_addresses, nodeport_addresses, port_state
 from proxyd.ipvs.rules import render
 from proxyd.ipvs.servers import ServerSync
-from proxyd.metrics import Metrics
+from proxyd.metrics import Metrics, family_label
 from proxyd.model import ServicePortName
 from proxyd.plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
@@ -152,7 +152,7 @@ class IpvsProxier(Proxier):
         ruleset = RuleSet(render(ctx))
         self.iptables[family].write_full(ruleset, names.owned_chain)
         for table in TABLES:
-            self.metrics.iptables_total.labels(table=table, ip_family=f"IPv{family}").set(
+            self.metrics.iptables_total.labels(table=table, ip_family=family_label(family)).set(
                 ruleset.rule_count(table)
             )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from proxyd.metrics import Metrics
+from proxyd.metrics import FamilyMetrics, Metrics
 from proxyd.model import ServicePortName
 from proxyd.nftables.kernel import Nft, NftError
 from proxyd.nftables.render import SERVICES, BaseObjects, PortContext, Renderer, render_base
@@ -83,8 +83,8 @@ class NftablesProxier(Proxier):
         kernel.run_each(full_transactions(family, state, rendered, KernelTable(chains, sets)))
         return state
 
-    def _count_failure(self, full: bool) -> None:
-        self.metrics.nftables_sync_failures.inc()
+    def _count_failure(self, metrics: FamilyMetrics, full: bool) -> None:
+        metrics.nftables_sync_failures.inc()
 
     def cleanup(self) -> int:
         """Delete the tables; returns how many existed."""

@@ -22,6 +22,7 @@ from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, br
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
 EXTERNAL_NET = "203.0.113.0/24"
 CLUSTER_CIDRS = "10.244.0.0/16,fd10:244::/32"
+LAST_SYNC = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
 REMOTE_NODE = "node-elsewhere"
 IPVS_LISTING = (
     sys.executable,
@@ -70,7 +71,7 @@ class ProxyNode:
             *extra,
         )
         self.process = launch_proxyd(self.ns, self.args, self.log_path)
-        eventually(lambda: self.metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds") > 0)
+        eventually(lambda: self.synced_after(0.0))
 
     def stop(self) -> None:
         if self.process is not None:
@@ -101,15 +102,17 @@ class ProxyNode:
         return int(status), body.removesuffix("\n")
 
     def metric(self, name: str, labels: str = "") -> float:
+        """One sample; KeyError when the daemon does not serve it."""
         _, body = self.http("http://127.0.0.1:10249/metrics")
         prefix = f"{name}{{{labels}}} " if labels else f"{name} "
         for line in body.splitlines():
             if line.startswith(prefix):
                 return float(line.split()[-1])
-        return 0.0
+        raise KeyError(f"no sample {prefix.strip()} in the daemon's metrics")
 
     def synced_after(self, moment: float) -> bool:
-        return self.metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds") >= moment
+        """Both families' parts of a sync done after `moment` (epoch seconds)."""
+        return all(self.metric(LAST_SYNC, f'ip_family="IPv{family}"') > moment for family in (4, 6))
 
     def iptables(self, table: str = "nat", family: int = 4) -> str:
         binary = "iptables-save" if family == 4 else "ip6tables-save"

@@ -109,6 +109,29 @@ def in_own_mount_namespace(mount: str, *args: str) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *args]
 
 
+@dataclass(frozen=True)
+class HiddenNetns:
+    """A pod's namespace bind-mounted at path for the runtime alone (as /proc/<pid>/ns/net or
+    a runtime's private bind mount): the daemon started through `hide` cannot see it."""
+
+    path: Path
+    hide: list[str]
+    runtime: list[str]
+
+
+def hidden_netns(directory: Path, pod: Netns) -> HiddenNetns:
+    """The command prefixes for the daemon and the runtime's calls, and the path they name."""
+    hidden = directory / "hidden"
+    hidden.mkdir()
+    path = hidden / "pod-netns"
+    path.touch()
+    return HiddenNetns(
+        path,
+        hide=in_own_mount_namespace('mount -t tmpfs knit-test "$1"', str(hidden)),
+        runtime=in_own_mount_namespace('mount --bind "$1" "$2"', pod.path, str(path)),
+    )
+
+
 @pytest.fixture
 def launchers(tmp_path: Path, daemon: Daemon) -> dict[str, Path]:
     return {
@@ -337,14 +360,10 @@ def test_a_namespace_the_daemon_cannot_see_is_served_through_the_plugins_descrip
 ):
     """The runtime's CNI_NETNS names nothing in the daemon's mount namespace (as /proc/<pid>/
     ns/net or a runtime's private bind mount would not): the plugin's descriptor carries it."""
-    hidden = tmp_path / "hidden"
-    hidden.mkdir()
-    netns_file = hidden / "pod-netns"
-    netns_file.touch()
     pod = make_netns("pod")
-    hide = in_own_mount_namespace('mount -t tmpfs knit-test "$1"', str(hidden))
-    runtime = in_own_mount_namespace('mount --bind "$1" "$2"', pod.path, str(netns_file))
-    with running_daemon(node, tmp_path / "daemon", through=hide) as daemon:
+    hidden = hidden_netns(tmp_path, pod)
+    netns_file, runtime = hidden.path, hidden.runtime
+    with running_daemon(node, tmp_path / "daemon", through=hidden.hide) as daemon:
         assert not Path(f"/proc/{daemon.proc.pid}/root{netns_file}").exists()
         launcher = build_launcher(tmp_path / "fast", daemon.socket_path)
         conf = bridge_conf(node.data_dir)

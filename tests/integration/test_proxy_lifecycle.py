@@ -16,7 +16,12 @@ from deploy.lab.controlplane import ControlPlane, NetnsForward
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from proxyd.iptables.chains import owned_by_knit
 from tests.conftest import ECHO, ROOT, Netns
-from tests.integration.proxy_env import ProxyNode, eventually, running_proxy_node
+from tests.integration.proxy_env import (
+    UPLINK_NODE,
+    ProxyNode,
+    eventually,
+    running_proxy_node,
+)
 
 HTTP = [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
 SLICE_HTTP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
@@ -176,6 +181,30 @@ def test_the_node_iptables_flavour_is_followed(
     with running_proxy_node(control_plane, kube, node_ns, make_netns, tmp_path):
         assert "KNIT-SERVICES" in node_ns.run("iptables-legacy-save", "-t", "nat").stdout
         assert "KNIT-SERVICES" not in node_ns.run("iptables-nft-save", "-t", "nat").stdout
+
+
+@pytest.mark.parametrize("mode", ["iptables", "nftables"])
+def test_localhost_node_ports_turned_off_leave_loopback_unserved(
+    proxy_node: ProxyNode, backend: Any, kube: Kube, mode: str
+) -> None:
+    name = f"no-localhost-{mode}"
+    svc = kube.create(SERVICES, service_object(name, HTTP, type="NodePort"))
+    kube.create(
+        SLICES, slice_object(name, [endpoint(backend.address(), proxy_node.name)], SLICE_HTTP)
+    )
+    node_port = svc["spec"]["ports"][0]["nodePort"]
+    assert eventually(lambda: proxy_node.ns.exchange("127.0.0.1", node_port))[1] == "backend"
+    try:
+        proxy_node.stop()
+        proxy_node.mode = mode
+        proxy_node.start("--iptables-localhost-nodeports", "false")
+        assert proxy_node.outside.exchange(UPLINK_NODE, node_port)[1] == "backend"
+        assert not proxy_node.ns.reaches("127.0.0.1", node_port)
+    finally:
+        proxy_node.stop()
+        proxy_node.mode = "iptables"
+        proxy_node.start()
+    assert proxy_node.ns.exchange("127.0.0.1", node_port)[1] == "backend"
 
 
 def test_switching_to_nftables_and_back_replaces_the_rules_and_adopts_the_table(

@@ -11,6 +11,7 @@ from here, so only the proxy's choice decides where traffic goes).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -552,23 +553,34 @@ def test_metrics_health_and_proxy_mode(proxy_node: ProxyNode) -> None:
     by_mode = {
         "iptables": (
             'kubeproxy_sync_proxy_rules_iptables_total{ip_family="IPv4",table="nat"}',
-            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+            'kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family="IPv6"}',
         ),
-        "nftables": ("kubeproxy_sync_proxy_rules_nftables_sync_failures_total",),
+        "nftables": ('kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family="IPv4"}',),
     }
+    metrics = proxy_node.http("http://127.0.0.1:10249/metrics")[1]
     for name in (
-        "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
-        "kubeproxy_sync_full_proxy_rules_duration_seconds_count",
-        "kubeproxy_sync_partial_proxy_rules_duration_seconds_count",
-        "kubeproxy_network_programming_duration_seconds_count",
-        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-        "kubeproxy_sync_proxy_rules_endpoint_changes_total",
-        "kubeproxy_sync_proxy_rules_service_changes_pending",
+        'kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family="IPv4",le="0.001"}',
+        'kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family="IPv6"}',
+        'kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family="IPv4"}',
+        'kubeproxy_network_programming_duration_seconds_count{ip_family="IPv4"}',
+        'kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv6"}',
+        'kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family="IPv4"}',
+        'kubeproxy_sync_proxy_rules_endpoint_changes_pending{ip_family="IPv4"}',
+        'kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family="IPv6",traffic_policy="external"}',
+        'kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family="IPv4"}',
+        "kubeproxy_sync_proxy_rules_endpoint_changes_total ",
+        "kubeproxy_sync_proxy_rules_service_changes_pending ",
         *by_mode.get(proxy_node.mode, ()),
     ):
-        assert name in proxy_node.http("http://127.0.0.1:10249/metrics")[1], name
+        assert name in metrics, name
     status, body = proxy_node.http("http://127.0.0.1:10256/healthz")
-    assert status == 200 and '"lastUpdated"' in body and '"currentTime"' in body
+    health = json.loads(body)
+    assert status == 200 and health["healthy"] and health["nodeEligible"]
+    assert {"lastUpdated", "currentTime"} <= health.keys()
+    assert {family: entry["healthy"] for family, entry in health["status"].items()} == {
+        "IPv4": True,
+        "IPv6": True,
+    }
     assert proxy_node.http("http://127.0.0.1:10256/livez")[0] == 200
 
 
@@ -576,8 +588,11 @@ def test_sync_after_a_change_is_partial(proxy_node: ProxyNode, kube: Kube) -> No
     partial, full = (
         f"kubeproxy_sync_{kind}_proxy_rules_duration_seconds_count" for kind in ("partial", "full")
     )
-    partial_before, full_before = proxy_node.metric(partial), proxy_node.metric(full)
+    ipv4 = 'ip_family="IPv4"'
+    partial_before, full_before = proxy_node.metric(partial, ipv4), proxy_node.metric(full, ipv4)
     ip = create_service(kube, "partial")["spec"]["clusterIP"]
     eventually(lambda: ip in proxy_node.rules())
-    assert proxy_node.metric(partial) > partial_before
-    assert proxy_node.metric(full) == full_before, "the change was programmed by a partial sync"
+    eventually(lambda: proxy_node.metric(partial, ipv4) > partial_before)
+    assert proxy_node.metric(full, ipv4) == full_before, (
+        "the change was programmed by a partial sync"
+    )

@@ -369,6 +369,31 @@ def test_a_delegated_plugin_sees_the_calls_variables_and_the_process_path(tmp_pa
     assert err.value.msg.split()[2].endswith("/sh"), "PATH comes from the process"
 
 
+def test_a_delegated_plugin_opens_the_namespace_the_fast_path_received(tmp_path: Path) -> None:
+    """With the plugin's descriptor the child gets it, as CNI_NETNS /proc/self/fd/<n>: the
+    daemon may not resolve the runtime's path. In-process calls pass the path on."""
+    script = tmp_path / "show-netns"
+    script.write_text(
+        '#!/bin/sh\nprintf \'{"code": 104, "msg": "%s %s"}\' "$CNI_NETNS" "$(cat "$CNI_NETNS")"\n'
+        "exit 1\n"
+    )
+    script.chmod(0o755)
+    stand_in = tmp_path / "netns"
+    stand_in.write_text("stand-in")
+    env = {**ADD_ENV, "CNI_NETNS": str(stand_in), "CNI_PATH": str(tmp_path)}
+    with pytest.raises(CniError) as err:
+        Delegate("show-netns", b"{}", from_environ(env)).release("c1", "eth0")
+    assert err.value.msg == f"{stand_in} stand-in"
+    fd = os.open(stand_in, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        stand_in.unlink()
+        with pytest.raises(CniError) as err:
+            Delegate("show-netns", b"{}", from_environ(env, fd)).release("c1", "eth0")
+    finally:
+        os.close(fd)
+    assert err.value.msg == f"/proc/self/fd/{fd} stand-in"
+
+
 @pytest.mark.parametrize("answer", ["not json", '{"ips": [{"address": "10.0.0.300/24"}]}'])
 def test_an_undecodable_delegated_add_is_given_back(tmp_path, answer):
     script = tmp_path / "odd-ipam"

@@ -7,7 +7,7 @@ import dataclasses
 from proxyd.iptables import chains as ch
 from proxyd.iptables.chains import owned_by_knit
 from proxyd.iptables.render import render_base
-from proxyd.iptables.restore import RuleSet, full_scripts
+from proxyd.iptables.restore import RuleSet, TableSnapshot, full_scripts
 from proxyd.ipvs import names
 from proxyd.ipvs.plan import (
     Desired,
@@ -42,12 +42,8 @@ def members(s: PortState, key: str) -> set[str]:
     return {entry for k, entry in s.members if k == key}
 
 
-def script(
-    ctx: FamilyContext,
-    existing: dict[str, set[str]] | None = None,
-    jumps: dict[str, set[tuple[str, str]]] | None = None,
-) -> str:
-    (written,) = full_scripts(RuleSet(render(ctx)), existing or {}, jumps or {})
+def script(ctx: FamilyContext, snapshots: dict[str, TableSnapshot] | None = None) -> str:
+    (written,) = full_scripts(RuleSet(render(ctx)), snapshots or {})
     return written.text()
 
 
@@ -258,13 +254,18 @@ def test_rules_masquerade_off_cluster_sources_hairpin_and_reject() -> None:
     assert "-j MARK --or-mark 0x4000" in text
 
 
-def test_rules_script_adds_only_missing_hooks_and_removes_stale_chains() -> None:
+def test_rules_script_adds_only_missing_hooks_and_removes_stale_chains_with_their_hooks() -> None:
     ctx = dataclasses.replace(CTX6, masquerade_all=True)
-    jumps = {"nat": {("PREROUTING", names.SERVICES)}}
-    text = script(ctx, {"filter": {"KNIT-IPVS-OLD"}}, jumps)
+    snapshots = {
+        "nat": TableSnapshot(set(), {("PREROUTING", names.SERVICES)}),
+        "filter": TableSnapshot(
+            {"KNIT-IPVS-OLD"}, {("INPUT", "KNIT-IPVS-OLD")}, ("-A INPUT -j KNIT-IPVS-OLD",)
+        ),
+    }
+    text = script(ctx, snapshots)
     assert "KNIT6-CLUSTER-IP" in text and "KNIT-CLUSTER-IP " not in text
     assert "-I PREROUTING" not in text and "-I OUTPUT 1" in text
-    assert "-X KNIT-IPVS-OLD" in text
+    assert text.index("-D INPUT -j KNIT-IPVS-OLD") < text.index("-X KNIT-IPVS-OLD")
     assert "masquerade all" in text
 
 

@@ -93,7 +93,12 @@ def test_health_check_counts_ready_local_endpoints_over_the_services_ports() -> 
 
 def test_udp_flows_to_any_serving_endpoint_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     cleared: list[UdpFrontends] = []
-    monkeypatch.setattr(proxier_module.conntrack, "clear_stale", cleared.append)
+
+    def clear_stale(frontends: UdpFrontends) -> int:
+        cleared.append(frontends)
+        return 2
+
+    monkeypatch.setattr(proxier_module.conntrack, "clear_stale", clear_stale)
     monkeypatch.setattr(proxier_module, "local_addresses", lambda family: [])
     port = dataclasses.replace(
         PORT, name=dataclasses.replace(NAME, protocol="UDP"), internal_policy_local=True
@@ -104,8 +109,48 @@ def test_udp_flows_to_any_serving_endpoint_are_kept(monkeypatch: pytest.MonkeyPa
         Endpoint("10.244.1.6", 53, ready=False, terminating=True, node_name="node-a"),
         Endpoint("10.244.1.7", 53, ready=False, serving=False, terminating=True),
     )
-    RecordingProxier((4,)).sync(changes((port, endpoints)))
+    proxier = RecordingProxier((4,))
+    proxier.sync(changes((port, endpoints)))
     (frontends,) = cleared
     served = {("10.244.1.5", 53), ("10.244.2.5", 53), ("10.244.1.6", 53)}
     assert frontends.by_address == {("10.96.0.10", 80): served}
     assert frontends.stale(("10.96.0.10", 80), ("10.244.1.7", 53))
+    assert sample(proxier, "kubeproxy_conntrack_reconciler_deleted_entries_total", 4) == 2
+    assert sample(proxier, "kubeproxy_conntrack_reconciler_sync_duration_seconds_count", 4) == 1
+
+
+def sample(proxier: Proxier, name: str, family: int, **labels: str) -> float | None:
+    return proxier.metrics.registry.get_sample_value(name, {"ip_family": f"IPv{family}", **labels})
+
+
+def test_each_family_records_its_own_sync_metrics_as_kube_proxys_per_family_proxiers_do() -> None:
+    proxier = RecordingProxier((4, 6))
+    for family in (4, 6):
+        assert (
+            sample(proxier, "kubeproxy_sync_proxy_rules_iptables_restore_failures_total", family)
+            == 0
+        )
+    proxier.sync(Changes(services={}, node=NODE))
+    proxier.refusing.add(6)
+    local = dataclasses.replace(PORT, internal_policy_local=True)
+    elsewhere = (Endpoint("10.244.2.5", 8080, node_name="node-b"), Endpoint("fd10::5", 8080))
+    timed = Changes(
+        services=changes((local, elsewhere)).services, node=NODE, trigger_times={4: [1.0]}
+    )
+    with pytest.raises(ProgramError, match="IPv6 refused") as refused:
+        proxier.sync(timed)
+    assert refused.value.families == {6}
+    full, partial = (
+        f"kubeproxy_sync_{k}_proxy_rules_duration_seconds_count" for k in ("full", "partial")
+    )
+    assert (sample(proxier, full, 4), sample(proxier, partial, 4)) == (1, 1)
+    assert (sample(proxier, full, 6), sample(proxier, partial, 6)) == (1, 0)
+    assert sample(proxier, "kubeproxy_network_programming_duration_seconds_count", 4) == 1
+    assert sample(proxier, "kubeproxy_network_programming_duration_seconds_count", 6) == 0
+    failures = "kubeproxy_sync_proxy_rules_iptables_{}restore_failures_total"
+    assert sample(proxier, failures.format(""), 6) == 1
+    assert sample(proxier, failures.format("partial_"), 6) == 1
+    assert sample(proxier, failures.format(""), 4) == 0
+    no_local = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
+    assert sample(proxier, no_local, 4, traffic_policy="internal") == 1
+    assert sample(proxier, no_local, 6, traffic_policy="internal") == 0

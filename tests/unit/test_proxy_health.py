@@ -37,45 +37,80 @@ def get_with_headers(url: str) -> tuple[int, dict[str, object], Message]:
 
 
 def free_port() -> int:
-    probe = serve_health("127.0.0.1:0", ProxyHealth(60), Metrics())
+    probe = serve_health("127.0.0.1:0", ProxyHealth((4,), 60), Metrics())
     port = probe.server_address[1]
     probe.shutdown()
     probe.server_close()
     return port
 
 
-def test_a_change_left_unsynced_past_the_timeout_makes_the_proxy_unhealthy() -> None:
+def test_a_family_whose_queued_change_waits_past_the_timeout_makes_the_proxy_unhealthy() -> None:
     clock = Clock()
-    health = ProxyHealth(timeout=60, clock=clock)
-    assert health.status()[0]
+    health = ProxyHealth((4, 6), timeout=60, clock=clock)
+    health.queued()
+    clock.now += 61
+    assert health.status().healthy, "healthy while starting: no family synced yet"
+    health.updated(4)
+    health.updated(6)
     health.queued()
     clock.now += 59
-    assert health.status()[0]
-    clock.now += 2
-    assert not health.status()[0]
-    health.updated()
-    assert health.status()[0]
+    assert health.status().healthy
+    clock.now += 1
+    health.updated(4)
+    status = health.status()
+    assert not status.healthy
+    assert status.families == {4: (True, 1121.0), 6: (False, 1061.0)}
+    assert status.last_updated == 1121.0
+    health.updated(6)
+    assert health.status().healthy
 
 
-def test_healthz_reports_node_deletion_and_livez_does_not() -> None:
-    health = ProxyHealth(timeout=60)
+def test_healthz_and_livez_answer_kube_proxys_json_and_only_healthz_minds_the_node() -> None:
+    clock = Clock()
+    health = ProxyHealth((4, 6), timeout=60, clock=clock)
     metrics = Metrics()
     server = serve_health("127.0.0.1:0", health, metrics)
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        status, body = get(f"{base}/healthz")
-        assert status == 200 and {"lastUpdated", "currentTime"} <= body.keys()
+        status, body, headers = get_with_headers(f"{base}/healthz")
+        assert status == 200 and headers["X-Content-Type-Options"] == "nosniff"
+        assert body == {
+            "lastUpdated": "1970-01-01T00:16:40Z",
+            "currentTime": "1970-01-01T00:16:40Z",
+            "nodeEligible": True,
+            "healthy": True,
+        }
+        health.updated(4)
+        health.updated(6)
+        health.queued()
+        clock.now += 60
+        health.updated(4)
+        status, body = get(f"{base}/livez")
+        assert status == 503
+        assert body == {
+            "lastUpdated": "1970-01-01T00:17:40Z",
+            "currentTime": "1970-01-01T00:17:40Z",
+            "healthy": False,
+            "status": {
+                "IPv4": {"lastUpdated": "1970-01-01T00:17:40Z", "healthy": True},
+                "IPv6": {"lastUpdated": "1970-01-01T00:16:40Z", "healthy": False},
+            },
+        }
+        health.updated(6)
         health.node_deleting = True
-        assert get(f"{base}/healthz")[0] == 503
+        status, body = get(f"{base}/healthz")
+        assert status == 503 and body["nodeEligible"] is False and body["healthy"] is True
         assert get(f"{base}/livez")[0] == 200
     finally:
         server.shutdown()
         server.server_close()
-    assert b'kubeproxy_proxy_healthz_total{code="503"} 1.0' in metrics.exposition()
+    exposition = metrics.exposition()
+    assert b'kubeproxy_proxy_healthz_total{code="503"} 1.0' in exposition
+    assert b'kubeproxy_proxy_livez_total{code="503"} 1.0' in exposition
 
 
 def test_health_check_node_port_counts_local_endpoints() -> None:
-    servers = ServiceHealthServers(ProxyHealth(timeout=60), bind_host="127.0.0.1")
+    servers = ServiceHealthServers(ProxyHealth((4,), timeout=60), bind_host="127.0.0.1")
     port = free_port()
     try:
         servers.update({port: ("ns", "web", 2)})
@@ -103,7 +138,7 @@ def test_health_check_node_ports_fall_back_to_ipv4_on_a_node_without_ipv6(
         return real_socket(family, *args, **kwargs)
 
     port = free_port()
-    servers = ServiceHealthServers(ProxyHealth(timeout=60))
+    servers = ServiceHealthServers(ProxyHealth((4,), timeout=60))
     monkeypatch.setattr(socket, "socket", without_ipv6)
     try:
         servers.update({port: ("ns", "web", 1)})

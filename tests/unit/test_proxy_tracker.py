@@ -25,7 +25,7 @@ def eps(name: str, service: str, ip: str = "10.244.1.5") -> dict[str, Any]:
             "name": name,
             "labels": {"kubernetes.io/service-name": service},
         },
-        "addressType": "IPv4",
+        "addressType": "IPv6" if ":" in ip else "IPv4",
         "ports": [{"name": "p", "port": 8080}],
         "endpoints": [{"addresses": [ip]}],
     }
@@ -90,18 +90,20 @@ def test_a_slice_moving_to_another_service_changes_both() -> None:
     assert set(state.take().services) == {("ns", "a"), ("ns", "b")}
 
 
-def test_change_totals_count_events_and_pending_counts_services() -> None:
+def test_change_totals_count_events_and_pending_counts_services_per_family() -> None:
     state = ClusterState("node-a")
-    state.replace_services([svc("a")])
+    state.replace_services([svc("a"), svc("b")])
     state.replace_slices([eps("a-1", "a")])
     state.take()
     state.slice_event("MODIFIED", eps("a-1", "a", "10.244.1.6"))
     state.slice_event("MODIFIED", eps("a-1", "a", "10.244.1.7"))
     state.slice_event("MODIFIED", eps("a-1", "a", "10.244.1.7"))
     state.service_event("MODIFIED", svc("a", port=81))
-    assert state.pending() == (1, 1)
+    assert state.pending() == (1, {4: 1})
+    state.slice_event("ADDED", eps("b-1", "b", "fd10::5"))
+    assert state.pending() == (1, {4: 1, 6: 1})
     changes = state.take()
-    assert (changes.service_changes, changes.endpoint_changes) == (1, 2)
+    assert (changes.service_changes, changes.endpoint_changes) == (1, 3)
     assert state.take().endpoint_changes == 0
 
 
@@ -115,13 +117,14 @@ def test_trigger_times_come_only_from_annotated_slices_changed_after_the_start()
     state = ClusterState("node-a")
     state.replace_services([svc("a"), svc("b"), svc("c")])
     state.replace_slices([with_trigger_time(eps("a-1", "a"), time.time() - 3600)])
-    assert state.take().trigger_times == []
+    assert state.take().trigger_times == {}
     later = time.time() + 2
     state.slice_event("ADDED", eps("b-1", "b"))
     state.slice_event("ADDED", with_trigger_time(eps("c-1", "c"), later + 60))
     state.slice_event("ADDED", with_trigger_time(eps("c-2", "c", "10.244.1.6"), later))
+    state.slice_event("ADDED", with_trigger_time(eps("c-3", "c", "fd10::6"), later + 30))
     changes = state.take()
     assert set(changes.services) == {("ns", "b"), ("ns", "c")}
-    assert changes.trigger_times == [float(int(later))]
+    assert changes.trigger_times == {4: [float(int(later))], 6: [float(int(later + 30))]}
     state.slice_event("DELETED", eps("c-1", "c"))
-    assert state.take().trigger_times == []
+    assert state.take().trigger_times == {}

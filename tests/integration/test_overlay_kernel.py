@@ -1,0 +1,66 @@
+"""The node routing's kernel side beyond the lab cluster (test_cluster.py): RouteTable, run in a
+node namespace of its own, builds the VXLAN device with a forwarding and a neighbour entry per
+peer across segments, drops a departed peer's entries and route, and removes the device with the
+last such peer while a route to a peer on the segment stays."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pyroute2 import IPRoute
+
+from proxyd.nodenet.plan import NodeNet, plan_routes, vtep_address, vtep_mac
+from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE, RouteTable
+from tests.conftest import Netns
+
+LOCAL = NodeNet("a", ("10.244.1.0/24",), ("10.77.1.11",))
+NEIGHBOUR = NodeNet("b", ("10.244.2.0/24",), ("10.77.1.12",))
+FAR = (
+    NodeNet("c", ("10.244.3.0/24",), ("10.77.2.13",)),
+    NodeNet("d", ("10.244.4.0/24",), ("10.77.3.14",)),
+)
+
+
+def on_segment(address: str) -> bool:
+    return address.startswith("10.77.1.")
+
+
+def apply(node: Netns, peers: list[NodeNet]) -> None:
+    plan = plan_routes(LOCAL, peers, "auto", on_segment)
+    with node.entered(), IPRoute() as ipr:
+        RouteTable(ipr).apply(LOCAL, plan, 1450)
+
+
+def test_the_overlay_device_goes_with_the_last_peer_across_segments(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    node = make_netns("overlay")
+    node.ip("link", "add", "eth0", "type", "veth", "peer", "name", "segment")
+    node.ip("link", "set", "segment", "up")
+    node.ip("addr", "add", "10.77.1.11/24", "dev", "eth0")
+    node.ip("link", "set", "eth0", "up")
+    apply(node, [NEIGHBOUR, *FAR])
+    assert f"{VXLAN_DEVICE}:" in node.ip("-o", "link", "show", "dev", VXLAN_DEVICE)
+    forwarding = node.run("bridge", "fdb", "show", "dev", VXLAN_DEVICE).stdout
+    for peer in FAR:
+        underlay = peer.internal_ips[0]
+        assert f"{vtep_mac(underlay)} dst {underlay}" in forwarding
+        vtep = vtep_address(peer.pod_cidrs[0])
+        assert vtep_mac(underlay) in node.ip("neigh", "show", vtep, "dev", VXLAN_DEVICE)
+    routes = node.ip("route", "show", "proto", str(ROUTE_PROTOCOL))
+    assert "10.244.2.0/24 via 10.77.1.12 dev eth0" in routes
+    assert f"10.244.4.0/24 via {vtep_address('10.244.4.0/24')} dev {VXLAN_DEVICE}" in routes
+
+    apply(node, [NEIGHBOUR, FAR[0]])
+    assert vtep_mac("10.77.3.14") not in node.run("bridge", "fdb", "show").stdout
+    assert "10.244.4.0/24" not in node.ip("route", "show", "proto", str(ROUTE_PROTOCOL))
+    assert not node.ip("neigh", "show", vtep_address("10.244.4.0/24"))
+
+    apply(node, [NEIGHBOUR])
+    assert VXLAN_DEVICE not in node.ip("link")
+    assert (
+        node.ip("route", "show", "proto", str(ROUTE_PROTOCOL))
+        .split("\n")[0]
+        .startswith("10.244.2.0/24 via 10.77.1.12 dev eth0")
+    )
+    assert "10.244.3.0/24" not in node.ip("route", "show", "proto", str(ROUTE_PROTOCOL))
