@@ -130,12 +130,11 @@ def split_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def health_body(status: HealthStatus, node_eligible: bool | None) -> dict[str, object]:
-    """kube-proxy's /healthz and /livez JSON: lastUpdated reads `now` while healthy (its
+def health_body(status: HealthStatus, node_eligible: bool | None, ok: bool) -> dict[str, object]:
+    """kube-proxy's /healthz and /livez JSON: lastUpdated reads `now` when answering ok (its
     compatibility rule), nodeEligible only on /healthz, and the state of each family."""
-    healthy = status.healthy and node_eligible is not False
     body: dict[str, object] = {
-        "lastUpdated": _stamp(status.now if healthy else status.last_updated),
+        "lastUpdated": _stamp(status.now if ok else status.last_updated),
         "currentTime": _stamp(status.now),
     }
     if node_eligible is not None:
@@ -156,7 +155,7 @@ def serve_health(address: str, health: ProxyHealth, metrics: Metrics) -> _Server
         ok = status.healthy and eligible is not False
         code = 200 if ok else 503
         counter.labels(code=str(code)).inc()  # type: ignore[attr-defined]
-        body = json.dumps(health_body(status, eligible)).encode()
+        body = json.dumps(health_body(status, eligible, ok)).encode()
         return Response(code, "application/json", body, (("X-Content-Type-Options", "nosniff"),))
 
     routes = {
