@@ -81,6 +81,9 @@ class ClusterState:
         self._pending_services: set[ServiceKey] = set()
         self._pending_endpoints: dict[ServiceKey, set[int]] = {}
         """Services whose slices changed -> the families of those slices."""
+        self._pending_per_family: Counter[int] = Counter()
+        """How many of those services each family has (kept as they are added: every event
+        reads it)."""
         self._service_events = 0
         self._endpoint_events = 0
         self._trigger_times: dict[tuple[int, ServiceKey], float] = {}
@@ -95,8 +98,7 @@ class ClusterState:
     def pending(self) -> tuple[int, Counter[int]]:
         """Services with changes to program, and per family those with endpoint changes."""
         with self._lock:
-            families = Counter(f for fs in self._pending_endpoints.values() for f in fs)
-            return len(self._pending_services), families
+            return len(self._pending_services), Counter(self._pending_per_family)
 
     def has_pending(self) -> bool:
         with self._lock:
@@ -143,7 +145,9 @@ class ClusterState:
             changed.add((parsed.namespace, parsed.service))
         families = {s.family for s in (old, parsed) if s is not None}
         for key in changed:
-            self._pending_endpoints.setdefault(key, set()).update(families)
+            pending = self._pending_endpoints.setdefault(key, set())
+            self._pending_per_family.update(families - pending)
+            pending |= families
         self._endpoint_events += 1
         at = _trigger_time(obj) if obj is not None and parsed is not None else None
         if parsed is not None and at is not None and at > self._started:
@@ -215,6 +219,7 @@ class ClusterState:
             )
             self._pending_services.clear()
             self._pending_endpoints.clear()
+            self._pending_per_family.clear()
             self._service_events = self._endpoint_events = 0
             self._trigger_times.clear()
             return changes
