@@ -79,11 +79,8 @@ class ClusterState:
         self._slice_owner: dict[tuple[str, str], ServiceKey] = {}
         self.node = NodeInfo(node_name)
         self._pending_services: set[ServiceKey] = set()
-        self._pending_endpoints: dict[ServiceKey, set[int]] = {}
-        """Services whose slices changed -> the families of those slices."""
-        self._pending_per_family: Counter[int] = Counter()
-        """How many of those services each family has (kept as they are added: every event
-        reads it)."""
+        self._pending_endpoints: dict[int, set[ServiceKey]] = {}
+        """Per IP family, the services whose slices of that family changed."""
         self._service_events = 0
         self._endpoint_events = 0
         self._trigger_times: dict[tuple[int, ServiceKey], float] = {}
@@ -98,7 +95,8 @@ class ClusterState:
     def pending(self) -> tuple[int, Counter[int]]:
         """Services with changes to program, and per family those with endpoint changes."""
         with self._lock:
-            return len(self._pending_services), Counter(self._pending_per_family)
+            families = {family: len(keys) for family, keys in self._pending_endpoints.items()}
+            return len(self._pending_services), Counter(families)
 
     def has_pending(self) -> bool:
         with self._lock:
@@ -145,9 +143,8 @@ class ClusterState:
             changed.add((parsed.namespace, parsed.service))
         families = {s.family for s in (old, parsed) if s is not None}
         for key in changed:
-            pending = self._pending_endpoints.setdefault(key, set())
-            self._pending_per_family.update(families - pending)
-            pending |= families
+            for family in families:
+                self._pending_endpoints.setdefault(family, set()).add(key)
         self._endpoint_events += 1
         at = _trigger_time(obj) if obj is not None and parsed is not None else None
         if parsed is not None and at is not None and at > self._started:
@@ -206,7 +203,7 @@ class ClusterState:
     def take(self) -> Changes:
         """Every service changed since the last take, as it is now."""
         with self._lock:
-            changed = self._pending_services | self._pending_endpoints.keys()
+            changed = self._pending_services.union(*self._pending_endpoints.values())
             trigger_times: dict[int, list[float]] = {}
             for (family, _), at in self._trigger_times.items():
                 trigger_times.setdefault(family, []).append(at)
@@ -219,7 +216,6 @@ class ClusterState:
             )
             self._pending_services.clear()
             self._pending_endpoints.clear()
-            self._pending_per_family.clear()
             self._service_events = self._endpoint_events = 0
             self._trigger_times.clear()
             return changes

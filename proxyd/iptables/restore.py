@@ -47,6 +47,14 @@ class RuleSet:
                 result[chain].extend(tail)
         return {chain: tuple(rules) for chain, rules in result.items()}
 
+    def chain_names(self, table: str) -> set[str]:
+        """The table's chains, without building their rules."""
+        names = {chain for tbl, chain in self.base.chains if tbl == table}
+        if table == "nat":
+            for rules in self.services.values():
+                names.update(rules.chains)
+        return names
+
     def rule_count(self, table: str) -> int:
         return sum(len(rules) for rules in self.chains(table).values())
 
@@ -175,7 +183,7 @@ def full_scripts(
     else:
         scripts = batched_full_scripts(ruleset, existing, chains_per_script)
     for table, snapshot in snapshots.items():
-        stale = snapshot.chains - ruleset.chains(table).keys()
+        stale = snapshot.chains - ruleset.chain_names(table)
         scripts[0].deletions[table].extend(
             "-D" + hook[2:] for hook in snapshot.owned_hooks if hook_target(hook) in stale
         )

@@ -153,6 +153,8 @@ def test_batched_full_sync_switches_each_service_whole_and_dispatch_last() -> No
     single = full_script(ruleset, {}).text()
     written = [line for s in scripts for line in s.text().splitlines() if line.startswith("-A")]
     assert sorted(written) == sorted(line for line in single.splitlines() if line.startswith("-A"))
+    for table in ("nat", "filter"):
+        assert ruleset.chain_names(table) == ruleset.chains(table).keys()
 
 
 def test_invalid_packets_are_dropped_unless_conntrack_is_liberal() -> None:
