@@ -92,7 +92,7 @@ from deploy.lab.cluster import eventually
 from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent, start
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from proxyd.config import load as load_config
-from proxyd.daemon import FAMILIES, make_proxier
+from proxyd.daemon import make_proxier
 from proxyd.iptables import render as iptables_render
 from proxyd.iptables.chains import ServiceChains
 from proxyd.iptables.kernel import BUILTIN_CHAINS, JUMP
@@ -100,7 +100,7 @@ from proxyd.iptables.kernel import Iptables as IptablesKernel
 from proxyd.iptables.proxier import NFT_CHAINS_PER_RESTORE
 from proxyd.iptables.restore import RuleSet, Script, partial_script
 from proxyd.metrics import Metrics
-from proxyd.model import Endpoint, ServicePort, ServicePortName, parse_node
+from proxyd.model import IP_FAMILIES, Endpoint, ServicePort, ServicePortName, parse_node
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.kernel import CHAIN_LINE, Nft
 from proxyd.nftables.transaction import GENERATION_SUFFIXES, TableState, partial_transaction
@@ -393,7 +393,7 @@ class Iptables(Mode):
 
     def __init__(self, flavour: str) -> None:
         self.flavour = flavour
-        self.kernels = {family: IptablesKernel(family, flavour) for family in FAMILIES}
+        self.kernels = {family: IptablesKernel(family, flavour) for family in IP_FAMILIES}
         self.loader = f"{self.kernels[4].restore_binary} --noflush"
 
     def prepare(self, node: Netns) -> None:
@@ -443,7 +443,7 @@ class Iptables(Mode):
         return partial_script(rules(before), rules(after), [after.port.name]).text()
 
     def summary(self, saved: Saved) -> str:
-        lines = [line for family in FAMILIES for line in saved[family].splitlines()]
+        lines = [line for family in IP_FAMILIES for line in saved[family].splitlines()]
         rules = sum(1 for line in lines if line.startswith("-A "))
         chains = sum(1 for line in lines if line.startswith(":"))
         return f"{rules} rules in {chains} chains (nat + filter, IPv4 + IPv6)"
@@ -511,7 +511,7 @@ class Nftables(Mode):
     judged = True
 
     def __init__(self) -> None:
-        self.kernels = {family: Nft(family) for family in FAMILIES}
+        self.kernels = {family: Nft(family) for family in IP_FAMILIES}
         self.saved_generation = 0
         """The generation of maps the last listing saved holds (the anchor's, once loaded)."""
 

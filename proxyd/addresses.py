@@ -7,7 +7,7 @@ import socket
 
 from pyroute2 import IPRoute
 
-from proxyd.model import NodeInfo
+from proxyd.model import NodeInfo, family_of
 
 ADDRESS_FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
 
@@ -36,9 +36,9 @@ def nodeport_addresses(
     networks = [
         ipaddress.ip_network(s, strict=False)
         for s in selectors
-        if s != "primary" and ipaddress.ip_network(s, strict=False).version == family
+        if s != "primary" and family_of(s) == family
     ]
-    of_family = (a for a in node.addresses if ipaddress.ip_address(a).version == family)
+    of_family = (a for a in node.addresses if family_of(a) == family)
     primary = next(of_family, None) if "primary" in selectors else None
     if not networks and primary is None:
         return None

@@ -26,6 +26,7 @@ from proxyd.iptables.proxier import IptablesProxier
 from proxyd.ipvs import netlink as ipvs_netlink
 from proxyd.ipvs.proxier import IpvsProxier
 from proxyd.metrics import Metrics
+from proxyd.model import IP_FAMILIES
 from proxyd.nftables.kernel import Nft
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
@@ -37,7 +38,6 @@ from proxyd.tracker import ClusterState
 
 log = logging.getLogger("knit-proxyd")
 
-FAMILIES = (4, 6)
 KUBE_PROXY_NFT_TABLE = "kube-proxy"
 SYSCTLS_FOR_BRIDGED_PODS = (
     "net/bridge/bridge-nf-call-iptables",
@@ -75,7 +75,7 @@ def _write_sysctl(name: str, value: str) -> None:
 
 def remove_kube_proxy_nft_tables() -> int:
     """Delete the tables kube-proxy's nftables mode owns; returns how many existed."""
-    return sum(Nft(family, KUBE_PROXY_NFT_TABLE).delete_table() for family in FAMILIES)
+    return sum(Nft(family, KUBE_PROXY_NFT_TABLE).delete_table() for family in IP_FAMILIES)
 
 
 def _api_client(config: Config) -> client.ApiClient:
@@ -108,10 +108,10 @@ def make_proxier(mode: str, config: Config, metrics: Metrics) -> Proxier:
     """The datapath of a --proxy-mode."""
     options = _options(config)
     if mode == "nftables":
-        return NftablesProxier(options, FAMILIES, metrics)
+        return NftablesProxier(options, IP_FAMILIES, metrics)
     if mode == "ipvs":
-        return IpvsProxier(options, FAMILIES, metrics, config.ipvs_scheduler)
-    return IptablesProxier(options, FAMILIES, metrics)
+        return IpvsProxier(options, IP_FAMILIES, metrics, config.ipvs_scheduler)
+    return IptablesProxier(options, IP_FAMILIES, metrics)
 
 
 def _node_network(config: Config) -> NodeNetwork:
@@ -122,7 +122,7 @@ def _node_network(config: Config) -> NodeNetwork:
         data_dir=config.cni_data_dir,
         cluster_cidrs=config.cluster_cidr,
     )
-    return NodeNetwork(options, [Iptables(family) for family in FAMILIES])
+    return NodeNetwork(options, [Iptables(family) for family in IP_FAMILIES])
 
 
 def cleanup(config: Config) -> None:
@@ -149,15 +149,16 @@ class Daemon:
         self.stop = threading.Event()
         self._conntrack_tuned = False
 
-    def _queued(self) -> None:
+    def _queued(self, families: frozenset[int]) -> None:
         now = time.time()
-        self.health.queued()
+        self.health.queued(families)
         self.health.node_deleting = self.state.node.deleting
         services, endpoints = self.state.pending()
         self.metrics.service_changes_pending.set(services)
         for family in self.proxier.families:
             metrics = self.metrics.for_family(family)
-            metrics.last_queued.set(now)
+            if family in families:
+                metrics.last_queued.set(now)
             metrics.endpoint_changes_pending.set(endpoints[family])
         self.runner.run()
 
@@ -184,13 +185,11 @@ class Daemon:
         except Exception as err:
             log.exception("sync failed; a full sync follows")
             failed = err.families if isinstance(err, ProgramError) else self.proxier.families
-            for family in set(self.proxier.families) - set(failed):
-                self.health.updated(family)
+            self.health.synced(failed=frozenset(failed))
             self.runner.retry_after(max(self.config.min_sync_period, 1.0))
             return False
         elapsed = time.monotonic() - start
-        for family in self.proxier.families:
-            self.health.updated(family)
+        self.health.synced()
         self.health_servers.update(result.health_checks)
         if not self._conntrack_tuned:
             self._tune_conntrack()
@@ -317,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         cleanup(config)
         return 0
     if config.cleanup_kube_proxy:
-        removed = sum(Iptables(family).remove_owned(owned_by_kube_proxy) for family in FAMILIES)
+        removed = sum(Iptables(family).remove_owned(owned_by_kube_proxy) for family in IP_FAMILIES)
         tables = remove_kube_proxy_nft_tables()
         log.info("removed %d chains and %d nftables tables kube-proxy left", removed, tables)
     daemon = Daemon(config)

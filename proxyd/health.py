@@ -50,16 +50,24 @@ class ProxyHealth:
         self._oldest_queued: dict[int, float] = {}
         self.node_deleting = False
 
-    def queued(self) -> None:
+    def queued(self, families: frozenset[int]) -> None:
+        """A change to these families waits for a sync."""
+        with self._lock:
+            now = self._clock()
+            for family in families & set(self.families):
+                self._oldest_queued.setdefault(family, now)
+
+    def synced(self, failed: frozenset[int] = frozenset()) -> None:
+        """A sync ended: the families not in `failed` are up to date; a failed family waits for
+        the next sync as a queued change to it does."""
         with self._lock:
             now = self._clock()
             for family in self.families:
-                self._oldest_queued.setdefault(family, now)
-
-    def updated(self, family: int) -> None:
-        with self._lock:
-            self._last_updated[family] = self._clock()
-            self._oldest_queued.pop(family, None)
+                if family in failed:
+                    self._oldest_queued.setdefault(family, now)
+                else:
+                    self._last_updated[family] = now
+                    self._oldest_queued.pop(family, None)
 
     def status(self) -> HealthStatus:
         with self._lock:

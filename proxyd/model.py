@@ -21,6 +21,7 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 ZONE_LABEL = "topology.kubernetes.io/zone"
 DEFAULT_AFFINITY_TIMEOUT = 10800
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+IP_FAMILIES = (4, 6)
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,11 @@ class NodeInfo:
     addresses: tuple[str, ...] = ()
     deleting: bool = False
     labels: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+def family_of(address: str) -> int:
+    """The IP family (4 or 6) of an address or CIDR that was already validated."""
+    return 6 if ":" in address else 4
 
 
 def ignored(obj: Obj) -> bool:
@@ -269,7 +275,7 @@ def parse_endpoint_slice(obj: Obj) -> EndpointSlice | None:
         ip = _usable_ip(addresses[0], "endpoint address", owner)
         if ip is None:
             continue
-        if ipaddress.ip_address(ip).version != version:
+        if family_of(ip) != version:
             log.warning("%s: skipping endpoint address %s: not %s", owner, ip, address_type)
             continue
         conditions = entry.get("conditions") or {}

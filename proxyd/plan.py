@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from proxyd.model import Endpoint, NodeInfo, ServicePort
+from proxyd.model import Endpoint, NodeInfo, ServicePort, family_of
 from proxyd.topology import categorize
 
 
@@ -31,7 +31,7 @@ class FamilyContext:
 
     def of_family(self, address: str) -> bool:
         """For addresses and CIDRs the model already validated."""
-        return (":" in address) == (self.family == 6)
+        return family_of(address) == self.family
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,6 @@ kernel) and `cleanup`.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from proxyd import conntrack
 from proxyd.addresses import local_addresses, nodeport_addresses
 from proxyd.metrics import FamilyMetrics, Metrics
-from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName, family_of
 from proxyd.plan import FamilyContext, PortPlan, plan_port
 from proxyd.tracker import Changes, ServiceKey, ServiceView
 
@@ -53,10 +52,6 @@ class ProgramError(RuntimeError):
         super().__init__(message)
         self.families = families
         """The families whose sync failed (the others were written)."""
-
-
-def _family_of(cidr: str) -> int:
-    return ipaddress.ip_network(cidr, strict=False).version
 
 
 class Proxier(ABC):
@@ -96,7 +91,7 @@ class Proxier(ABC):
             metrics.partial_restore_failures.inc()
 
     def context(self, family: int, node: NodeInfo) -> FamilyContext:
-        cidr = next((c for c in self.options.cluster_cidrs if _family_of(c) == family), "")
+        cidr = next((c for c in self.options.cluster_cidrs if family_of(c) == family), "")
         selected = nodeport_addresses(self.options.nodeport_addresses, family, node)
         return FamilyContext(
             family=family,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from proxyd.model import (
+    IP_FAMILIES,
     Endpoint,
     EndpointSlice,
     InvalidObject,
@@ -22,6 +23,7 @@ from proxyd.model import (
     Obj,
     ServicePort,
     endpoints_for,
+    family_of,
     ignored,
     key_of,
     parse_endpoint_slice,
@@ -70,8 +72,19 @@ def _trigger_time(obj: Obj) -> float | None:
         return None
 
 
+def _cluster_ip_families(ports: list[ServicePort]) -> frozenset[int]:
+    return frozenset(family_of(ip) for port in ports for ip in port.cluster_ips)
+
+
 class ClusterState:
-    def __init__(self, node_name: str, on_change: Callable[[], None] = lambda: None) -> None:
+    """`on_change` hears the IP families each change touches (a Service: those of its cluster
+    IPs before and after; a slice: its address type; the node: every family), so a family's
+    sync is queued only by changes to it, as with kube-proxy's proxier per family; a fresh
+    list always calls it, maybe with no family, so the first sync follows."""
+
+    def __init__(
+        self, node_name: str, on_change: Callable[[frozenset[int]], None] = lambda _: None
+    ) -> None:
         self._lock = threading.Lock()
         self._on_change = on_change
         self._services: dict[ServiceKey, list[ServicePort]] = {}
@@ -102,24 +115,27 @@ class ClusterState:
         with self._lock:
             return bool(self._pending_services or self._pending_endpoints)
 
-    def _set_service(self, key: ServiceKey, obj: Obj | None) -> bool:
+    def _set_service(self, key: ServiceKey, obj: Obj | None) -> frozenset[int]:
+        """The IP families the change touches; none when nothing changed."""
         ports: list[ServicePort] = []
         if obj is not None and not ignored(obj):
             try:
                 ports = parse_service(obj)
             except InvalidObject as err:
                 log.warning("skipping Service %s/%s: %s", key[0], key[1], err)
-        if self._services.get(key, []) == ports:
-            return False
+        old = self._services.get(key, [])
+        if old == ports:
+            return frozenset()
         if ports:
             self._services[key] = ports
         else:
             self._services.pop(key, None)
         self._pending_services.add(key)
         self._service_events += 1
-        return True
+        return _cluster_ip_families(old) | _cluster_ip_families(ports)
 
-    def _set_slice(self, slice_key: tuple[str, str], obj: Obj | None) -> bool:
+    def _set_slice(self, slice_key: tuple[str, str], obj: Obj | None) -> frozenset[int]:
+        """The IP families the change touches; none when nothing changed."""
         parsed: EndpointSlice | None = None
         if obj is not None and not ignored(obj):
             try:
@@ -137,11 +153,11 @@ class ClusterState:
             self._slice_owner[slice_key] = key
             self._slices.setdefault(key, {})[parsed.name] = parsed
         if old == parsed:
-            return False
+            return frozenset()
         changed = {old_owner} if old_owner is not None else set()
         if parsed is not None:
             changed.add((parsed.namespace, parsed.service))
-        families = {s.family for s in (old, parsed) if s is not None}
+        families = frozenset(s.family for s in (old, parsed) if s is not None)
         for key in changed:
             for family in families:
                 self._pending_endpoints.setdefault(family, set()).add(key)
@@ -150,49 +166,51 @@ class ClusterState:
         if parsed is not None and at is not None and at > self._started:
             timed = (parsed.family, (parsed.namespace, parsed.service))
             self._trigger_times[timed] = min(self._trigger_times.get(timed, at), at)
-        return bool(changed)
+        return families
 
-    def _notify(self, changed: bool) -> None:
-        if changed:
-            self._on_change()
+    def _notify(self, families: frozenset[int]) -> None:
+        if families:
+            self._on_change(families)
 
     def service_event(self, kind: str, obj: Obj) -> None:
         with self._lock:
-            changed = self._set_service(key_of(obj), None if kind == "DELETED" else obj)
-        self._notify(changed)
+            families = self._set_service(key_of(obj), None if kind == "DELETED" else obj)
+        self._notify(families)
 
     def slice_event(self, kind: str, obj: Obj) -> None:
         with self._lock:
-            changed = self._set_slice(key_of(obj), None if kind == "DELETED" else obj)
-        self._notify(changed)
+            families = self._set_slice(key_of(obj), None if kind == "DELETED" else obj)
+        self._notify(families)
 
     def replace_services(self, objs: list[Obj]) -> None:
         """A fresh list: services missing from it are gone."""
         with self._lock:
             present = {key_of(obj): obj for obj in objs}
+            families: set[int] = set()
             for key in list(self._services.keys() - present.keys()):
-                self._set_service(key, None)
+                families |= self._set_service(key, None)
             for key, obj in present.items():
-                self._set_service(key, obj)
+                families |= self._set_service(key, obj)
             self._listed.add("services")
-        self._notify(True)
+        self._on_change(frozenset(families))
 
     def replace_slices(self, objs: list[Obj]) -> None:
         with self._lock:
             present = {key_of(obj): obj for obj in objs}
+            families: set[int] = set()
             for slice_key in list(self._slice_owner.keys() - present.keys()):
-                self._set_slice(slice_key, None)
+                families |= self._set_slice(slice_key, None)
             for slice_key, obj in present.items():
-                self._set_slice(slice_key, obj)
+                families |= self._set_slice(slice_key, obj)
             self._listed.add("endpointslices")
-        self._notify(True)
+        self._on_change(frozenset(families))
 
     def node_event(self, kind: str, obj: Obj) -> None:
         with self._lock:
             node = NodeInfo(self.node.name) if kind == "DELETED" else parse_node(obj)
-            changed = node != self.node
+            families = frozenset(IP_FAMILIES) if node != self.node else frozenset()
             self.node = node
-        self._notify(changed)
+        self._notify(families)
 
     # ------------------------------------------------------------ taking
     def _view(self, key: ServiceKey) -> ServiceView:

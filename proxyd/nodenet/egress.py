@@ -6,15 +6,14 @@ cluster's, and loaded with the proxy's own iptables layer.
 
 from __future__ import annotations
 
-import ipaddress
-
 from proxyd.iptables.kernel import Iptables
+from proxyd.model import family_of
 
 EGRESS_CHAIN = "KNIT-POD-EGRESS"
 
 
 def _in_family(cidrs: tuple[str, ...] | list[str], family: int) -> list[str]:
-    return [c for c in cidrs if ipaddress.ip_network(c, strict=False).version == family]
+    return [c for c in cidrs if family_of(c) == family]
 
 
 def render(family: int, pod_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ...]) -> list[str]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proxyd.model import InvalidObject
+from proxyd.model import InvalidObject, family_of
 
 ROUTING_MODES = ("auto", "direct", "vxlan", "none")
 VXLAN_OVERHEAD = {4: 50, 6: 70}
@@ -31,7 +31,7 @@ class NodeNet:
     internal_ips: tuple[str, ...]
 
     def address(self, family: int) -> str | None:
-        return next((ip for ip in self.internal_ips if _family(ip) == family), None)
+        return next((ip for ip in self.internal_ips if family_of(ip) == family), None)
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,6 @@ class RoutePlan:
     peers: tuple[OverlayPeer, ...]
     skipped: tuple[str, ...]
     """Peers' pod CIDRs that cannot be routed in this mode, with the reason."""
-
-
-def _family(address: str) -> int:
-    return ipaddress.ip_network(address, strict=False).version
 
 
 def parse_node_net(obj: dict[str, Any]) -> NodeNet:
@@ -91,7 +87,7 @@ def vtep_address(cidr: str) -> str:
 
 
 def underlay_family(local: NodeNet) -> int | None:
-    return _family(local.internal_ips[0]) if local.internal_ips else None
+    return family_of(local.internal_ips[0]) if local.internal_ips else None
 
 
 def plan_routes(
@@ -112,7 +108,7 @@ def plan_routes(
             continue
         overlay_cidrs: list[str] = []
         for cidr in node.pod_cidrs:
-            gateway = node.address(_family(cidr))
+            gateway = node.address(family_of(cidr))
             direct = gateway is not None and (mode == "direct" or on_link(gateway))
             if mode != "vxlan" and direct and gateway is not None:
                 routes.append(PodRoute(cidr, gateway, overlay=False))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from proxyd.model import family_of
 from proxyd.nodenet.plan import NodeNet, OverlayPeer, PodRoute, RoutePlan, vtep_address, vtep_mac
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,6 @@ class Overlay:
     device: str = VXLAN_DEVICE
     vni: int = VXLAN_VNI
     port: int = VXLAN_PORT
-
-
-def _family(address: str) -> int:
-    return ipaddress.ip_network(address, strict=False).version
 
 
 def on_link(ipr: IPRoute, address: str) -> bool:
@@ -126,7 +123,7 @@ class RouteTable:
             log.info("overlay device %s created (VNI %d)", self.overlay.device, self.overlay.vni)
         self.ipr.link("set", index=index, state="up", mtu=mtu)
         for cidr in local.pod_cidrs:
-            if _family(cidr) != 4:
+            if family_of(cidr) != 4:
                 continue  # an IPv6 subnet's first address is its router anycast address
             try:
                 self.ipr.addr("add", index=index, address=vtep_address(cidr), prefixlen=32)
@@ -171,5 +168,5 @@ class RouteTable:
                 dst=vtep,
                 lladdr=mac,
                 state=NUD_PERMANENT,
-                family=AF[_family(vtep)],
+                family=AF[family_of(vtep)],
             )

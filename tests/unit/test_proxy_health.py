@@ -47,22 +47,40 @@ def free_port() -> int:
 def test_a_family_whose_queued_change_waits_past_the_timeout_makes_the_proxy_unhealthy() -> None:
     clock = Clock()
     health = ProxyHealth((4, 6), timeout=60, clock=clock)
-    health.queued()
+    health.queued(frozenset({4, 6}))
     clock.now += 61
     assert health.status().healthy, "healthy while starting: no family synced yet"
-    health.updated(4)
-    health.updated(6)
-    health.queued()
+    health.synced()
+    health.queued(frozenset({6}))
     clock.now += 59
     assert health.status().healthy
     clock.now += 1
-    health.updated(4)
     status = health.status()
     assert not status.healthy
-    assert status.families == {4: (True, 1121.0), 6: (False, 1061.0)}
-    assert status.last_updated == 1121.0
-    health.updated(6)
+    assert status.families == {4: (True, 1061.0), 6: (False, 1061.0)}, (
+        "IPv4 had no change queued: healthy without a sync since"
+    )
+    assert status.last_updated == 1061.0
+    health.synced()
     assert health.status().healthy
+
+
+def test_a_family_whose_sync_failed_turns_unhealthy_unless_a_later_sync_succeeds() -> None:
+    clock = Clock()
+    health = ProxyHealth((4, 6), timeout=60, clock=clock)
+    health.synced()
+    clock.now += 10
+    health.synced(failed=frozenset({6}))
+    clock.now += 59
+    assert health.status().healthy
+    clock.now += 1
+    status = health.status()
+    assert not status.healthy
+    assert status.families == {4: (True, 1010.0), 6: (False, 1000.0)}
+    health.synced(failed=frozenset({6}))
+    assert not health.status().healthy, "a failed retry does not restart the wait"
+    health.synced()
+    assert health.status().families == {4: (True, 1070.0), 6: (True, 1070.0)}
 
 
 def test_healthz_and_livez_answer_kube_proxys_json_and_only_healthz_minds_the_node() -> None:
@@ -80,11 +98,10 @@ def test_healthz_and_livez_answer_kube_proxys_json_and_only_healthz_minds_the_no
             "nodeEligible": True,
             "healthy": True,
         }
-        health.updated(4)
-        health.updated(6)
-        health.queued()
+        health.synced()
+        health.queued(frozenset({4, 6}))
         clock.now += 60
-        health.updated(4)
+        health.synced(failed=frozenset({6}))
         status, body = get(f"{base}/livez")
         assert status == 503
         assert body == {
@@ -96,7 +113,7 @@ def test_healthz_and_livez_answer_kube_proxys_json_and_only_healthz_minds_the_no
                 "IPv6": {"lastUpdated": "1970-01-01T00:16:40Z", "healthy": False},
             },
         }
-        health.updated(6)
+        health.synced()
         health.node_deleting = True
         status, body = get(f"{base}/healthz")
         assert status == 503 and body["nodeEligible"] is False and body["healthy"] is True

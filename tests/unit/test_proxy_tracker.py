@@ -128,3 +128,38 @@ def test_trigger_times_come_only_from_annotated_slices_changed_after_the_start()
     assert changes.trigger_times == {4: [float(int(later))], 6: [float(int(later + 30))]}
     state.slice_event("DELETED", eps("c-1", "c"))
     assert state.take().trigger_times == {}
+
+
+def node(address: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "node-a"},
+        "status": {"addresses": [{"type": "InternalIP", "address": address}]},
+    }
+
+
+def test_each_change_names_the_ip_families_it_touches() -> None:
+    heard: list[frozenset[int]] = []
+    state = ClusterState("node-a", on_change=heard.append)
+    state.replace_services([])
+    state.replace_slices([])
+    assert heard == [frozenset(), frozenset()], "a fresh list queues the first sync"
+    heard.clear()
+    state.service_event("ADDED", svc("a"))
+    state.service_event("MODIFIED", svc("a", clusterIPs=["10.96.0.10", "fd00::10"]))
+    state.service_event("MODIFIED", svc("a", clusterIPs=["fd00::10"]))
+    state.service_event("MODIFIED", svc("a", clusterIPs=["fd00::10"]))
+    state.slice_event("ADDED", eps("a-1", "a", "fd10::5"))
+    state.slice_event("DELETED", eps("a-1", "a", "fd10::5"))
+    state.node_event("MODIFIED", node("192.0.2.10"))
+    state.node_event("MODIFIED", node("192.0.2.10"))
+    assert heard == [
+        frozenset({4}),
+        frozenset({4, 6}),
+        frozenset({4, 6}),
+        frozenset({6}),
+        frozenset({6}),
+        frozenset({4, 6}),
+    ], "an unchanged object queues nothing"
+    heard.clear()
+    state.replace_services([])
+    assert heard == [frozenset({6})], "a relist names what it deleted"
