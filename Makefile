@@ -73,7 +73,7 @@ controlplane-down:
 	$(PY) deploy/lab/controlplane.py down --dir $(ROOT)/.controlplane
 
 bench-cni: setup cni go-tools
-	$(PY) bench/cni_bench.py
+	$(PY) bench/cni_bench.py $(ARGS)
 
 # knit-proxyd at 1,000 and 10,000 services (~5 min); e.g. ARGS="--sizes 1000 --quick"
 bench-proxy: setup cni go-tools

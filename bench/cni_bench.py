@@ -6,7 +6,9 @@ per pod) in one node namespace, on the same pod namespaces, alternating rounds. 
 daemon (cni.server) runs inside the node namespace. Prints the medians, the ratio against the
 reference (1.0 = as fast, above 1 = slower), and where the fast path's time goes.
 
-Run as root: .venv/bin/python bench/cni_bench.py [--pods 20] [--rounds 3]
+Run as root: .venv/bin/python bench/cni_bench.py [--pods 20] [--rounds 3] [--ip-masq]
+(--ip-masq: every contender masquerades its pods' outgoing traffic, so ADD, CHECK and DEL
+also write, verify and remove those rules; knit and the reference both through iptables)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def build_launcher(directory: Path, socket_path: str = "") -> Path:
     return target.parent
 
 
-def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path) -> dict:
+def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path, ip_masq: bool) -> dict:
     return {
         "cniVersion": "1.1.0",
         "name": f"bench-{bridge}",
@@ -63,6 +65,7 @@ def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path) -> dict
                 "type": plugin_type,
                 "bridge": bridge,
                 "isGateway": True,
+                "ipMasq": ip_masq,
                 "ipam": {
                     "type": "host-local",
                     "ranges": [[{"subnet": subnet}]],
@@ -136,7 +139,8 @@ def report(options: argparse.Namespace, samples: dict, served: dict, breakdown: 
         name: {verb: statistics.median(samples[name][verb]) * 1000 for verb in VERBS}
         for name in CONTENDERS
     }
-    print(f"{options.pods} pods x {options.rounds} rounds through libcni (median ms per call)")
+    masq = ", ipMasq" if options.ip_masq else ""
+    print(f"{options.pods} pods x {options.rounds} rounds via libcni{masq} (median ms per call)")
     print(f"{'verb':6} {'reference':>10} {'knit':>8} {'ratio':>6} {'knit-fast':>10} {'ratio':>6}")
     for verb in VERBS:
         ref = ms["reference"][verb]
@@ -158,6 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pods", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ip-masq", action="store_true")
     options = parser.parse_args()
     node = f"{PREFIX}-node"
     pods = [f"{PREFIX}-pod{i}" for i in range(options.pods)]
@@ -168,17 +173,20 @@ def main() -> None:
         plain = build_launcher(work / "plain")
         fast = build_launcher(work / "fast", str(socket_path))
         (work / "netns").write_text("".join(f"/var/run/netns/{p}\n" for p in pods))
-        contenders = {
-            "reference": (conflist("bridge", "kbr1", "10.251.0.0/24", work / "ipam-ref"), ""),
-            "knit": (conflist("knit", "kbr0", "10.250.0.0/24", work / "ipam-knit"), plain),
-            "knit-fast": (conflist("knit", "kbr2", "10.252.0.0/24", work / "ipam-fast"), fast),
+        masq = options.ip_masq
+        confs = {
+            "reference": conflist("bridge", "kbr1", "10.251.0.0/24", work / "ipam-ref", masq),
+            "knit": conflist("knit", "kbr0", "10.250.0.0/24", work / "ipam-knit", masq),
+            "knit-fast": conflist("knit", "kbr2", "10.252.0.0/24", work / "ipam-fast", masq),
         }
+        launchers = {"reference": "", "knit": plain, "knit-fast": fast}
         try:
             for ns in [node, *pods]:
                 sh("ip", "netns", "add", ns)
             with fast_path_server(node, socket_path) as served:
                 for _ in range(options.rounds):
-                    for name, (conf, plugin_dir) in contenders.items():
+                    for name, conf in confs.items():
+                        plugin_dir = launchers[name]
                         cni_path = (
                             f"{plugin_dir}:{REFERENCE_DIR}" if plugin_dir else str(REFERENCE_DIR)
                         )
