@@ -7,8 +7,10 @@ daemon (cni.server) runs inside the node namespace. Prints the medians, the rati
 reference (1.0 = as fast, above 1 = slower), and where the fast path's time goes.
 
 Run as root: .venv/bin/python bench/cni_bench.py [--pods 20] [--rounds 3] [--ip-masq]
-(--ip-masq: every contender masquerades its pods' outgoing traffic, so ADD, CHECK and DEL
-also write, verify and remove those rules; knit and the reference both through iptables)
+[--nat-rules N] (--ip-masq: every contender masquerades its pods' outgoing traffic, so ADD,
+CHECK and DEL also write, verify and remove those rules, knit and the reference both through
+iptables; --nat-rules: the node's nat table first holds N other rules, as kube-proxy's iptables
+mode fills it, 8 to a chain, with kubelet's hint chain in mangle)
 """
 
 from __future__ import annotations
@@ -76,6 +78,19 @@ def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path, ip_masq
     }
 
 
+def fill_nat(node: str, rules: int) -> None:
+    """N DNAT rules, 8 to a chain, in the node's nat table, and kubelet's iptables hint."""
+    chains = range((rules + 7) // 8)
+    lines = ["*nat", *(f":KUBE-SEP-BENCH{c:06d} - [0:0]" for c in chains)]
+    lines += [
+        f"-A KUBE-SEP-BENCH{i // 8:06d} -p tcp -m comment --comment bench/svc-{i // 8}"
+        f" -j DNAT --to-destination 10.244.{i % 8}.{i % 250}:80"
+        for i in range(rules)
+    ]
+    lines += ["COMMIT", "*mangle", ":KUBE-IPTABLES-HINT - [0:0]", "COMMIT", ""]
+    sh("ip", "netns", "exec", node, "iptables-nft-restore", "--noflush", stdin="\n".join(lines))
+
+
 def run_driver(node: str, work: Path, name: str, conf: dict, cni_path: str) -> dict:
     path = work / f"{name}.conflist"
     path.write_text(json.dumps(conf))
@@ -140,6 +155,8 @@ def report(options: argparse.Namespace, samples: dict, served: dict, breakdown: 
         for name in CONTENDERS
     }
     masq = ", ipMasq" if options.ip_masq else ""
+    if options.nat_rules:
+        masq += f", {options.nat_rules} other nat rules"
     print(f"{options.pods} pods x {options.rounds} rounds via libcni{masq} (median ms per call)")
     print(f"{'verb':6} {'reference':>10} {'knit':>8} {'ratio':>6} {'knit-fast':>10} {'ratio':>6}")
     for verb in VERBS:
@@ -163,6 +180,7 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ip-masq", action="store_true")
+    parser.add_argument("--nat-rules", type=int, default=0)
     options = parser.parse_args()
     node = f"{PREFIX}-node"
     pods = [f"{PREFIX}-pod{i}" for i in range(options.pods)]
@@ -183,6 +201,8 @@ def main() -> None:
         try:
             for ns in [node, *pods]:
                 sh("ip", "netns", "add", ns)
+            if options.nat_rules:
+                fill_nat(node, options.nat_rules)
             with fast_path_server(node, socket_path) as served:
                 for _ in range(options.rounds):
                     for name, conf in confs.items():

@@ -71,7 +71,7 @@ def run(argv: list[str], stdin: str = "") -> str:
     return proc.stdout
 
 
-def _save_output(binary: str, *args: str) -> str:
+def _output(binary: str, *args: str) -> str:
     if shutil.which(binary) is None:
         return ""
     proc = subprocess.run([binary, *args], capture_output=True, text=True, check=False)
@@ -94,16 +94,18 @@ def detect_iptables_flavour() -> str:
     The mode kubelet announced with its hint chains wins; otherwise the flavour that holds
     more rules; a tie (a fresh node) goes to nft. Legacy's mangle table is read only when it
     exists: asking legacy xtables for a table creates it, with hooks every packet then passes.
+    The hint is read with `iptables -t mangle -S`, which lists that table alone, where
+    iptables-nft-save of it also reads the others (0.8 s beside a 160,000-rule nat table here).
     """
     for flavour in ("nft", "legacy"):
         if flavour == "legacy" and "mangle" not in _legacy_tables(4):
             continue
-        mangle = _save_output(f"iptables-{flavour}-save", "-t", "mangle")
-        if any(f":{chain} " in mangle for chain in KUBELET_HINT_CHAINS):
+        mangle = _output(f"iptables-{flavour}", "-w", "5", "-t", "mangle", "-S").splitlines()
+        if any(f"-N {chain}" in mangle for chain in KUBELET_HINT_CHAINS):
             return flavour
     counts = {}
     for flavour in ("nft", "legacy"):
-        text = _save_output(f"iptables-{flavour}-save") + _save_output(f"ip6tables-{flavour}-save")
+        text = _output(f"iptables-{flavour}-save") + _output(f"ip6tables-{flavour}-save")
         counts[flavour] = sum(1 for line in text.splitlines() if line.startswith("-"))
     return "legacy" if counts["legacy"] > counts["nft"] else "nft"
 
@@ -115,18 +117,22 @@ class IPTables:
         prefix = "iptables" if version == 4 else "ip6tables"
         self.version = version
         self.flavour = flavour
-        self.save_cmd = f"{prefix}-{flavour}-save"
+        self.cmd = f"{prefix}-{flavour}"
         self.restore_cmd = f"{prefix}-{flavour}-restore"
 
     def may_hold_rules(self, table: str) -> bool:
         """False when the table cannot hold rules to remove: this flavour's iptables is not
         installed, or legacy xtables lacks the table (asking for it would create it)."""
-        if shutil.which(self.save_cmd) is None:
+        if shutil.which(self.cmd) is None:
             return False
         return self.flavour != "legacy" or table in _legacy_tables(self.version)
 
-    def save(self, table: str) -> str:
-        return run([self.save_cmd, "-t", table])
+    def chain_rules(self, table: str, chain: str) -> list[str]:
+        """The chain's rules as iptables-save prints them. One chain, not the table: listing a
+        nat table kube-proxy filled (160,000 rules) takes iptables-nft-save 4.5 s here, one of
+        its chains a few milliseconds."""
+        listing = run([self.cmd, "-w", "5", "-t", table, "-S", chain])
+        return [line for line in listing.splitlines() if line.startswith("-A ")]
 
     def restore(self, text: str) -> None:
         run([self.restore_cmd, "--noflush", "-w", "5"], text)

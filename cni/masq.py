@@ -106,9 +106,12 @@ def present(backend: str, select: Selector, addresses: Collection[IPInterface]) 
         iptables = IPTables(version, flavour)
         if not iptables.may_hold_rules("nat"):
             return False
-        rules = _iptables_rules(iptables, select, lambda line: _is_jump(line) or _is_masq(line))
-        jumps = [line for line in rules if _is_jump(line)]
-        masquerades = [line for line in rules if _is_masq(line)]
+        jumps = _jumps(iptables, select)
+        masquerades = [
+            line
+            for chain in sorted({_target(jump) for jump in jumps})
+            for line in _selected(iptables.chain_rules("nat", chain), select, _is_masq)
+        ]
         if min(len(jumps), len(masquerades)) < len(family_addresses):
             return False
     return True
@@ -118,14 +121,18 @@ def _nft_handles(select: Selector) -> list[int]:
     return [h for h, tag in nft_tagged_rules("inet", NFT_TABLE, NFT_CHAIN) if select(tag)]
 
 
-def _iptables_rules(iptables: IPTables, select: Selector, kind: Callable[[str], bool]) -> list[str]:
-    """The family's nat rules of this kind (tested first: the table may hold kube-proxy's
-    thousands) whose tag the selector picks, as iptables-save prints them."""
-    return [
-        line
-        for line in iptables.save("nat").splitlines()
-        if kind(line) and (tag := Tag.parse(line)) is not None and select(tag)
-    ]
+def _selected(rules: list[str], select: Selector, kind: Callable[[str], bool]) -> list[str]:
+    """The rules of this kind whose tag the selector picks."""
+    return [rule for rule in rules if kind(rule) and (tag := Tag.parse(rule)) and select(tag)]
+
+
+def _jumps(iptables: IPTables, select: Selector) -> list[str]:
+    """The selected attachments' entries: their jumps from nat POSTROUTING."""
+    return _selected(iptables.chain_rules("nat", "POSTROUTING"), select, _is_jump)
+
+
+def _target(jump: str) -> str:
+    return jump.rsplit("-j ", 1)[1].strip()
 
 
 def _is_jump(line: str) -> bool:
@@ -138,8 +145,8 @@ def _is_masq(line: str) -> bool:
 
 
 def _iptables_teardown(iptables: IPTables, select: Selector) -> None:
-    jumps = _iptables_rules(iptables, select, _is_jump)
-    chains = {line.rsplit("-j ", 1)[1].strip() for line in jumps}
+    jumps = _jumps(iptables, select)
+    chains = {_target(line) for line in jumps}
     if jumps:
         flushes = [f":{c} - [0:0]" for c in sorted(chains)]
         removals = [f"-X {c}" for c in sorted(chains)]

@@ -47,7 +47,7 @@ def test_gc_on_a_node_without_iptables(node, tmp_path):
 def test_del_of_an_ipv4_attachment_leaves_ipv6_alone(node, tmp_path):
     conf = bridge_conf(node.data_dir, ipMasq=True)
     pod = node.add_pod(conf, "v4-only")
-    broken = failing_before_path(tmp_path / "bin", "ip6tables-nft-save", "ip6tables-legacy-save")
+    broken = failing_before_path(tmp_path / "bin", "ip6tables-nft", "ip6tables-legacy")
     answer = node.call("DEL", node.with_prev(conf, pod), pod, env={"PATH": broken})
     assert answer.code == 0, answer
     assert node.leftovers() == {}
@@ -56,7 +56,7 @@ def test_del_of_an_ipv4_attachment_leaves_ipv6_alone(node, tmp_path):
 def test_del_still_reports_a_family_the_attachment_used(node, tmp_path):
     conf = bridge_conf(node.data_dir, dual_stack=True, ipMasq=True)
     pod = node.add_pod(conf, "dual")
-    broken = failing_before_path(tmp_path / "bin", "ip6tables-nft-save", "ip6tables-legacy-save")
+    broken = failing_before_path(tmp_path / "bin", "ip6tables-nft", "ip6tables-legacy")
     answer = node.call("DEL", node.with_prev(conf, pod), pod, env={"PATH": broken})
     assert answer.error_code == 103 and "broken here" in answer.output["msg"], answer
     assert node.reservations() == [], "the rest of DEL ran"
