@@ -310,6 +310,26 @@ def test_external_ips_and_load_balancer_vips(
     assert "203.0.113.22" not in proxy_node.rules(), "ipMode Proxy gets no rule"
 
 
+def test_load_balancer_without_endpoints_rejects_sources_inside_and_outside_its_ranges(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    for name, source_range, lb_ip in (
+        ("lb-empty-open", "198.18.0.0/24", "203.0.113.30"),
+        ("lb-empty-closed", "192.0.2.0/24", "203.0.113.31"),
+    ):
+        create_service(kube, name, type="LoadBalancer", loadBalancerSourceRanges=[source_range])
+        kube.patch(
+            f"{SERVICES}/{name}/status",
+            {"status": {"loadBalancer": {"ingress": [{"ip": lb_ip}]}}},
+        )
+    # Not DNATed, the packets are forwarded: the pods have made the node a router.
+    outside = proxy_node.outside
+    assert eventually(lambda: refused(outside, "203.0.113.30", 80))
+    assert eventually(lambda: refused(outside, "203.0.113.31", 80)), (
+        "no firewall without endpoints, as in kube-proxy's iptables mode"
+    )
+
+
 def test_external_traffic_policy_local(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
