@@ -10,7 +10,8 @@ Run as root: .venv/bin/python bench/cni_bench.py [--pods 20] [--rounds 3] [--ip-
 [--nat-rules N] (--ip-masq: every contender masquerades its pods' outgoing traffic, so ADD,
 CHECK and DEL also write, verify and remove those rules, knit and the reference both through
 iptables; --nat-rules: the node's nat table first holds N other rules, as kube-proxy's iptables
-mode fills it, 8 to a chain, with kubelet's hint chain in mangle)
+mode fills it, 8 to a chain, with kubelet's hint chain in mangle; --node-addresses: a link of
+the node first holds N other addresses, as IPVS mode's dummy device holds service addresses)
 """
 
 from __future__ import annotations
@@ -91,6 +92,16 @@ def fill_nat(node: str, rules: int) -> None:
     sh("ip", "netns", "exec", node, "iptables-nft-restore", "--noflush", stdin="\n".join(lines))
 
 
+def add_node_addresses(node: str, count: int) -> None:
+    """count /32 addresses on a veth of the node's own (a stand-in for IPVS's dummy device)."""
+    sh("ip", "-n", node, "link", "add", "name", "kb-svc", "type", "veth", "peer", "name", "kb-svc1")
+    batch = "".join(
+        f"addr add 10.{96 + i // 62500}.{i // 250 % 250}.{i % 250 + 1}/32 dev kb-svc\n"
+        for i in range(count)
+    )
+    sh("ip", "-n", node, "-batch", "-", stdin=batch)
+
+
 def run_driver(node: str, work: Path, name: str, conf: dict, cni_path: str) -> dict:
     path = work / f"{name}.conflist"
     path.write_text(json.dumps(conf))
@@ -157,6 +168,8 @@ def report(options: argparse.Namespace, samples: dict, served: dict, breakdown: 
     masq = ", ipMasq" if options.ip_masq else ""
     if options.nat_rules:
         masq += f", {options.nat_rules} other nat rules"
+    if options.node_addresses:
+        masq += f", {options.node_addresses} other node addresses"
     print(f"{options.pods} pods x {options.rounds} rounds via libcni{masq} (median ms per call)")
     print(f"{'verb':6} {'reference':>10} {'knit':>8} {'ratio':>6} {'knit-fast':>10} {'ratio':>6}")
     for verb in VERBS:
@@ -181,6 +194,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ip-masq", action="store_true")
     parser.add_argument("--nat-rules", type=int, default=0)
+    parser.add_argument("--node-addresses", type=int, default=0)
     options = parser.parse_args()
     node = f"{PREFIX}-node"
     pods = [f"{PREFIX}-pod{i}" for i in range(options.pods)]
@@ -203,6 +217,8 @@ def main() -> None:
                 sh("ip", "netns", "add", ns)
             if options.nat_rules:
                 fill_nat(node, options.nat_rules)
+            if options.node_addresses:
+                add_node_addresses(node, options.node_addresses)
             with fast_path_server(node, socket_path) as served:
                 for _ in range(options.rounds):
                     for name, conf in confs.items():

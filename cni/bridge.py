@@ -86,7 +86,7 @@ def ensure_bridge(ipr: IPRoute, conf: NetConf) -> Link:
 def ensure_gateway_addresses(
     ipr: IPRoute, bridge: Link, gateways: list[IPInterface], force: bool
 ) -> None:
-    present = addresses(ipr, bridge.index)
+    present = addresses(bridge.index)
     for gateway in gateways:
         if gateway in present:
             continue
@@ -272,7 +272,7 @@ def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Resu
             check_failed(f"container interface {ifname} is a {link.kind or 'device'}, not a veth")
         if expected.mac and link.mac.lower() != expected.mac.lower():
             check_failed(f"container interface {ifname} has MAC {link.mac}, not {expected.mac}")
-        present = addresses(ipc, link.index)
+        present = addresses(link.index)
         for ip in prev.ips:
             if ip.interface in (None, index) and ip.address not in present:
                 check_failed(f"address {ip.address} is missing from {ifname}")

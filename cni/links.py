@@ -71,12 +71,18 @@ def link_by_name(ipr: IPRoute, name: str) -> Link | None:
     )
 
 
-def addresses(ipr: IPRoute, index: int) -> list[IPInterface]:
-    return [
-        ipaddress.ip_interface(f"{msg.get_attr('IFA_ADDRESS')}/{msg['prefixlen']}")
-        for msg in ipr.get_addr(index=index)
-        if msg["scope"] == 0
-    ]
+def addresses(index: int) -> list[IPInterface]:
+    """The global addresses of a link in the calling thread's network namespace, picked by the
+    kernel: a dump request naming the link, on a strict-checking socket (pyroute2 filters a
+    plain dump itself, after the kernel sent every link's addresses: beside an IPVS dummy
+    device holding 10,000 service addresses, 590 ms against 0.4 ms here)."""
+    with IPRoute(strict_check=True) as ipr:
+        dump = ipr.addr("dump", index=index, dump_filter=lambda _: True)
+        return [
+            ipaddress.ip_interface(f"{msg.get_attr('IFA_ADDRESS')}/{msg['prefixlen']}")
+            for msg in dump
+            if msg["index"] == index and msg["scope"] == 0
+        ]
 
 
 def routes(ipr: IPRoute, index: int, table: int) -> list[tuple[IPNetwork, str | None]]:

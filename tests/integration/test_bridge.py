@@ -6,10 +6,12 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from pyroute2 import IPRoute
 
 from cni.firewall import detect_iptables_flavour
+from cni.links import addresses
 from tests.conftest import Netns
-from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, bridge_conf
+from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, bridge_conf
 
 
 def test_pods_reach_each_other_and_the_gateway(node):
@@ -451,3 +453,14 @@ def test_other_ipam_types_are_delegated_through_cni_path(node, tmp_path):
     missing = {**conf, "ipam": {**conf["ipam"], "type": "no-such-ipam"}}
     answer = node.call("ADD", missing, container_id="x", netns=node.make_netns("pod").path)
     assert answer.output["code"] == 104 and "no-such-ipam" in answer.output["msg"]
+
+
+def test_a_links_addresses_are_its_own_among_many_of_another(node: Node) -> None:
+    node.ns.run("ip", "link", "add", "name", "svc0", "type", "veth", "peer", "name", "svc1")
+    batch = "".join(f"addr add 10.96.0.{i}/32 dev svc0\n" for i in range(1, 200))
+    node.ns.run("ip", "-batch", "-", stdin=batch)
+    node.ns.run("ip", "addr", "add", "192.0.2.1/24", "dev", "svc1")
+    node.ns.run("ip", "addr", "add", "2001:db8::1/64", "dev", "svc1", "nodad")
+    with node.ns.entered(), IPRoute() as ipr:
+        index = ipr.link_lookup(ifname="svc1")[0]
+        assert sorted(map(str, addresses(index))) == ["192.0.2.1/24", "2001:db8::1/64"]
