@@ -6,10 +6,13 @@ cluster's, and loaded with the proxy's own iptables layer.
 
 from __future__ import annotations
 
+import ipaddress
+
 from proxyd.iptables.kernel import Iptables
 from proxyd.model import family_of
 
 EGRESS_CHAIN = "KNIT-POD-EGRESS"
+HOOK = f"-A POSTROUTING -j {EGRESS_CHAIN}"
 
 
 def _in_family(cidrs: tuple[str, ...] | list[str], family: int) -> list[str]:
@@ -17,9 +20,12 @@ def _in_family(cidrs: tuple[str, ...] | list[str], family: int) -> list[str]:
 
 
 def render(family: int, pod_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ...]) -> list[str]:
-    """The chain's rules: leave traffic to cluster CIDRs alone, masquerade the rest."""
+    """The chain's rules: leave traffic to cluster CIDRs alone, masquerade the rest. The CIDRs
+    are collapsed (nodes' pod CIDRs inside the cluster CIDR leave no rule of their own), so the
+    chain stays short and nodes joining and leaving do not rewrite it."""
     rules = []
-    exempt = sorted(set(_in_family(cluster_cidrs, family)))
+    networks = (ipaddress.ip_network(cidr) for cidr in _in_family(cluster_cidrs, family))
+    exempt = [str(network) for network in ipaddress.collapse_addresses(networks)]
     for source in _in_family(pod_cidrs, family):
         rules += [f"-A {EGRESS_CHAIN} -s {source} -d {dst} -j RETURN" for dst in exempt]
         rules.append(f"-A {EGRESS_CHAIN} -s {source} -j MASQUERADE --random-fully")
@@ -29,7 +35,7 @@ def render(family: int, pod_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ..
 def restore_script(rules: list[str], hooked: bool) -> str:
     lines = ["*nat", f":{EGRESS_CHAIN} - [0:0]", *rules]
     if not hooked:
-        lines.append(f"-A POSTROUTING -j {EGRESS_CHAIN}")
+        lines.append(HOOK)
     return "\n".join([*lines, "COMMIT", ""])
 
 
@@ -44,8 +50,7 @@ class Egress:
         rules = render(self.iptables.family, pod_cidrs, cluster_cidrs)
         if rules == self.loaded:
             return
-        snapshot = self.iptables.snapshot("nat", lambda chain: chain == EGRESS_CHAIN)
-        hooked = ("POSTROUTING", EGRESS_CHAIN) in snapshot.jumps
+        hooked = HOOK in self.iptables.chain_rules("nat", "POSTROUTING")
         self.iptables.restore(restore_script(rules, hooked))
         self.loaded = rules
 

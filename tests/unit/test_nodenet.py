@@ -99,12 +99,13 @@ def test_conflist_is_written_by_rename_and_only_when_it_changes(tmp_path: Path) 
 
 
 def test_egress_masquerades_what_leaves_the_cluster_cidrs() -> None:
-    rules = render(4, A.pod_cidrs, ("10.244.0.0/16", "fd10:244::/56", "10.244.2.0/24"))
+    cluster = ("10.244.0.0/16", "fd10:244::/56", "10.244.2.0/24", "10.245.1.0/24", "10.245.0.0/24")
+    rules = render(4, A.pod_cidrs, cluster)
     assert rules == [
         f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -d 10.244.0.0/16 -j RETURN",
-        f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -d 10.244.2.0/24 -j RETURN",
+        f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -d 10.245.0.0/23 -j RETURN",
         f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -j MASQUERADE --random-fully",
-    ]
+    ], "a node's pod CIDR inside the cluster CIDR adds no rule; adjacent ones merge"
     assert render(6, ("10.244.1.0/24",), ()) == []
     assert f"-A POSTROUTING -j {EGRESS_CHAIN}" in restore_script(rules, hooked=False)
     assert "POSTROUTING" not in restore_script(rules, hooked=True)

@@ -1,0 +1,24 @@
+"""The egress chain's kernel side beyond the lab cluster (test_cluster.py): rewritten in a node
+namespace of its own when the cluster's CIDRs change, it keeps one hook in nat POSTROUTING."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from proxyd.iptables.kernel import Iptables
+from proxyd.nodenet.egress import EGRESS_CHAIN, HOOK, Egress
+from tests.conftest import Netns
+
+
+def test_a_rewritten_egress_chain_keeps_one_hook(make_netns: Callable[[str], Netns]) -> None:
+    node = make_netns("egress")
+    with node.entered():
+        Egress(Iptables(4)).apply(("10.244.1.0/24",), ("10.244.0.0/16",))
+        Egress(Iptables(4)).apply(("10.244.1.0/24",), ("10.244.0.0/16", "10.250.0.0/24"))
+    saved = node.run("iptables-save", "-t", "nat").stdout.splitlines()
+    assert saved.count(HOOK) == 1, "a fresh daemon finds the hook in place"
+    assert [line for line in saved if line.startswith(f"-A {EGRESS_CHAIN}")] == [
+        f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -d 10.244.0.0/16 -j RETURN",
+        f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -d 10.250.0.0/24 -j RETURN",
+        f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -j MASQUERADE --random-fully",
+    ]
