@@ -209,7 +209,8 @@ class Proxier(ABC):
                 frontends.by_node_port[plan.port.node_port] = allowed
         if frontends:
             start = time.monotonic()
-            frontends.local_addresses = set(local_addresses(family))
+            if frontends.by_node_port:
+                frontends.local_addresses = set(local_addresses(family))
             deleted = conntrack.clear_stale(frontends)
             metrics = self.metrics.for_family(family)
             metrics.conntrack_sync_duration.observe(time.monotonic() - start)
@@ -228,7 +229,7 @@ class Proxier(ABC):
             services[node_port] = (name.namespace, name.name)
             counts = local.setdefault(node_port, Counter())
             for endpoint in self._endpoints(port):
-                family = 6 if ":" in endpoint.ip else 4
+                family = family_of(endpoint.ip)
                 programmed = name in self._plans.get(family, {})
                 if programmed and endpoint.ready and endpoint.node_name == node_name:
                     counts[family] += 1
