@@ -7,26 +7,33 @@ covers both an endpoint going away and a service gaining endpoints after having 
 entry then points at the frontend itself). TCP and SCTP entries are never touched.
 
 The kernel picks the entries to look at: one dump per frontend, filtered on its destination
-(kernel 5.8 and later), costs a walk of the table in the kernel (10 ms for 10,000 entries
-here), where every UDP entry of the family decoded in Python costs 0.26 ms. Past
-FILTERED_DUMPS_UP_TO frontends (a full sync of many UDP services), one dump of them all is
-cheaper.
+(CTA_FILTER, Linux 5.8 and later), costs a walk of the table in the kernel (10 ms for 10,000
+entries here), where every UDP entry of the family decoded in Python costs ~0.25 ms. Past
+FILTERED_DUMPS_UP_TO frontends (a full sync of many UDP services), or on a kernel that ignores
+the filter, one dump of the family's UDP entries is cheaper.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import socket
 from dataclasses import dataclass, field
 
 from pyroute2 import Conntrack
-from pyroute2.conntrack import ConntrackEntry
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
 log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
-FILTERED_DUMPS_UP_TO = 64
+FILTERED_DUMPS_UP_TO = 16
+
+
+def kernel_filters_dumps() -> bool:
+    """Whether this kernel filters conntrack dumps on a tuple (Linux 5.8)."""
+    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return release is not None and (int(release[1]), int(release[2])) >= (5, 8)
 
 
 @dataclass
@@ -52,16 +59,15 @@ class UdpFrontends:
         return socket.AF_INET if self.family == 4 else socket.AF_INET6
 
     def dump_filters(self) -> list[NFCTAttrTuple]:
-        """The original-direction tuples the kernel is asked for: each frontend's destination
-        (a NodePort's on any address), or, past FILTERED_DUMPS_UP_TO of them, the family's
-        UDP."""
+        """The original-direction tuples the kernel is asked for: UDP to each frontend's port,
+        or, past FILTERED_DUMPS_UP_TO ports or on a kernel that would ignore them, the family's
+        UDP. Ports alone: a filter naming an IPv6 destination address matched no entry here
+        (kernel 6.18), where the same filter on the port did."""
         udp = {"family": self.address_family, "proto": socket.IPPROTO_UDP}
-        if len(self.by_address) + len(self.by_node_port) > FILTERED_DUMPS_UP_TO:
+        ports = sorted({port for _, port in self.by_address} | self.by_node_port.keys())
+        if len(ports) > FILTERED_DUMPS_UP_TO or not kernel_filters_dumps():
             return [NFCTAttrTuple(**udp)]
-        return [
-            *(NFCTAttrTuple(**udp, daddr=ip, dport=port) for ip, port in sorted(self.by_address)),
-            *(NFCTAttrTuple(**udp, dport=port) for port in sorted(self.by_node_port)),
-        ]
+        return [NFCTAttrTuple(**udp, dport=port) for port in ports]
 
 
 def clear_stale(frontends: UdpFrontends) -> int:
@@ -69,18 +75,18 @@ def clear_stale(frontends: UdpFrontends) -> int:
     if not frontends:
         return 0
     deleted = 0
-    with Conntrack() as ct:
-        stale: dict[tuple[str, int, str, int], ConntrackEntry] = {}
-        for dump_filter in frontends.dump_filters():
-            for entry in ct.dump_entries(tuple_orig=dump_filter):
-                orig, reply = entry.tuple_orig, entry.tuple_reply
-                if orig.family != frontends.address_family:
-                    continue
-                destination = (orig.daddr, orig.dport)
-                if frontends.stale(destination, (reply.saddr, reply.sport)):
-                    # keyed: a NodePort's dump may return an entry an address's did
-                    stale[(orig.saddr, orig.sport, *destination)] = entry
-        for entry in stale.values():
+    with Conntrack(nfgen_family=frontends.address_family) as ct:
+        stale = [
+            entry
+            for dump_filter in frontends.dump_filters()
+            for entry in ct.dump_entries(tuple_orig=dump_filter)
+            if entry.tuple_orig.family == frontends.address_family
+            and frontends.stale(
+                (entry.tuple_orig.daddr, entry.tuple_orig.dport),
+                (entry.tuple_reply.saddr, entry.tuple_reply.sport),
+            )
+        ]
+        for entry in stale:
             try:
                 ct.delete(entry)
                 deleted += 1

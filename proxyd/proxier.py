@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
 
+from pyroute2.netlink.exceptions import NetlinkError
+
 from proxyd import conntrack
 from proxyd.addresses import local_addresses, nodeport_addresses
 from proxyd.metrics import FamilyMetrics, Metrics
@@ -211,7 +213,11 @@ class Proxier(ABC):
             start = time.monotonic()
             if frontends.by_node_port:
                 frontends.local_addresses = set(local_addresses(family))
-            deleted = conntrack.clear_stale(frontends)
+            try:
+                deleted = conntrack.clear_stale(frontends)
+            except (OSError, NetlinkError) as err:  # the rules stay written, as in kube-proxy
+                log.warning("UDP conntrack clean-up failed (IPv%d): %s", family, err)
+                return
             metrics = self.metrics.for_family(family)
             metrics.conntrack_sync_duration.observe(time.monotonic() - start)
             metrics.conntrack_deleted.inc(deleted)

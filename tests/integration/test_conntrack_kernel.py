@@ -1,6 +1,7 @@
-"""The UDP conntrack clean-up against the kernel's table, in a namespace of its own: entries made
-through netlink, then cleared with a dump per frontend (the kernel filters) and with one dump of
-every UDP entry (past FILTERED_DUMPS_UP_TO frontends); both delete the same, stale, entries."""
+"""The UDP conntrack clean-up against the kernel's table, in a namespace of its own, for each IP
+family: entries made through netlink, then cleared with a dump per frontend port (the kernel
+filters) and with one dump of every UDP entry (past FILTERED_DUMPS_UP_TO ports); both delete
+the same, stale, entries."""
 
 from __future__ import annotations
 
@@ -15,14 +16,32 @@ from proxyd import conntrack
 from proxyd.conntrack import UdpFrontends, clear_stale
 from tests.conftest import Netns
 
-CLUSTER_IP, NODE_IP, ELSEWHERE = "10.96.0.10", "10.77.1.11", "10.77.1.99"
-ENDPOINT, GONE = "10.244.1.5", "10.244.1.6"
 NODE_PORT = 30053
+ADDRESSES = {
+    4: {
+        "cluster_ip": "10.96.0.10",
+        "node": "10.77.1.11",
+        "elsewhere": "10.77.1.99",
+        "endpoint": "10.244.1.5",
+        "gone": "10.244.1.6",
+        "client": "10.1.0.",
+    },
+    6: {
+        "cluster_ip": "fd00:96::10",
+        "node": "fd77:1::11",
+        "elsewhere": "fd77:1::99",
+        "endpoint": "fd10:244:1::5",
+        "gone": "fd10:244:1::6",
+        "client": "fd01::",
+    },
+}
 
 
-def add_entry(ct: Conntrack, client: str, destination: tuple[str, int], reply_from: str) -> None:
+def add_entry(
+    ct: Conntrack, family: int, client: str, destination: tuple[str, int], reply_from: str
+) -> None:
     """A UDP flow from client:40000 to destination whose replies come from reply_from:53."""
-    udp = {"family": socket.AF_INET, "proto": socket.IPPROTO_UDP}
+    udp = {"family": family, "proto": socket.IPPROTO_UDP}
     ct.entry(
         "add",
         tuple_orig=NFCTAttrTuple(
@@ -33,40 +52,48 @@ def add_entry(ct: Conntrack, client: str, destination: tuple[str, int], reply_fr
     )
 
 
-def remaining(ct: Conntrack) -> set[tuple[str, str, int]]:
+def remaining(ct: Conntrack, family: int) -> set[tuple[str, str, int]]:
     """(client, destination address, port) of every UDP entry left."""
-    udp = NFCTAttrTuple(family=socket.AF_INET, proto=socket.IPPROTO_UDP)
+    udp = NFCTAttrTuple(family=family, proto=socket.IPPROTO_UDP)
     return {
         (e.tuple_orig.saddr, e.tuple_orig.daddr, e.tuple_orig.dport)
         for e in ct.dump_entries(tuple_orig=udp)
     }
 
 
+@pytest.mark.parametrize("version", [4, 6], ids=["IPv4", "IPv6"])
 @pytest.mark.parametrize("filtered", [True, False], ids=["dump-per-frontend", "one-dump"])
 def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
-    make_netns: Callable[[str], Netns], monkeypatch: pytest.MonkeyPatch, filtered: bool
+    make_netns: Callable[[str], Netns],
+    monkeypatch: pytest.MonkeyPatch,
+    filtered: bool,
+    version: int,
 ) -> None:
     if not filtered:
         monkeypatch.setattr(conntrack, "FILTERED_DUMPS_UP_TO", 0)
+    at = ADDRESSES[version]
+    family = socket.AF_INET if version == 4 else socket.AF_INET6
+    client = [f"{at['client']}{i}" for i in range(1, 7)]
     node = make_netns("conntrack")
     frontends = UdpFrontends(
-        4,
-        by_address={(CLUSTER_IP, 53): {(ENDPOINT, 53)}},
-        by_node_port={NODE_PORT: {(ENDPOINT, 53)}},
-        local_addresses={NODE_IP},
+        version,
+        by_address={(at["cluster_ip"], 53): {(at["endpoint"], 53)}},
+        by_node_port={NODE_PORT: {(at["endpoint"], 53)}},
+        local_addresses={at["node"]},
     )
-    assert len(frontends.dump_filters()) == (2 if filtered else 1)
-    with node.entered(), Conntrack() as ct:
-        add_entry(ct, "10.1.0.1", (CLUSTER_IP, 53), ENDPOINT)
-        add_entry(ct, "10.1.0.2", (CLUSTER_IP, 53), GONE)
-        add_entry(ct, "10.1.0.3", (CLUSTER_IP, 5353), GONE)
-        add_entry(ct, "10.1.0.4", (NODE_IP, NODE_PORT), GONE)
-        add_entry(ct, "10.1.0.5", (ELSEWHERE, NODE_PORT), GONE)
-        add_entry(ct, "10.1.0.6", (NODE_IP, NODE_PORT), ENDPOINT)
+    expected_dumps = 2 if filtered and conntrack.kernel_filters_dumps() else 1  # ports 53, 30053
+    assert len(frontends.dump_filters()) == expected_dumps
+    with node.entered(), Conntrack(nfgen_family=family) as ct:
+        add_entry(ct, family, client[0], (at["cluster_ip"], 53), at["endpoint"])
+        add_entry(ct, family, client[1], (at["cluster_ip"], 53), at["gone"])
+        add_entry(ct, family, client[2], (at["cluster_ip"], 5353), at["gone"])
+        add_entry(ct, family, client[3], (at["node"], NODE_PORT), at["gone"])
+        add_entry(ct, family, client[4], (at["elsewhere"], NODE_PORT), at["gone"])
+        add_entry(ct, family, client[5], (at["node"], NODE_PORT), at["endpoint"])
         assert clear_stale(frontends) == 2
-        assert remaining(ct) == {
-            ("10.1.0.1", CLUSTER_IP, 53),
-            ("10.1.0.3", CLUSTER_IP, 5353),
-            ("10.1.0.5", ELSEWHERE, NODE_PORT),
-            ("10.1.0.6", NODE_IP, NODE_PORT),
+        assert remaining(ct, family) == {
+            (client[0], at["cluster_ip"], 53),
+            (client[2], at["cluster_ip"], 5353),
+            (client[4], at["elsewhere"], NODE_PORT),
+            (client[5], at["node"], NODE_PORT),
         }
