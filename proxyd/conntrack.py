@@ -8,7 +8,7 @@ entry then points at the frontend itself). TCP and SCTP entries are never touche
 
 The kernel picks the entries to look at: one dump per frontend, filtered on its destination
 (CTA_FILTER, Linux 5.8 and later), costs a walk of the table in the kernel (10 ms for 10,000
-entries here), where every UDP entry of the family decoded in Python costs ~0.25 ms. Past
+entries here), where every UDP entry of the family decoded in Python costs 0.25-0.4 ms. Past
 FILTERED_DUMPS_UP_TO frontends (a full sync of many UDP services), or on a kernel that ignores
 the filter, one dump of the family's UDP entries is cheaper.
 """

@@ -37,7 +37,8 @@ class HealthStatus(NamedTuple):
 
 class ProxyHealth:
     """Per IP family, healthy unless a queued change has waited longer than `timeout` for that
-    family's successful sync (kube-proxy's rule, one proxier per family)."""
+    family's successful sync (kube-proxy's rule, one proxier per family); a failed sync of the
+    family counts as such a change. A family never synced yet is reported healthy."""
 
     def __init__(
         self, families: tuple[int, ...], timeout: float, clock: Callable[[], float] = time.time
