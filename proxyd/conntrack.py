@@ -6,11 +6,12 @@ frontend and whose reply source is not one of that frontend's endpoints are dele
 covers both an endpoint going away and a service gaining endpoints after having none (the
 entry then points at the frontend itself). TCP and SCTP entries are never touched.
 
-The kernel picks the entries to look at: one dump per frontend, filtered on its destination
-(CTA_FILTER, Linux 5.8 and later), costs a walk of the table in the kernel (10 ms for 10,000
-entries here), where every UDP entry of the family decoded in Python costs 0.25-0.4 ms. Past
-FILTERED_DUMPS_UP_TO frontends (a full sync of many UDP services), or on a kernel that ignores
-the filter, one dump of the family's UDP entries is cheaper.
+The kernel picks the entries to look at: one dump per frontend port, filtered on it
+(CTA_FILTER, Linux 5.8 and later), costs a walk of the whole table in the kernel (10 ms for
+10,000 entries here), where every UDP entry of the family decoded in Python costs 0.25-0.4 ms.
+Past FILTERED_DUMPS_UP_TO ports (a full sync of many UDP services), past KERNEL_WALK_BUDGET
+entries walked in all (a table of mostly TCP entries), or on a kernel that ignores the filter,
+one dump of the family's UDP entries is asked for instead.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 FILTERED_DUMPS_UP_TO = 16
+KERNEL_WALK_BUDGET = 2_000_000
 
 
 def kernel_filters_dumps() -> bool:
@@ -58,14 +60,15 @@ class UdpFrontends:
     def address_family(self) -> int:
         return socket.AF_INET if self.family == 4 else socket.AF_INET6
 
-    def dump_filters(self) -> list[NFCTAttrTuple]:
+    def dump_filters(self, table_size: int) -> list[NFCTAttrTuple]:
         """The original-direction tuples the kernel is asked for: UDP to each frontend's port,
-        or, past FILTERED_DUMPS_UP_TO ports or on a kernel that would ignore them, the family's
-        UDP. Ports alone: a filter naming an IPv6 destination address matched no entry here
-        (kernel 6.18), where the same filter on the port did."""
+        or the family's UDP (see the module's notes). Ports alone: a filter naming an IPv6
+        destination address matched no entry here (kernel 6.18), where the same filter on the
+        port did."""
         udp = {"family": self.address_family, "proto": socket.IPPROTO_UDP}
         ports = sorted({port for _, port in self.by_address} | self.by_node_port.keys())
-        if len(ports) > FILTERED_DUMPS_UP_TO or not kernel_filters_dumps():
+        too_many = len(ports) > FILTERED_DUMPS_UP_TO
+        if too_many or len(ports) * table_size > KERNEL_WALK_BUDGET or not kernel_filters_dumps():
             return [NFCTAttrTuple(**udp)]
         return [NFCTAttrTuple(**udp, dport=port) for port in ports]
 
@@ -78,7 +81,7 @@ def clear_stale(frontends: UdpFrontends) -> int:
     with Conntrack(nfgen_family=frontends.address_family) as ct:
         stale = [
             entry
-            for dump_filter in frontends.dump_filters()
+            for dump_filter in frontends.dump_filters(table_size=ct.count())
             for entry in ct.dump_entries(tuple_orig=dump_filter)
             if entry.tuple_orig.family == frontends.address_family
             and frontends.stale(
