@@ -7,11 +7,12 @@ daemon (cni.server) runs inside the node namespace. Prints the medians, the rati
 reference (1.0 = as fast, above 1 = slower), and where the fast path's time goes.
 
 Run as root: .venv/bin/python bench/cni_bench.py [--pods 20] [--rounds 3] [--ip-masq]
-[--nat-rules N] (--ip-masq: every contender masquerades its pods' outgoing traffic, so ADD,
-CHECK and DEL also write, verify and remove those rules, knit and the reference both through
-iptables; --nat-rules: the node's nat table first holds N other rules, as kube-proxy's iptables
-mode fills it, 8 to a chain, with kubelet's hint chain in mangle; --node-addresses: a link of
-the node first holds N other addresses, as IPVS mode's dummy device holds service addresses)
+[--nat-rules N] [--node-addresses N]. --ip-masq: every contender masquerades its pods'
+outgoing traffic, so ADD, CHECK and DEL also write, verify and remove those rules, knit and the
+reference both through iptables. --nat-rules: the node's nat table first holds N other rules,
+as kube-proxy's iptables mode fills it, 8 to a chain, with kubelet's hint chain in mangle.
+--node-addresses: a link of the node first holds N other addresses, as IPVS mode's dummy
+device holds service addresses.
 """
 
 from __future__ import annotations
@@ -165,12 +166,13 @@ def report(options: argparse.Namespace, samples: dict, served: dict, breakdown: 
         name: {verb: statistics.median(samples[name][verb]) * 1000 for verb in VERBS}
         for name in CONTENDERS
     }
-    masq = ", ipMasq" if options.ip_masq else ""
+    settings = ", ipMasq" if options.ip_masq else ""
     if options.nat_rules:
-        masq += f", {options.nat_rules} other nat rules"
+        settings += f", {options.nat_rules} other nat rules"
     if options.node_addresses:
-        masq += f", {options.node_addresses} other node addresses"
-    print(f"{options.pods} pods x {options.rounds} rounds via libcni{masq} (median ms per call)")
+        settings += f", {options.node_addresses} other node addresses"
+    rounds = f"{options.pods} pods x {options.rounds} rounds"
+    print(f"{rounds} via libcni{settings} (median ms per call)")
     print(f"{'verb':6} {'reference':>10} {'knit':>8} {'ratio':>6} {'knit-fast':>10} {'ratio':>6}")
     for verb in VERBS:
         ref = ms["reference"][verb]

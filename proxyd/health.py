@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 
 from proxyd.metrics import Metrics, family_label
+from proxyd.model import family_of
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], routes: dict[str, Callable[[], Response]]) -> None:
         self.routes = routes
-        if ":" in address[0]:
+        if family_of(address[0]) == 6:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
 

@@ -94,7 +94,7 @@ class Endpoint:
     node_hints: frozenset[str] = frozenset()
 
     def __str__(self) -> str:
-        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+        return f"[{self.ip}]:{self.port}" if family_of(self.ip) == 6 else f"{self.ip}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD
 
 from proxyd.addresses import ADDRESS_FAMILIES
 from proxyd.ipvs.names import DUMMY
+from proxyd.model import family_of
 
 
 def _index(ipr: IPRoute) -> int | None:
@@ -43,7 +44,7 @@ def addresses(family: int) -> set[str]:
 
 
 def _prefix(address: str) -> int:
-    return 128 if ":" in address else 32
+    return 128 if family_of(address) == 6 else 32
 
 
 def bind(added: set[str], removed: set[str]) -> None:
@@ -59,7 +60,7 @@ def bind(added: set[str], removed: set[str]) -> None:
                 if err.code != errno.EADDRNOTAVAIL:
                     raise
         for address in sorted(added):
-            flags = IFA_F_NODAD if ":" in address else 0
+            flags = IFA_F_NODAD if family_of(address) == 6 else 0
             ipr.addr(
                 "replace", index=index, address=address, prefixlen=_prefix(address), flags=flags
             )

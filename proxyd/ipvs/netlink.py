@@ -20,6 +20,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from proxyd.addresses import ADDRESS_FAMILIES
 from proxyd.ipvs.plan import Frontend, RealServer, VirtualServer
+from proxyd.model import family_of
 
 PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
 PROTOCOL_NAMES = {number: name for name, number in PROTOCOL_NUMBERS.items()}
@@ -86,7 +87,7 @@ def load_module() -> None:
 
 
 def _family(address: str) -> int:
-    return ADDRESS_FAMILIES[6 if ":" in address else 4]
+    return ADDRESS_FAMILIES[family_of(address)]
 
 
 def _netmask(family: int) -> str:
@@ -163,7 +164,7 @@ class IpvsKernel:
         found: dict[Frontend, ServiceInfo] = {}
         for message in self.sock.service("dump"):
             parsed = parse_service(message)
-            if parsed is not None and (":" in parsed[0].address) == (family == 6):
+            if parsed is not None and family_of(parsed[0].address) == family:
                 found[parsed[0]] = parsed[1]
         return found
 

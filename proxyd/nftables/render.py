@@ -202,12 +202,6 @@ class ServiceNames:
         return f"affinity-{digest}-{self._base}__{ip}/{endpoint.port}"
 
 
-def _dnat_target(endpoint: Endpoint) -> str:
-    if ":" in endpoint.ip:
-        return f"[{endpoint.ip}]:{endpoint.port}"
-    return f"{endpoint.ip}:{endpoint.port}"
-
-
 def _sticky(plan: PortPlan, endpoints: tuple[Endpoint, ...], names: ServiceNames, l3: str) -> Rules:
     """Session affinity: the endpoint remembered for the source, else one at random (endpoint
     i with probability 1/(count - i)), remembered from then on."""
@@ -216,7 +210,7 @@ def _sticky(plan: PortPlan, endpoints: tuple[Endpoint, ...], names: ServiceNames
 
     def to(endpoint: Endpoint) -> str:
         remember = f"update @{names.affinity(endpoint, timeout)} {{ {l3} saddr }} "
-        return f"{remember}meta l4proto {proto} dnat to {_dnat_target(endpoint)}"
+        return f"{remember}meta l4proto {proto} dnat to {endpoint}"
 
     rules = [f"{l3} saddr @{names.affinity(e, timeout)} {to(e)}" for e in endpoints]
     count = len(endpoints)
