@@ -1,29 +1,50 @@
-"""The node's own addresses, read through netlink."""
+"""The node's own addresses, read through netlink (rawnetlink: on an IPVS node every service
+address is one of them)."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-
-from pyroute2 import IPRoute
+import struct
 
 from proxyd.model import NodeInfo, family_of
+from proxyd.rawnetlink import NetlinkSocket, attributes
 
 ADDRESS_FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
+RTM_NEWADDR, RTM_GETADDR = 20, 22
+IFADDRMSG = struct.Struct("=BBBBI")
+"""ifaddrmsg: family, prefix length, flags, scope, link index."""
+IFA_ADDRESS = 1
+
+
+def link_index(name: str) -> int | None:
+    """The index of the link called name; None when there is none."""
+    try:
+        return socket.if_nametoindex(name)
+    except OSError:
+        return None
+
+
+def link_addresses(family: int) -> list[tuple[int, str]]:
+    """(link index, address) of every address of the family on the node: one dump."""
+    address_family = ADDRESS_FAMILIES[family]
+    request = IFADDRMSG.pack(address_family, 0, 0, 0, 0)
+    found = []
+    with NetlinkSocket(socket.NETLINK_ROUTE) as sock:
+        for kind, payload in sock.dump(RTM_GETADDR, request):
+            of_family, _, _, _, index = IFADDRMSG.unpack_from(payload)
+            if kind != RTM_NEWADDR or of_family != address_family:
+                continue
+            address = attributes(payload[IFADDRMSG.size :]).get(IFA_ADDRESS)
+            if address is not None:
+                found.append((index, socket.inet_ntop(address_family, address)))
+    return found
 
 
 def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]:
     """The family's addresses of every link (but `exclude_ifname`'s)."""
-    with IPRoute() as ipr:
-        excluded = ipr.link_lookup(ifname=exclude_ifname) if exclude_ifname else []
-        return sorted(
-            {
-                msg.get("IFA_ADDRESS")
-                for msg in ipr.get_addr(family=ADDRESS_FAMILIES[family])
-                if msg["index"] not in excluded
-            }
-            - {None}
-        )
+    excluded = link_index(exclude_ifname) if exclude_ifname else None
+    return sorted({address for index, address in link_addresses(family) if index != excluded})
 
 
 def nodeport_addresses(

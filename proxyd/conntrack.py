@@ -1,4 +1,4 @@
-"""UDP conntrack cleanup through netlink (pyroute2).
+"""UDP conntrack cleanup through netlink (ctnetlink, read and written with rawnetlink).
 
 UDP has no connection end, so a client keeps sending to an endpoint that is gone for as long
 as its conntrack entry lives. After a sync, entries whose original destination is a service
@@ -8,22 +8,32 @@ entry then points at the frontend itself). TCP and SCTP entries are never touche
 
 The kernel picks the entries to look at: one dump per frontend port, filtered on it
 (CTA_FILTER, Linux 5.8 and later), costs a walk of the whole table in the kernel (10 ms for
-10,000 entries here), where every UDP entry of the family decoded in Python costs 0.25-0.4 ms.
-Past FILTERED_DUMPS_UP_TO ports (a full sync of many UDP services), past KERNEL_WALK_BUDGET
-entries walked in all (a table of mostly TCP entries), or on a kernel that ignores the filter,
-one dump of the family's UDP entries is asked for instead.
+10,000 entries here), where reading an entry of the dump costs a few µs. Past
+FILTERED_DUMPS_UP_TO ports (a full sync of many UDP services), past KERNEL_WALK_BUDGET entries
+walked in all (a table of mostly TCP entries), or on a kernel that ignores the filter, one dump
+of the family's UDP entries is asked for instead. An entry is deleted by its original tuple,
+zone and id as the dump gave them, so an entry of another conntrack zone goes too and a newer
+entry that took the tuple meanwhile stays.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import socket
+import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pyroute2 import Conntrack
-from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+from proxyd.rawnetlink import (
+    NETLINK_NETFILTER,
+    NetlinkError,
+    NetlinkSocket,
+    attribute,
+    attributes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +41,37 @@ Address = tuple[str, int]
 FILTERED_DUMPS_UP_TO = 16
 KERNEL_WALK_BUDGET = 2_000_000
 
+CTNETLINK = 1 << 8
+"""The conntrack subsystem's part of a message type."""
+MSG_GET, MSG_DELETE, MSG_GET_STATS = CTNETLINK | 1, CTNETLINK | 2, CTNETLINK | 5
+NFGENMSG = struct.Struct("=BBH")
+"""nfgenmsg: family, version, resource id."""
+CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_ID, CTA_ZONE, CTA_FILTER = 1, 2, 12, 18, 25
+CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
+CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
+CTA_FILTER_ORIG_FLAGS = 1
+FILTER_PROTO_NUM, FILTER_DST_PORT = 1 << 3, 1 << 5
+CTA_STATS_GLOBAL_ENTRIES = 1
+IP_SOURCE = {socket.AF_INET: 1, socket.AF_INET6: 3}
+"""CTA_IP_V4_SRC, CTA_IP_V6_SRC; the destination is the next type."""
+PORT = struct.Struct(">H")
+
 
 def kernel_filters_dumps() -> bool:
     """Whether this kernel filters conntrack dumps on a tuple (Linux 5.8)."""
     release = re.match(r"(\d+)\.(\d+)", os.uname().release)
     return release is not None and (int(release[1]), int(release[2])) >= (5, 8)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the clean-up reads of one conntrack entry, and how to name it to delete it."""
+
+    destination: Address
+    """The original direction's destination."""
+    reply_source: Address
+    deletion: bytes
+    """The delete request's attributes: the original tuple, id and zone as dumped."""
 
 
 @dataclass
@@ -60,39 +96,98 @@ class UdpFrontends:
     def address_family(self) -> int:
         return socket.AF_INET if self.family == 4 else socket.AF_INET6
 
-    def dump_filters(self, table_size: int) -> list[NFCTAttrTuple]:
-        """The original-direction tuples the kernel is asked for: UDP to each frontend's port,
-        or the family's UDP (see the module's notes). Ports alone: a filter naming an IPv6
-        destination address matched no entry here (kernel 6.18), where the same filter on the
-        port did."""
-        udp = {"family": self.address_family, "proto": socket.IPPROTO_UDP}
+    def dump_ports(self, table_size: int) -> list[int | None]:
+        """The destination ports the kernel is asked for UDP entries to, one dump each; [None]:
+        one dump of the family's UDP entries (see the module's notes). Ports alone: a filter
+        naming an IPv6 destination address matched no entry here (kernel 6.18), where the same
+        filter on the port did."""
         ports = sorted({port for _, port in self.by_address} | self.by_node_port.keys())
         too_many = len(ports) > FILTERED_DUMPS_UP_TO
         if too_many or len(ports) * table_size > KERNEL_WALK_BUDGET or not kernel_filters_dumps():
-            return [NFCTAttrTuple(**udp)]
-        return [NFCTAttrTuple(**udp, dport=port) for port in ports]
+            return [None]
+        return list(ports)
+
+
+def dump_request(address_family: int, port: int | None) -> bytes:
+    """A dump request for the family's UDP entries (to `port`), filtered by the kernel where it
+    can; entries are checked again as read, as an older kernel ignores the filter."""
+    request = NFGENMSG.pack(address_family, 0, 0)
+    if not kernel_filters_dumps():
+        return request
+    proto = attribute(CTA_PROTO_NUM, bytes([socket.IPPROTO_UDP]))
+    flags = FILTER_PROTO_NUM
+    if port is not None:
+        proto += attribute(CTA_PROTO_DST_PORT, PORT.pack(port))
+        flags |= FILTER_DST_PORT
+    tuple_orig = attribute(CTA_TUPLE_PROTO, proto, nested=True)
+    filter_flags = attribute(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", flags))
+    return (
+        request
+        + attribute(CTA_TUPLE_ORIG, tuple_orig, nested=True)
+        + attribute(CTA_FILTER, filter_flags, nested=True)
+    )
+
+
+def _end(tuple_attributes: memoryview, address_family: int, source: bool) -> Address | None:
+    """A tuple's source or destination as (address, port); None when it is not UDP."""
+    found = attributes(tuple_attributes)
+    if CTA_TUPLE_PROTO not in found or CTA_TUPLE_IP not in found:
+        return None
+    proto = attributes(found[CTA_TUPLE_PROTO])
+    if proto[CTA_PROTO_NUM][0] != socket.IPPROTO_UDP:
+        return None
+    ip = attributes(found[CTA_TUPLE_IP])
+    address = ip[IP_SOURCE[address_family] + (0 if source else 1)]
+    (port,) = PORT.unpack(proto[CTA_PROTO_SRC_PORT if source else CTA_PROTO_DST_PORT])
+    return socket.inet_ntop(address_family, address), port
+
+
+def udp_entries(sock: NetlinkSocket, address_family: int, port: int | None) -> Iterator[Entry]:
+    """The family's UDP entries (to `port`)."""
+    for _, payload in sock.dump(MSG_GET, dump_request(address_family, port)):
+        family = payload[0]
+        found = attributes(payload[NFGENMSG.size :])
+        orig, reply = found.get(CTA_TUPLE_ORIG), found.get(CTA_TUPLE_REPLY)
+        if family != address_family or orig is None or reply is None:
+            continue
+        destination = _end(orig, address_family, source=False)
+        reply_source = _end(reply, address_family, source=True)
+        if destination is None or reply_source is None:
+            continue
+        deletion = attribute(CTA_TUPLE_ORIG, bytes(orig), nested=True) + b"".join(
+            attribute(kind, bytes(found[kind])) for kind in (CTA_ID, CTA_ZONE) if kind in found
+        )
+        yield Entry(destination, reply_source, deletion)
+
+
+def table_size(sock: NetlinkSocket) -> int:
+    """How many entries the kernel's table holds, of every family."""
+    for _, payload in sock.request(MSG_GET_STATS, NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)):
+        entries = attributes(payload[NFGENMSG.size :]).get(CTA_STATS_GLOBAL_ENTRIES)
+        if entries is not None:
+            return int(struct.unpack(">I", entries)[0])
+    return 0
 
 
 def clear_stale(frontends: UdpFrontends) -> int:
     """Delete the stale UDP entries; returns how many were deleted."""
     if not frontends:
         return 0
+    address_family = frontends.address_family
     deleted = 0
-    with Conntrack(nfgen_family=frontends.address_family) as ct:
+    with NetlinkSocket(NETLINK_NETFILTER) as sock:
         stale = [
             entry
-            for dump_filter in frontends.dump_filters(table_size=ct.count())
-            for entry in ct.dump_entries(tuple_orig=dump_filter)
-            if entry.tuple_orig.family == frontends.address_family
-            and frontends.stale(
-                (entry.tuple_orig.daddr, entry.tuple_orig.dport),
-                (entry.tuple_reply.saddr, entry.tuple_reply.sport),
-            )
+            for port in frontends.dump_ports(table_size(sock))
+            for entry in udp_entries(sock, address_family, port)
+            if frontends.stale(entry.destination, entry.reply_source)
         ]
+        request = NFGENMSG.pack(address_family, 0, 0)
         for entry in stale:
             try:
-                ct.delete(entry)
+                sock.request(MSG_DELETE, request + entry.deletion)
                 deleted += 1
-            except Exception as err:  # the entry may have expired meanwhile
-                log.debug("conntrack delete failed: %s", err)
+            except NetlinkError as err:
+                if err.errno != errno.ENOENT:  # ENOENT: expired meanwhile
+                    log.warning("deleting a stale UDP conntrack entry failed: %s", err)
     return deleted

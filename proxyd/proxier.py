@@ -13,8 +13,6 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
 
-from pyroute2.netlink.exceptions import NetlinkError
-
 from proxyd import conntrack
 from proxyd.addresses import local_addresses, nodeport_addresses
 from proxyd.metrics import FamilyMetrics, Metrics
@@ -211,11 +209,11 @@ class Proxier(ABC):
                 frontends.by_node_port[plan.port.node_port] = allowed
         if frontends:
             start = time.monotonic()
-            if frontends.by_node_port:
-                frontends.local_addresses = set(local_addresses(family))
             try:
+                if frontends.by_node_port:
+                    frontends.local_addresses = set(local_addresses(family))
                 deleted = conntrack.clear_stale(frontends)
-            except (OSError, NetlinkError) as err:  # the rules stay written, as in kube-proxy
+            except OSError as err:  # the rules stay written, as in kube-proxy
                 log.warning("UDP conntrack clean-up failed (IPv%d): %s", family, err)
                 return
             metrics = self.metrics.for_family(family)

@@ -10,37 +10,31 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD
 
-from proxyd.addresses import ADDRESS_FAMILIES
+from proxyd.addresses import link_addresses, link_index
 from proxyd.ipvs.names import DUMMY
 from proxyd.model import family_of
-
-
-def _index(ipr: IPRoute) -> int | None:
-    found = ipr.link_lookup(ifname=DUMMY)
-    return found[0] if found else None
 
 
 def ensure() -> None:
     """Create the link (up) unless it exists."""
     with IPRoute() as ipr:
-        index = _index(ipr)
+        index = link_index(DUMMY)
         if index is None:
             ipr.link("add", ifname=DUMMY, kind="dummy")
-            index = _index(ipr)
+            index = link_index(DUMMY)
         ipr.link("set", index=index, state="up")
 
 
 def addresses(family: int) -> set[str]:
     """The link's addresses of the family; empty when the link does not exist."""
-    with IPRoute() as ipr:
-        index = _index(ipr)
-        if index is None:
-            return set()
-        return {
-            msg.get("IFA_ADDRESS")
-            for msg in ipr.get_addr(family=ADDRESS_FAMILIES[family], index=index)
-            if not msg.get("IFA_ADDRESS", "").startswith("fe80:")
-        }
+    index = link_index(DUMMY)
+    if index is None:
+        return set()
+    return {
+        address
+        for link, address in link_addresses(family)
+        if link == index and not address.startswith("fe80:")
+    }
 
 
 def _prefix(address: str) -> int:
@@ -51,8 +45,8 @@ def bind(added: set[str], removed: set[str]) -> None:
     """Add and remove addresses; adding one twice or removing a missing one is no error."""
     if not added and not removed:
         return
+    index = link_index(DUMMY)
     with IPRoute() as ipr:
-        index = _index(ipr)
         for address in sorted(removed):
             try:
                 ipr.addr("del", index=index, address=address, prefixlen=_prefix(address))
@@ -68,9 +62,9 @@ def bind(added: set[str], removed: set[str]) -> None:
 
 def delete() -> bool:
     """Remove the link (and so its addresses); False when there was none."""
+    index = link_index(DUMMY)
+    if index is None:
+        return False
     with IPRoute() as ipr:
-        index = _index(ipr)
-        if index is None:
-            return False
         ipr.link("del", index=index)
-        return True
+    return True

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from proxyd.addresses import link_addresses
 from proxyd.model import family_of
 from proxyd.nodenet.plan import NodeNet, OverlayPeer, PodRoute, RoutePlan, vtep_address, vtep_mac
 
@@ -48,9 +49,9 @@ def on_link(ipr: IPRoute, address: str) -> bool:
 
 def uplink_mtu(ipr: IPRoute, address: str) -> int:
     """The MTU of the link holding address (the node's InternalIP)."""
-    for entry in ipr.get_addr():
-        if entry.get("IFA_ADDRESS") == address:
-            return int(ipr.get_links(entry["index"])[0].get("IFLA_MTU"))
+    for index, local in link_addresses(family_of(address)):
+        if local == address:
+            return int(ipr.get_links(index)[0].get("IFLA_MTU"))
     raise LookupError(f"no local interface holds {address}")
 
 

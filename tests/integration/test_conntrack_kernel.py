@@ -1,10 +1,12 @@
 """The UDP conntrack clean-up against the kernel's table, in a namespace of its own, for each IP
-family: entries made through netlink, then cleared with a dump per frontend port (the kernel
-filters) and with one dump of every UDP entry (past FILTERED_DUMPS_UP_TO ports); both delete
-the same, stale, entries."""
+family: entries made through pyroute2 (another reading of ctnetlink than the clean-up's), then
+cleared with a dump per frontend port (the kernel filters) and with one dump of every UDP entry
+(past FILTERED_DUMPS_UP_TO ports); both delete the same, stale, entries, one of them in another
+conntrack zone."""
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Callable
 
@@ -14,6 +16,7 @@ from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
 from proxyd import conntrack
 from proxyd.conntrack import UdpFrontends, clear_stale
+from proxyd.rawnetlink import NETLINK_NETFILTER, NetlinkError, NetlinkSocket
 from tests.conftest import Netns
 
 NODE_PORT = 30053
@@ -38,12 +41,18 @@ ADDRESSES = {
 
 
 def add_entry(
-    ct: Conntrack, family: int, client: str, destination: tuple[str, int], reply_from: str
+    ct: Conntrack,
+    family: int,
+    client: str,
+    destination: tuple[str, int],
+    reply_from: str,
+    zone: int = 0,
 ) -> None:
     """A UDP flow from client:40000 to destination whose replies come from reply_from:53."""
     udp = {"family": family, "proto": socket.IPPROTO_UDP}
     ct.entry(
         "add",
+        zone=zone,
         tuple_orig=NFCTAttrTuple(
             **udp, saddr=client, daddr=destination[0], sport=40000, dport=destination[1]
         ),
@@ -73,7 +82,7 @@ def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
         monkeypatch.setattr(conntrack, "FILTERED_DUMPS_UP_TO", 0)
     at = ADDRESSES[version]
     family = socket.AF_INET if version == 4 else socket.AF_INET6
-    client = [f"{at['client']}{i}" for i in range(1, 7)]
+    client = [f"{at['client']}{i}" for i in range(1, 8)]
     node = make_netns("conntrack")
     frontends = UdpFrontends(
         version,
@@ -82,8 +91,8 @@ def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
         local_addresses={at["node"]},
     )
     expected_dumps = 2 if filtered and conntrack.kernel_filters_dumps() else 1  # ports 53, 30053
-    assert len(frontends.dump_filters(table_size=6)) == expected_dumps
-    assert len(frontends.dump_filters(table_size=conntrack.KERNEL_WALK_BUDGET)) == 1
+    assert len(frontends.dump_ports(table_size=7)) == expected_dumps
+    assert frontends.dump_ports(table_size=conntrack.KERNEL_WALK_BUDGET) == [None]
     with node.entered(), Conntrack(nfgen_family=family) as ct:
         add_entry(ct, family, client[0], (at["cluster_ip"], 53), at["endpoint"])
         add_entry(ct, family, client[1], (at["cluster_ip"], 53), at["gone"])
@@ -91,10 +100,29 @@ def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
         add_entry(ct, family, client[3], (at["node"], NODE_PORT), at["gone"])
         add_entry(ct, family, client[4], (at["elsewhere"], NODE_PORT), at["gone"])
         add_entry(ct, family, client[5], (at["node"], NODE_PORT), at["endpoint"])
-        assert clear_stale(frontends) == 2
+        add_entry(ct, family, client[6], (at["cluster_ip"], 53), at["gone"], zone=7)
+        assert clear_stale(frontends) == 3
         assert remaining(ct, family) == {
             (client[0], at["cluster_ip"], 53),
             (client[2], at["cluster_ip"], 5353),
             (client[4], at["elsewhere"], NODE_PORT),
             (client[5], at["node"], NODE_PORT),
         }
+
+
+def test_an_entry_is_read_counted_deleted_and_a_second_delete_refused(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    node = make_netns("conntrack")
+    with node.entered(), Conntrack() as ct, NetlinkSocket(NETLINK_NETFILTER) as sock:
+        add_entry(ct, socket.AF_INET, "10.1.0.1", ("10.96.0.10", 53), "10.244.1.6")
+        assert conntrack.table_size(sock) == 1
+        [entry] = conntrack.udp_entries(sock, socket.AF_INET, 53)
+        assert entry.destination == ("10.96.0.10", 53)
+        assert entry.reply_source == ("10.244.1.6", 53)
+        request = conntrack.NFGENMSG.pack(socket.AF_INET, 0, 0) + entry.deletion
+        sock.request(conntrack.MSG_DELETE, request)
+        assert conntrack.table_size(sock) == 0
+        with pytest.raises(NetlinkError) as refused:
+            sock.request(conntrack.MSG_DELETE, request)
+        assert refused.value.errno == errno.ENOENT

@@ -1,0 +1,50 @@
+"""The node's addresses as rawnetlink reads them, against pyroute2's reading of the same dump,
+in a namespace of its own: 1,500 addresses on a link named as IPVS mode's dummy (a bridge: this
+kernel has no dummy links) make the dump span many reads; both families, the exclusion of the
+dummy link, the dummy's own addresses (link-local ones left out), and an uplink's MTU."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+from pyroute2 import IPRoute
+
+from proxyd.addresses import link_addresses, local_addresses
+from proxyd.ipvs import dummy, names
+from proxyd.nodenet.routes import uplink_mtu
+from tests.conftest import Netns
+
+SERVICE_ADDRESSES = [f"10.96.{i // 250}.{i % 250 + 1}" for i in range(1500)]
+
+
+def test_addresses_read_in_one_dump_match_pyroute2s(make_netns: Callable[[str], Netns]) -> None:
+    node = make_netns("addresses")
+    node.run("ip", "link", "add", names.DUMMY, "type", "bridge")
+    node.run("ip", "link", "add", "uplink", "mtu", "1400", "type", "bridge")
+    for link in (names.DUMMY, "uplink"):
+        node.run("ip", "link", "set", link, "up")
+    batch = [f"addr add {a}/32 dev {names.DUMMY}" for a in SERVICE_ADDRESSES]
+    batch += [f"addr add fd00:96::{i:x}/128 dev {names.DUMMY} nodad" for i in range(1, 4)]
+    batch += ["addr add 192.0.2.10/24 dev uplink", "addr add fd77::10/64 dev uplink nodad"]
+    node.run("ip", "-batch", "-", stdin="\n".join(batch) + "\n")
+    with node.entered(), IPRoute() as ipr:
+        for family, address_family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
+            seen = {
+                (msg["index"], msg.get("IFA_ADDRESS"))
+                for msg in ipr.get_addr(family=address_family)
+            }
+            assert set(link_addresses(family)) == seen
+        assert local_addresses(4, names.DUMMY) == ["127.0.0.1", "192.0.2.10"]
+        assert len(local_addresses(4)) == len(SERVICE_ADDRESSES) + 2
+        assert set(local_addresses(6, names.DUMMY)) >= {"::1", "fd77::10"}
+        assert dummy.addresses(4) == set(SERVICE_ADDRESSES)
+        assert dummy.addresses(6) == {"fd00:96::1", "fd00:96::2", "fd00:96::3"}
+        assert uplink_mtu(ipr, "192.0.2.10") == 1400
+        assert uplink_mtu(ipr, "fd77::10") == 1400
+
+
+def test_without_the_dummy_link_it_has_no_addresses(make_netns: Callable[[str], Netns]) -> None:
+    with make_netns("addresses").entered():
+        assert dummy.addresses(4) == set()
+        assert local_addresses(4, names.DUMMY) == ["127.0.0.1"]
