@@ -11,7 +11,7 @@ APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-
 	python3 python3-venv python3-dev gcc libc6-dev curl ca-certificates unzip git openssl \
 	shellcheck
 
-.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy lab lab-down \
+.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy bench-netlink lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
 
 setup: system-deps venv
@@ -74,6 +74,10 @@ controlplane-down:
 
 bench-cni: setup cni go-tools
 	$(PY) bench/cni_bench.py $(ARGS)
+
+# the daemon's address and UDP conntrack reads against pyroute2's (~1 min)
+bench-netlink: setup
+	cd $(ROOT) && $(PY) -m bench.netlink_bench $(ARGS)
 
 # knit-proxyd at 1,000 and 10,000 services (~5 min); e.g. ARGS="--sizes 1000 --quick"
 bench-proxy: setup cni go-tools

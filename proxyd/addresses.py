@@ -14,7 +14,7 @@ ADDRESS_FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
 RTM_NEWADDR, RTM_GETADDR = 20, 22
 IFADDRMSG = struct.Struct("=BBBBI")
 """ifaddrmsg: family, prefix length, flags, scope, link index."""
-IFA_ADDRESS = 1
+IFA_ADDRESS, IFA_LOCAL = 1, 2
 
 
 def link_index(name: str) -> int | None:
@@ -26,19 +26,22 @@ def link_index(name: str) -> int | None:
 
 
 def link_addresses(family: int) -> list[tuple[int, str]]:
-    """(link index, address) of every address of the family on the node: one dump."""
+    """(link index, address) of every address of the family on the node: one dump. The local
+    address where the kernel gives one apart (a point-to-point link's other is its peer's)."""
     address_family = ADDRESS_FAMILIES[family]
-    request = IFADDRMSG.pack(address_family, 0, 0, 0, 0)
-    found = []
+
+    def read(kind: int, payload: memoryview) -> tuple[int, str] | None:
+        if kind != RTM_NEWADDR or len(payload) < IFADDRMSG.size:
+            return None
+        of_family, _, _, _, index = IFADDRMSG.unpack_from(payload)
+        found = attributes(payload[IFADDRMSG.size :])
+        address = found.get(IFA_LOCAL, found.get(IFA_ADDRESS))
+        if of_family != address_family or address is None:
+            return None
+        return index, socket.inet_ntop(address_family, address)
+
     with NetlinkSocket(socket.NETLINK_ROUTE) as sock:
-        for kind, payload in sock.dump(RTM_GETADDR, request):
-            of_family, _, _, _, index = IFADDRMSG.unpack_from(payload)
-            if kind != RTM_NEWADDR or of_family != address_family:
-                continue
-            address = attributes(payload[IFADDRMSG.size :]).get(IFA_ADDRESS)
-            if address is not None:
-                found.append((index, socket.inet_ntop(address_family, address)))
-    return found
+        return sock.dump(RTM_GETADDR, IFADDRMSG.pack(address_family, 0, 0, 0, 0), read)
 
 
 def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]:

@@ -1,9 +1,9 @@
 """Netlink requests and dumps encoded and read with struct, for the node's reads that return
 one message per service or flow: the node's addresses (an IPVS node binds every service address
 to its dummy link) and a UDP service's conntrack entries. pyroute2 decodes every attribute of
-every message into objects, 65-100 µs an address and 300 µs a conntrack entry here; what these
-callers need is two or four attributes of each, read here in a few µs. Every other netlink
-conversation stays with pyroute2."""
+every message into objects, ~85 µs an address and ~320 µs a conntrack entry here (`make
+bench-netlink`); what these callers need is two to six attributes of each, read here in 3-15 µs.
+Every other netlink conversation stays with pyroute2."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import errno
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import count
+from typing import TypeVar
 
 HEADER = struct.Struct("=IHHII")
 """nlmsghdr: length, type, flags, sequence, port."""
@@ -20,14 +21,18 @@ ATTRIBUTE = struct.Struct("=HH")
 """nlattr: length, type."""
 ERROR_CODE = struct.Struct("=i")
 
-REQUEST, ACK, DUMP = 0x1, 0x4, 0x300
+REQUEST, ACK, DUMP, DUMP_INTERRUPTED = 0x1, 0x4, 0x300, 0x10
 DONE, ERROR = 3, 2
+DUMP_ATTEMPTS = 3
+"""Times a dump is asked for while the kernel marks it interrupted (its objects changed under
+it)."""
 ATTRIBUTE_TYPE = 0x3FFF
 """An attribute's type without its nested and byte-order flags."""
 NESTED = 0x8000
 RECEIVE_BYTES = 1 << 16
 NETLINK_NETFILTER = 12
 """Not among the socket module's constants."""
+T = TypeVar("T")
 
 
 class NetlinkError(OSError):
@@ -81,15 +86,15 @@ class NetlinkSocket:
         self._socket.send(HEADER.pack(length, kind, REQUEST | flags, sequence, 0) + body)
         return sequence
 
-    def _replies(self, sequence: int) -> Iterator[tuple[int, memoryview]]:
-        """(type, payload) of each reply to the request, until its end (DONE, or the
+    def _replies(self, sequence: int) -> Iterator[tuple[int, int, memoryview]]:
+        """(type, flags, payload) of each reply to the request, until its end (DONE, or the
         acknowledgement); a refusal, or a dump that failed part way, raises NetlinkError."""
         while True:
             data = memoryview(self._socket.recv(RECEIVE_BYTES))
             offset = 0
             while offset + HEADER.size <= len(data):
-                length, kind, _, replied_to, _ = HEADER.unpack_from(data, offset)
-                if length < HEADER.size:
+                length, kind, flags, replied_to, _ = HEADER.unpack_from(data, offset)
+                if length < HEADER.size or offset + length > len(data):
                     raise NetlinkError(errno.EPROTO, "netlink: malformed message")
                 payload = data[offset + HEADER.size : offset + length]
                 offset += align(length)
@@ -100,12 +105,24 @@ class NetlinkSocket:
                     if code:
                         raise NetlinkError(-code, os.strerror(-code))
                     return
-                yield kind, payload
+                yield kind, flags, payload
 
-    def dump(self, kind: int, body: bytes) -> Iterator[tuple[int, memoryview]]:
-        """(type, payload) of each message a dump request returns."""
-        return self._replies(self._send(kind, DUMP, body))
+    def dump(self, kind: int, body: bytes, keep: Callable[[int, memoryview], T | None]) -> list[T]:
+        """What `keep` makes of each message (type, payload) a dump request returns, None
+        dropped; the dump is read to its end, and asked for again when the kernel marks it
+        interrupted."""
+        for _ in range(DUMP_ATTEMPTS):
+            kept, interrupted = [], False
+            for message_kind, flags, payload in self._replies(self._send(kind, DUMP, body)):
+                interrupted |= bool(flags & DUMP_INTERRUPTED)
+                if (item := keep(message_kind, payload)) is not None:
+                    kept.append(item)
+            if not interrupted:
+                return kept
+        raise NetlinkError(errno.EINTR, "netlink: every dump was interrupted by changes")
 
     def request(self, kind: int, body: bytes) -> list[tuple[int, memoryview]]:
-        """The messages one acknowledged request returns (often none)."""
-        return list(self._replies(self._send(kind, ACK, body)))
+        """(type, payload) of the messages one acknowledged request returns (often none)."""
+        return [
+            (reply, payload) for reply, _, payload in self._replies(self._send(kind, ACK, body))
+        ]

@@ -1,7 +1,8 @@
 """The node's addresses as rawnetlink reads them, against pyroute2's reading of the same dump,
 in a namespace of its own: 1,500 addresses on a link named as IPVS mode's dummy (a bridge: this
 kernel has no dummy links) make the dump span many reads; both families, the exclusion of the
-dummy link, the dummy's own addresses (link-local ones left out), and an uplink's MTU."""
+dummy link, the dummy's own addresses (link-local ones left out), a point-to-point address
+(the local end, not the peer), and an uplink's MTU."""
 
 from __future__ import annotations
 
@@ -27,17 +28,19 @@ def test_addresses_read_in_one_dump_match_pyroute2s(make_netns: Callable[[str], 
     batch = [f"addr add {a}/32 dev {names.DUMMY}" for a in SERVICE_ADDRESSES]
     batch += [f"addr add fd00:96::{i:x}/128 dev {names.DUMMY} nodad" for i in range(1, 4)]
     batch += ["addr add 192.0.2.10/24 dev uplink", "addr add fd77::10/64 dev uplink nodad"]
+    batch += ["addr add 198.51.100.1 peer 198.51.100.2 dev uplink"]
     node.run("ip", "-batch", "-", stdin="\n".join(batch) + "\n")
     with node.entered(), IPRoute() as ipr:
         for family, address_family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
             seen = {
-                (msg["index"], msg.get("IFA_ADDRESS"))
+                (msg["index"], msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS"))
                 for msg in ipr.get_addr(family=address_family)
             }
             assert set(link_addresses(family)) == seen
-        assert local_addresses(4, names.DUMMY) == ["127.0.0.1", "192.0.2.10"]
-        assert len(local_addresses(4)) == len(SERVICE_ADDRESSES) + 2
-        assert set(local_addresses(6, names.DUMMY)) >= {"::1", "fd77::10"}
+        assert local_addresses(4, names.DUMMY) == ["127.0.0.1", "192.0.2.10", "198.51.100.1"]
+        assert len(local_addresses(4)) == len(SERVICE_ADDRESSES) + 3
+        global_v6 = {a for a in local_addresses(6, names.DUMMY) if not a.startswith("fe80:")}
+        assert global_v6 == {"::1", "fd77::10"}
         assert dummy.addresses(4) == set(SERVICE_ADDRESSES)
         assert dummy.addresses(6) == {"fd00:96::1", "fd00:96::2", "fd00:96::3"}
         assert uplink_mtu(ipr, "192.0.2.10") == 1400

@@ -47,9 +47,11 @@ def add_entry(
     destination: tuple[str, int],
     reply_from: str,
     zone: int = 0,
+    proto: int = socket.IPPROTO_UDP,
 ) -> None:
-    """A UDP flow from client:40000 to destination whose replies come from reply_from:53."""
-    udp = {"family": family, "proto": socket.IPPROTO_UDP}
+    """A flow (UDP unless told) from client:40000 to destination whose replies come from
+    reply_from:53."""
+    udp = {"family": family, "proto": proto}
     ct.entry(
         "add",
         zone=zone,
@@ -110,19 +112,32 @@ def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
         }
 
 
-def test_an_entry_is_read_counted_deleted_and_a_second_delete_refused(
+def test_the_kernel_returns_one_ports_udp_entries_of_the_family_and_deletes_one_once(
     make_netns: Callable[[str], Netns],
 ) -> None:
     node = make_netns("conntrack")
     with node.entered(), Conntrack() as ct, NetlinkSocket(NETLINK_NETFILTER) as sock:
         add_entry(ct, socket.AF_INET, "10.1.0.1", ("10.96.0.10", 53), "10.244.1.6")
-        assert conntrack.table_size(sock) == 1
-        [entry] = conntrack.udp_entries(sock, socket.AF_INET, 53)
+        add_entry(ct, socket.AF_INET, "10.1.0.2", ("10.96.0.10", 5353), "10.244.1.6")
+        tcp = socket.IPPROTO_TCP
+        add_entry(ct, socket.AF_INET, "10.1.0.3", ("10.96.0.10", 53), "10.244.1.6", proto=tcp)
+        with Conntrack(nfgen_family=socket.AF_INET6) as ct6:
+            add_entry(ct6, socket.AF_INET6, "fd01::1", ("fd00:96::10", 53), "fd10:244:1::6")
+        assert conntrack.table_size(sock) == 4
+        sent = sock.dump(
+            conntrack.MSG_GET, conntrack.dump_request(socket.AF_INET, 53), lambda *message: True
+        )
+        assert len(sent) == (1 if conntrack.kernel_filters_dumps() else 4)
+        every_port = conntrack.udp_entries(sock, socket.AF_INET, None, lambda _: True)
+        assert {entry.destination for entry in every_port} == {
+            ("10.96.0.10", 53),
+            ("10.96.0.10", 5353),
+        }
+        [entry] = conntrack.udp_entries(sock, socket.AF_INET, 53, lambda _: True)
         assert entry.destination == ("10.96.0.10", 53)
         assert entry.reply_source == ("10.244.1.6", 53)
-        request = conntrack.NFGENMSG.pack(socket.AF_INET, 0, 0) + entry.deletion
-        sock.request(conntrack.MSG_DELETE, request)
-        assert conntrack.table_size(sock) == 0
+        sock.request(conntrack.MSG_DELETE, entry.delete_request())
+        assert conntrack.table_size(sock) == 3
         with pytest.raises(NetlinkError) as refused:
-            sock.request(conntrack.MSG_DELETE, request)
+            sock.request(conntrack.MSG_DELETE, entry.delete_request())
         assert refused.value.errno == errno.ENOENT

@@ -1,9 +1,30 @@
-"""Netlink attributes as rawnetlink writes and reads them: padded to four bytes, nested ones
-flagged, and read back by type with the flags left out."""
+"""Netlink as rawnetlink writes and reads it: attributes padded to four bytes, nested ones
+flagged, read back by type with the flags left out; replies to a dump or a request read across
+buffers to their end, an error, an interrupted dump or a malformed message (the kernel's side
+scripted: the kernel tests read real dumps)."""
 
 from __future__ import annotations
 
-from proxyd.rawnetlink import NESTED, attribute, attributes
+import errno
+from collections.abc import Callable
+from itertools import count
+
+import pytest
+
+from proxyd.rawnetlink import (
+    DONE,
+    DUMP_ATTEMPTS,
+    DUMP_INTERRUPTED,
+    ERROR,
+    ERROR_CODE,
+    HEADER,
+    NESTED,
+    NetlinkError,
+    NetlinkSocket,
+    align,
+    attribute,
+    attributes,
+)
 
 
 def test_an_attribute_is_padded_to_four_bytes() -> None:
@@ -25,3 +46,101 @@ def test_nested_attributes_are_flagged_and_read_back_by_type() -> None:
 def test_a_truncated_run_stops_at_the_last_whole_attribute() -> None:
     for tail in (b"\x02\x00", b"\x08\x00\x02\x00ab"):
         assert list(attributes(memoryview(attribute(1, b"abcd") + tail))) == [1]
+
+
+def message(kind: int, sequence: int, payload: bytes = b"", flags: int = 0) -> bytes:
+    length = HEADER.size + len(payload)
+    return HEADER.pack(length, kind, flags, sequence, 0) + payload + bytes(align(length) - length)
+
+
+def error(sequence: int, code: int) -> bytes:
+    return message(ERROR, sequence, ERROR_CODE.pack(code) + bytes(HEADER.size))
+
+
+class ScriptedKernel:
+    """Stands in for the kernel's end of a netlink socket: each request sent is answered with
+    the buffers its script makes of the request's sequence number, one per recv."""
+
+    def __init__(self, *scripts: Callable[[int], list[bytes]]) -> None:
+        self.scripts = list(scripts)
+        self.buffers: list[bytes] = []
+        self.requests = 0
+
+    def send(self, data: bytes) -> int:
+        self.requests += 1
+        _, _, _, sequence, _ = HEADER.unpack_from(data)
+        self.buffers.extend(self.scripts.pop(0)(sequence))
+        return len(data)
+
+    def recv(self, _: int) -> bytes:
+        return self.buffers.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+def scripted(kernel: ScriptedKernel) -> NetlinkSocket:
+    sock = NetlinkSocket.__new__(NetlinkSocket)
+    sock._socket = kernel  # type: ignore[assignment]
+    sock._sequence = count(1)
+    return sock
+
+
+def payloads(kind: int, payload: memoryview) -> bytes:
+    return bytes(payload)
+
+
+def test_a_dump_spans_reads_and_skips_replies_to_other_requests() -> None:
+    kernel = ScriptedKernel(
+        lambda seq: [
+            message(20, seq, b"one") + message(20, seq + 7, b"stale") + message(20, seq, b"two"),
+            message(20, seq, b"three") + message(DONE, seq, ERROR_CODE.pack(0)),
+        ]
+    )
+    assert scripted(kernel).dump(22, b"", payloads) == [b"one", b"two", b"three"]
+
+
+def test_a_dump_failing_part_way_raises_the_kernels_code() -> None:
+    kernel = ScriptedKernel(
+        lambda seq: [message(20, seq, b"one") + message(DONE, seq, ERROR_CODE.pack(-22))]
+    )
+    with pytest.raises(NetlinkError) as failed:
+        scripted(kernel).dump(22, b"", payloads)
+    assert failed.value.errno == errno.EINVAL
+
+
+def test_an_interrupted_dump_is_asked_again_until_whole_or_out_of_attempts() -> None:
+    def interrupted(seq: int) -> list[bytes]:
+        return [message(20, seq, b"old", DUMP_INTERRUPTED) + message(DONE, seq)]
+
+    def whole(seq: int) -> list[bytes]:
+        return [message(20, seq, b"new") + message(DONE, seq)]
+
+    kernel = ScriptedKernel(interrupted, whole)
+    assert scripted(kernel).dump(22, b"", payloads) == [b"new"]
+    assert kernel.requests == 2
+    kernel = ScriptedKernel(*[interrupted] * DUMP_ATTEMPTS)
+    with pytest.raises(NetlinkError) as failed:
+        scripted(kernel).dump(22, b"", payloads)
+    assert failed.value.errno == errno.EINTR
+
+
+def test_a_request_ends_at_its_acknowledgement_or_raises_its_refusal() -> None:
+    kernel = ScriptedKernel(
+        lambda seq: [message(0x105, seq, b"stat") + error(seq, 0)],
+        lambda seq: [error(seq, -errno.ENOENT)],
+    )
+    sock = scripted(kernel)
+    assert [(kind, bytes(payload)) for kind, payload in sock.request(0x105, b"")] == [
+        (0x105, b"stat")
+    ]
+    with pytest.raises(NetlinkError) as refused:
+        sock.request(0x102, b"")
+    assert refused.value.errno == errno.ENOENT
+
+
+def test_a_message_longer_than_its_buffer_is_malformed() -> None:
+    kernel = ScriptedKernel(lambda seq: [message(20, seq, b"whole")[:-4]])
+    with pytest.raises(NetlinkError) as malformed:
+        scripted(kernel).dump(22, b"", payloads)
+    assert malformed.value.errno == errno.EPROTO
