@@ -140,19 +140,28 @@ class RouteTable:
             log.info("overlay device %s removed", self.overlay.device)
 
     def _sync_peers(self, index: int, peers: tuple[OverlayPeer, ...]) -> None:
+        """A permanent forwarding entry (peer MAC -> underlay address) and neighbour entry (VTEP
+        address -> peer MAC) per peer: others removed, missing or different ones written, the
+        rest left alone."""
         fdb = {peer.mac: peer.underlay_ip for peer in peers}
         neighbours = {vtep: peer.mac for peer in peers for vtep in peer.vtep_addresses}
         for entry in self.ipr.fdb("dump", ifindex=index):
-            mac = entry.get("NDA_LLADDR")
-            if entry.get("NDA_DST") and fdb.get(mac) != entry.get("NDA_DST"):
-                self.ipr.fdb(
-                    "del", ifindex=index, lladdr=mac, dst=entry.get("NDA_DST"), flags=NTF_SELF
-                )
+            mac, dst = entry.get("NDA_LLADDR"), entry.get("NDA_DST")
+            if not dst:
+                continue
+            if fdb.get(mac) != dst:
+                self.ipr.fdb("del", ifindex=index, lladdr=mac, dst=dst, flags=NTF_SELF)
+            elif entry["state"] & NUD_PERMANENT:
+                del fdb[mac]
         for family in (4, 6):
             for entry in self.ipr.neigh("dump", ifindex=index, family=AF[family]):
-                dst = entry.get("NDA_DST")
-                if dst and neighbours.get(dst) != entry.get("NDA_LLADDR"):
+                dst, mac = entry.get("NDA_DST"), entry.get("NDA_LLADDR")
+                if not dst:
+                    continue
+                if neighbours.get(dst) != mac:
                     self.ipr.neigh("del", ifindex=index, dst=dst, family=AF[family])
+                elif entry["state"] & NUD_PERMANENT:
+                    del neighbours[dst]
         for mac, underlay in fdb.items():
             self.ipr.fdb(
                 "replace",

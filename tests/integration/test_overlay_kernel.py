@@ -1,7 +1,9 @@
 """The node routing's kernel side beyond the lab cluster (test_cluster.py): RouteTable, run in a
 node namespace of its own, builds the VXLAN device with a forwarding and a neighbour entry per
-peer across segments, drops a departed peer's entries and route, and removes the device with the
-last such peer while a route to a peer on the segment stays."""
+peer across segments, drops a departed peer's entries and route, mends entries changed behind its
+back (a forwarding entry to another address, a neighbour entry no longer permanent) while it
+leaves the right ones alone, and removes the device with the last such peer while a route to a
+peer on the segment stays."""
 
 from __future__ import annotations
 
@@ -50,6 +52,17 @@ def test_the_overlay_device_goes_with_the_last_peer_across_segments(
     routes = node.ip("route", "show", "proto", str(ROUTE_PROTOCOL))
     assert "10.244.2.0/24 via 10.77.1.12 dev eth0" in routes
     assert f"10.244.4.0/24 via {vtep_address('10.244.4.0/24')} dev {VXLAN_DEVICE}" in routes
+
+    moved, cooled = FAR[0].internal_ips[0], FAR[1].internal_ips[0]
+    vtep = vtep_address(FAR[1].pod_cidrs[0])
+    node.run("bridge", "fdb", "replace", vtep_mac(moved), "dev", VXLAN_DEVICE, "dst", "10.77.9.9")
+    node.ip(
+        "neigh", "replace", vtep, "lladdr", vtep_mac(cooled), "dev", VXLAN_DEVICE, "nud", "stale"
+    )
+    apply(node, [NEIGHBOUR, *FAR])
+    forwarding = node.run("bridge", "fdb", "show", "dev", VXLAN_DEVICE).stdout
+    assert f"{vtep_mac(moved)} dst {moved}" in forwarding and "10.77.9.9" not in forwarding
+    assert "PERMANENT" in node.ip("neigh", "show", vtep, "dev", VXLAN_DEVICE)
 
     apply(node, [NEIGHBOUR, FAR[0]])
     assert vtep_mac("10.77.3.14") not in node.run("bridge", "fdb", "show").stdout
