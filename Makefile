@@ -75,7 +75,7 @@ controlplane-down:
 bench-cni: setup cni go-tools
 	$(PY) bench/cni_bench.py $(ARGS)
 
-# the daemon's address and UDP conntrack reads against pyroute2's (~1 min)
+# the daemon's address and UDP conntrack reads and VXLAN peers, against the old ways (~2 min)
 bench-netlink: setup
 	cd $(ROOT) && $(PY) -m bench.netlink_bench $(ARGS)
 

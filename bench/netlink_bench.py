@@ -1,20 +1,24 @@
-"""The node daemon's two reads that return one netlink message per service or flow, against
-pyroute2 reading the same dumps in the same run, in a namespace of its own.
+"""The node daemon's netlink work that grows with services, flows or nodes, against the way it
+was done before (pyroute2 decoding every message, every entry written again), measured in the
+same run, each step in a namespace of its own.
 
 - addresses: N addresses on a link named as IPVS mode's dummy (a bridge: some kernels, this
   machine's among them, have no dummy links), twenty other links with one each; the node's
-  addresses but the dummy's (IPVS mode, every sync) and the dummy's own (its full sync),
-  against pyroute2's `get_addr` of the family.
+  addresses but the dummy's (IPVS mode, every sync) and the dummy's own (its full sync), read
+  with struct, against pyroute2's `get_addr` of the family.
 - UDP conntrack clean-up: N entries to a DNS service, half of them answered by an endpoint
-  that is then gone; the clean-up of a change that leaves them all (both endpoints serve),
-  of a change to a UDP service on another port, and of the change deleting the gone endpoint's
-  half, against pyroute2 reading the same port's entries (`dump_entries`, filtered on the port
-  by the kernel), which is what the clean-up did before it read them with struct.
+  that is then gone; the clean-up of a change that leaves them all (both endpoints serve), of a
+  change to a UDP service on another port, and of the change deleting the gone endpoint's half,
+  against the same clean-up through pyroute2 (its dump filtered on the port by the kernel, its
+  decoding, its deletes), as it was done before.
+- overlay peers: node networking's apply of an unchanged picture of N nodes reached over VXLAN,
+  against the same apply after the device's forwarding and neighbour entries were removed, so
+  that it writes every peer's entries, as every apply did before.
 
-Each figure is the median of --rounds runs; a ratio above 1 is slower than pyroute2's read.
+Each figure is the median of --rounds runs; a ratio above 1 is slower than the anchor.
 
 Run as root from the repository root: .venv/bin/python -m bench.netlink_bench
-[--addresses 10000] [--entries 10000] [--rounds 5]
+[--addresses 10000] [--entries 10000] [--peers 500] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from pyroute2 import Conntrack, IPRoute
@@ -33,6 +38,8 @@ from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 from proxyd.addresses import local_addresses
 from proxyd.conntrack import UdpFrontends, clear_stale
 from proxyd.ipvs import dummy, names
+from proxyd.nodenet.plan import NodeNet, plan_routes
+from proxyd.nodenet.routes import NTF_SELF, VXLAN_DEVICE, RouteTable
 from tests.conftest import Netns, unique_name
 
 OTHER_LINKS = 20
@@ -106,6 +113,23 @@ def add_entries(ct: Conntrack, indices: range) -> None:
         )
 
 
+def pyroute2_clean(ct: Conntrack, frontends: UdpFrontends) -> int:
+    """The clean-up as it was before it read the entries with struct: pyroute2 dumps each
+    frontend port's UDP entries (the kernel filters), decodes them, and deletes the stale ones."""
+    stale = [
+        entry
+        for port in sorted({port for _, port in frontends.by_address})
+        for entry in ct.dump_entries(tuple_orig=NFCTAttrTuple(**UDP, dport=port))
+        if frontends.stale(
+            (entry.tuple_orig.daddr, entry.tuple_orig.dport),
+            (entry.tuple_reply.saddr, entry.tuple_reply.sport),
+        )
+    ]
+    for entry in stale:
+        ct.delete(entry)
+    return len(stale)
+
+
 def conntrack(node: Netns, count: int, rounds: int) -> None:
     both = UdpFrontends(4, by_address={DNS: {ENDPOINT, GONE}})
     other = UdpFrontends(4, by_address={("10.96.0.11", 5353): {ENDPOINT}})
@@ -114,40 +138,88 @@ def conntrack(node: Netns, count: int, rounds: int) -> None:
         began = time.monotonic()
         add_entries(ct, range(count))
         print(f"made {count} UDP entries through pyroute2 in {time.monotonic() - began:.1f} s")
-
-        def pyroute2_read() -> None:
-            for _ in ct.dump_entries(tuple_orig=NFCTAttrTuple(**UDP, dport=53)):
-                pass
-
-        anchor = median_ms(pyroute2_read, rounds)
-        name = f"pyroute2 reading the {count} entries of port 53"
         for figure, frontends in (
             (f"clean-up of the DNS service, none of its {count} entries stale", both),
-            ("clean-up of a UDP service on another port", other),
+            (f"clean-up of a UDP service on another port, beside the {count}", other),
         ):
-            report(figure, median_ms(lambda f=frontends: clear_stale(f), rounds), name, anchor)
-        deletes = []
+            report(
+                figure,
+                median_ms(lambda f=frontends: clear_stale(f), rounds),
+                "pyroute2's",
+                median_ms(lambda f=frontends: pyroute2_clean(ct, f), rounds),
+            )
+        took: dict[str, list[float]] = {"knit": [], "pyroute2": []}
         for _ in range(rounds):
+            for name, clean in (("knit", clear_stale), ("pyroute2", partial(pyroute2_clean, ct))):
+                began = time.monotonic()
+                deleted = clean(one)
+                took[name].append(time.monotonic() - began)
+                assert deleted == count // 2
+                add_entries(ct, range(0, count, 2))  # GONE's half again
+        report(
+            f"clean-up of the DNS service deleting {count // 2} of its {count} entries",
+            statistics.median(took["knit"]) * 1000,
+            "pyroute2's",
+            statistics.median(took["pyroute2"]) * 1000,
+        )
+
+
+def overlay_peers(node: Netns, count: int, rounds: int) -> None:
+    local = NodeNet("local", ("10.244.0.0/24",), ("10.77.1.11",))
+    peers = [
+        NodeNet(f"peer{i}", (f"10.{100 + i // 250}.{i % 250}.0/24",), (host(i, "10.78"),))
+        for i in range(count)
+    ]
+    batch = ["link set lo up", "link add eth0 type veth peer name segment"]
+    batch += ["addr add 10.77.1.11/24 dev eth0", "link set eth0 up", "link set segment up"]
+    node.run("ip", "-batch", "-", stdin="\n".join(batch) + "\n")
+    plan = plan_routes(local, [local, *peers], "auto", lambda _: False)
+    with node.entered(), IPRoute() as ipr:
+        table = RouteTable(ipr)
+        table.apply(local, plan, 1450)
+
+        def apply_after_flush() -> float:
+            """Seconds of an apply that writes every peer's entries (as every apply did)."""
+            index = ipr.link_lookup(ifname=VXLAN_DEVICE)[0]
+            node.run("ip", "neigh", "flush", "dev", VXLAN_DEVICE, "nud", "permanent")
+            for entry in ipr.fdb("dump", ifindex=index):
+                dst = entry.get("NDA_DST")
+                if dst:
+                    ipr.fdb(
+                        "del",
+                        ifindex=index,
+                        lladdr=entry.get("NDA_LLADDR"),
+                        dst=dst,
+                        flags=NTF_SELF,
+                    )
             began = time.monotonic()
-            deleted = clear_stale(one)
-            deletes.append(time.monotonic() - began)
-            assert deleted == count // 2
-            add_entries(ct, range(0, count, 2))  # GONE's half again
-        figure = f"clean-up of the DNS service deleting {count // 2} of its {count} entries"
-        report(figure, statistics.median(deletes) * 1000, name, anchor)
+            table.apply(local, plan, 1450)
+            return time.monotonic() - began
+
+        report(
+            f"node networking's apply of {count} VXLAN peers, unchanged",
+            median_ms(lambda: table.apply(local, plan, 1450), rounds),
+            "the same apply writing every peer's entries",
+            statistics.median(apply_after_flush() for _ in range(rounds)) * 1000,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--addresses", type=int, default=10000)
     parser.add_argument("--entries", type=int, default=10000)
+    parser.add_argument("--peers", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=5)
     options = parser.parse_args()
-    for step in (addresses, conntrack):
+    steps = (
+        (addresses, options.addresses),
+        (conntrack, options.entries),
+        (overlay_peers, options.peers),
+    )
+    for step, count in steps:
         node = Netns(unique_name("knb"))
         subprocess.run(["ip", "netns", "add", node.name], check=True)
         try:
-            count = options.addresses if step is addresses else options.entries
             step(node, count, options.rounds)
         finally:
             node.remove()

@@ -1060,7 +1060,7 @@ class Bench:
             mode,
             size,
             f"TCP connections/s through one verdict-map DNAT and nothing else ({how})",
-            spread["nat"],
+            f"one-lookup DNAT {spread['nat']}",
             plain,
             times(paired("nat", "plain")),
         )

@@ -38,7 +38,10 @@ def link_addresses(family: int) -> list[tuple[int, str]]:
         address = found.get(IFA_LOCAL, found.get(IFA_ADDRESS))
         if of_family != address_family or address is None:
             return None
-        return index, socket.inet_ntop(address_family, address)
+        try:
+            return index, socket.inet_ntop(address_family, address)
+        except ValueError:  # not an address of the family's length
+            return None
 
     with NetlinkSocket(socket.NETLINK_ROUTE) as sock:
         return sock.dump(RTM_GETADDR, IFADDRMSG.pack(address_family, 0, 0, 0, 0), read)

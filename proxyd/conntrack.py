@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 from proxyd.rawnetlink import (
     NETLINK_NETFILTER,
-    NetlinkError,
     NetlinkSocket,
+    RawNetlinkError,
     attribute,
     attributes,
 )
@@ -72,20 +72,11 @@ def kernel_filters_dumps() -> bool:
 class Entry:
     """What the clean-up reads of one conntrack entry, and how to name it to delete it."""
 
-    address_family: int
     destination: Address
     """The original direction's destination."""
     reply_source: Address
-    dumped: dict[int, memoryview]
-    """The entry's attributes as dumped."""
-
-    def delete_request(self) -> bytes:
-        identity = (
-            attribute(kind, bytes(self.dumped[kind]), nested=kind == CTA_TUPLE_ORIG)
-            for kind in IDENTITY
-            if kind in self.dumped
-        )
-        return NFGENMSG.pack(self.address_family, 0, 0) + b"".join(identity)
+    delete_request: bytes
+    """The request deleting this entry: its original tuple, id and zone as dumped."""
 
 
 @dataclass
@@ -110,14 +101,15 @@ class UdpFrontends:
     def address_family(self) -> int:
         return socket.AF_INET if self.family == 4 else socket.AF_INET6
 
-    def dump_ports(self, table_size: int) -> list[int | None]:
+    def dump_ports(self, entries_in_table: int) -> list[int | None]:
         """The destination ports the kernel is asked for UDP entries to, one dump each; [None]:
         one dump of the family's UDP entries (see the module's notes). Ports alone: a filter
-        naming an IPv6 destination address matched no entry here (kernel 6.18), where the same
-        filter on the port did."""
+        naming an IPv6 destination address, sent through pyroute2, matched no entry here (kernel
+        6.18), where the same filter on the port did."""
         ports: list[int | None] = sorted({p for _, p in self.by_address} | self.by_node_port.keys())
         too_many = len(ports) > FILTERED_DUMPS_UP_TO
-        if too_many or len(ports) * table_size > KERNEL_WALK_BUDGET or not kernel_filters_dumps():
+        walked = len(ports) * entries_in_table
+        if too_many or walked > KERNEL_WALK_BUDGET or not kernel_filters_dumps():
             return [None]
         return ports
 
@@ -141,7 +133,8 @@ def dump_request(address_family: int, port: int | None) -> bytes:
 
 
 def udp_ends(tuple_attributes: memoryview | None, address_family: int) -> tuple[Address, Address]:
-    """A tuple's (source, destination); ValueError unless it is a whole UDP tuple."""
+    """A tuple's (source, destination); ValueError (or struct.error) unless it is a whole UDP
+    tuple."""
     found = attributes(tuple_attributes) if tuple_attributes is not None else {}
     ip = attributes(found[CTA_TUPLE_IP]) if CTA_TUPLE_IP in found else {}
     proto = attributes(found[CTA_TUPLE_PROTO]) if CTA_TUPLE_PROTO in found else {}
@@ -162,9 +155,13 @@ def udp_ends(tuple_attributes: memoryview | None, address_family: int) -> tuple[
 
 
 def udp_entries(
-    sock: NetlinkSocket, address_family: int, port: int | None, keep: Callable[[Entry], bool]
+    sock: NetlinkSocket,
+    address_family: int,
+    port: int | None,
+    keep: Callable[[Address, Address], bool],
 ) -> list[Entry]:
-    """The family's UDP entries (to `port`) that `keep` keeps."""
+    """The family's UDP entries (to `port`) whose original destination and reply source
+    `keep` keeps; messages that are not whole UDP entries are skipped."""
 
     def read(kind: int, payload: memoryview) -> Entry | None:
         if kind != MSG_NEW or len(payload) < NFGENMSG.size or payload[0] != address_family:
@@ -173,10 +170,17 @@ def udp_entries(
         try:
             _, destination = udp_ends(found.get(CTA_TUPLE_ORIG), address_family)
             reply_source, _ = udp_ends(found.get(CTA_TUPLE_REPLY), address_family)
-        except ValueError:
+        except (ValueError, struct.error):
             return None
-        entry = Entry(address_family, destination, reply_source, found)
-        return entry if keep(entry) else None
+        if not keep(destination, reply_source):
+            return None
+        identity = (
+            attribute(name, bytes(found[name]), nested=name == CTA_TUPLE_ORIG)
+            for name in IDENTITY
+            if name in found
+        )
+        request = NFGENMSG.pack(address_family, 0, 0) + b"".join(identity)
+        return Entry(destination, reply_source, request)
 
     return sock.dump(MSG_GET, dump_request(address_family, port), read)
 
@@ -185,7 +189,7 @@ def table_size(sock: NetlinkSocket) -> int:
     """How many entries the kernel's table holds, of every family."""
     for _, payload in sock.request(MSG_GET_STATS, NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)):
         entries = attributes(payload[NFGENMSG.size :]).get(CTA_STATS_GLOBAL_ENTRIES)
-        if entries is not None:
+        if entries is not None and len(entries) == 4:
             (count,) = struct.unpack(">I", entries)
             return count
     return 0
@@ -200,18 +204,13 @@ def clear_stale(frontends: UdpFrontends) -> int:
         stale = [
             entry
             for port in frontends.dump_ports(table_size(sock))
-            for entry in udp_entries(
-                sock,
-                frontends.address_family,
-                port,
-                lambda entry: frontends.stale(entry.destination, entry.reply_source),
-            )
+            for entry in udp_entries(sock, frontends.address_family, port, frontends.stale)
         ]
         for entry in stale:
             try:
-                sock.request(MSG_DELETE, entry.delete_request())
+                sock.request(MSG_DELETE, entry.delete_request)
                 deleted += 1
-            except NetlinkError as err:
+            except RawNetlinkError as err:
                 if err.errno != errno.ENOENT:  # ENOENT: expired meanwhile
                     log.warning("deleting a stale UDP conntrack entry failed: %s", err)
     return deleted

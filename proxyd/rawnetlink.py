@@ -1,9 +1,10 @@
-"""Netlink requests and dumps encoded and read with struct, for the node's reads that return
+"""Netlink requests and dumps encoded and read with struct, for the node's dumps that return
 one message per service or flow: the node's addresses (an IPVS node binds every service address
-to its dummy link) and a UDP service's conntrack entries. pyroute2 decodes every attribute of
+to its dummy link; node networking's uplink MTU reads them too) and the UDP conntrack clean-up's
+conversation (its dumps, the table's size, its deletes). pyroute2 decodes every attribute of
 every message into objects, ~85 µs an address and ~320 µs a conntrack entry here (`make
 bench-netlink`); what these callers need is two to six attributes of each, read here in 3-15 µs.
-Every other netlink conversation stays with pyroute2."""
+Links, routes, neighbours, IPVS and ipsets stay with pyroute2."""
 
 from __future__ import annotations
 
@@ -35,8 +36,13 @@ NETLINK_NETFILTER = 12
 T = TypeVar("T")
 
 
-class NetlinkError(OSError):
-    """The kernel refused a request; `errno` holds its error code."""
+class RawNetlinkError(OSError):
+    """The kernel refused a request, or its answer could not be read; `errno` holds the code
+    (pyroute2's NetlinkError, a different class, holds it in `code`)."""
+
+
+class DumpInterrupted(RawNetlinkError):
+    """The kernel marked a dump interrupted: its objects changed while it was read."""
 
 
 def align(length: int) -> int:
@@ -71,7 +77,11 @@ class NetlinkSocket:
         self._socket = socket.socket(
             socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol
         )
-        self._socket.bind((0, 0))
+        try:
+            self._socket.bind((0, 0))
+        except OSError:
+            self._socket.close()
+            raise
         self._sequence = count(1)
 
     def __enter__(self) -> NetlinkSocket:
@@ -86,43 +96,48 @@ class NetlinkSocket:
         self._socket.send(HEADER.pack(length, kind, REQUEST | flags, sequence, 0) + body)
         return sequence
 
-    def _replies(self, sequence: int) -> Iterator[tuple[int, int, memoryview]]:
-        """(type, flags, payload) of each reply to the request, until its end (DONE, or the
-        acknowledgement); a refusal, or a dump that failed part way, raises NetlinkError."""
+    def _replies(self, sequence: int) -> Iterator[tuple[int, memoryview]]:
+        """(type, payload) of each reply to the request, until its end (DONE, or the
+        acknowledgement); a refusal, or a dump that failed part way, raises RawNetlinkError, and
+        a dump any of whose messages (its DONE among them) the kernel marked interrupted raises
+        DumpInterrupted at its end."""
+        interrupted = False
         while True:
             data = memoryview(self._socket.recv(RECEIVE_BYTES))
             offset = 0
             while offset + HEADER.size <= len(data):
                 length, kind, flags, replied_to, _ = HEADER.unpack_from(data, offset)
                 if length < HEADER.size or offset + length > len(data):
-                    raise NetlinkError(errno.EPROTO, "netlink: malformed message")
+                    raise RawNetlinkError(errno.EPROTO, "netlink: malformed message")
                 payload = data[offset + HEADER.size : offset + length]
                 offset += align(length)
                 if replied_to != sequence:
                     continue
+                interrupted |= bool(flags & DUMP_INTERRUPTED)
                 if kind in (DONE, ERROR):
                     (code,) = ERROR_CODE.unpack_from(payload) if len(payload) >= 4 else (0,)
                     if code:
-                        raise NetlinkError(-code, os.strerror(-code))
+                        raise RawNetlinkError(-code, os.strerror(-code))
+                    if interrupted:
+                        raise DumpInterrupted(errno.EINTR, "netlink: dump interrupted")
                     return
-                yield kind, flags, payload
+                yield kind, payload
 
     def dump(self, kind: int, body: bytes, keep: Callable[[int, memoryview], T | None]) -> list[T]:
         """What `keep` makes of each message (type, payload) a dump request returns, None
         dropped; the dump is read to its end, and asked for again when the kernel marks it
         interrupted."""
         for _ in range(DUMP_ATTEMPTS):
-            kept, interrupted = [], False
-            for message_kind, flags, payload in self._replies(self._send(kind, DUMP, body)):
-                interrupted |= bool(flags & DUMP_INTERRUPTED)
-                if (item := keep(message_kind, payload)) is not None:
-                    kept.append(item)
-            if not interrupted:
-                return kept
-        raise NetlinkError(errno.EINTR, "netlink: every dump was interrupted by changes")
+            kept: list[T] = []
+            try:
+                for message_kind, payload in self._replies(self._send(kind, DUMP, body)):
+                    if (item := keep(message_kind, payload)) is not None:
+                        kept.append(item)
+            except DumpInterrupted:
+                continue
+            return kept
+        raise DumpInterrupted(errno.EINTR, "netlink: every dump was interrupted by changes")
 
     def request(self, kind: int, body: bytes) -> list[tuple[int, memoryview]]:
         """(type, payload) of the messages one acknowledged request returns (often none)."""
-        return [
-            (reply, payload) for reply, _, payload in self._replies(self._send(kind, ACK, body))
-        ]
+        return list(self._replies(self._send(kind, ACK, body)))

@@ -145,14 +145,18 @@ class RouteTable:
         rest left alone."""
         fdb = {peer.mac: peer.underlay_ip for peer in peers}
         neighbours = {vtep: peer.mac for peer in peers for vtep in peer.vtep_addresses}
+        in_place: set[str] = set()
         for entry in self.ipr.fdb("dump", ifindex=index):
             mac, dst = entry.get("NDA_LLADDR"), entry.get("NDA_DST")
             if not dst:
                 continue
-            if fdb.get(mac) != dst:
-                self.ipr.fdb("del", ifindex=index, lladdr=mac, dst=dst, flags=NTF_SELF)
+            # The kernel names a remote's port and VNI only where they differ from the device's.
+            own = {"port": entry.get("NDA_PORT"), "vni": entry.get("NDA_VNI")}
+            foreign = {key: value for key, value in own.items() if value is not None}
+            if fdb.get(mac) != dst or foreign:
+                self.ipr.fdb("del", ifindex=index, lladdr=mac, dst=dst, flags=NTF_SELF, **foreign)
             elif entry["state"] & NUD_PERMANENT:
-                del fdb[mac]
+                in_place.add(mac)
         for family in (4, 6):
             for entry in self.ipr.neigh("dump", ifindex=index, family=AF[family]):
                 dst, mac = entry.get("NDA_DST"), entry.get("NDA_LLADDR")
@@ -161,7 +165,9 @@ class RouteTable:
                 if neighbours.get(dst) != mac:
                     self.ipr.neigh("del", ifindex=index, dst=dst, family=AF[family])
                 elif entry["state"] & NUD_PERMANENT:
-                    del neighbours[dst]
+                    in_place.add(dst)
+        fdb = {mac: dst for mac, dst in fdb.items() if mac not in in_place}
+        neighbours = {vtep: mac for vtep, mac in neighbours.items() if vtep not in in_place}
         for mac, underlay in fdb.items():
             self.ipr.fdb(
                 "replace",

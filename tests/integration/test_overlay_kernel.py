@@ -1,13 +1,14 @@
 """The node routing's kernel side beyond the lab cluster (test_cluster.py): RouteTable, run in a
 node namespace of its own, builds the VXLAN device with a forwarding and a neighbour entry per
 peer across segments, drops a departed peer's entries and route, mends entries changed behind its
-back (a forwarding entry to another address, a neighbour entry no longer permanent) while it
-leaves the right ones alone, and removes the device with the last such peer while a route to a
-peer on the segment stays."""
+back (a forwarding entry to another address, a second remote on another port, a neighbour entry
+no longer permanent) while an apply of the same peers again writes nothing, and removes the
+device with the last such peer while a route to a peer on the segment stays."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pyroute2 import IPRoute
 
@@ -31,6 +32,28 @@ def apply(node: Netns, peers: list[NodeNet]) -> None:
     plan = plan_routes(LOCAL, peers, "auto", on_segment)
     with node.entered(), IPRoute() as ipr:
         RouteTable(ipr).apply(LOCAL, plan, 1450)
+
+
+class CountingIPRoute(IPRoute):
+    """IPRoute counting the forwarding and neighbour entries it writes or deletes."""
+
+    writes = 0
+
+    def fdb(self, command: str, **kwarg: Any) -> Any:
+        self.writes += command != "dump"
+        return super().fdb(command, **kwarg)
+
+    def neigh(self, command: str, **kwarg: Any) -> Any:
+        self.writes += command != "dump"
+        return super().neigh(command, **kwarg)
+
+
+def writes(node: Netns, peers: list[NodeNet]) -> int:
+    """Forwarding and neighbour entries an apply of these peers writes or deletes."""
+    plan = plan_routes(LOCAL, peers, "auto", on_segment)
+    with node.entered(), CountingIPRoute() as ipr:
+        RouteTable(ipr).apply(LOCAL, plan, 1450)
+        return ipr.writes
 
 
 def test_the_overlay_device_goes_with_the_last_peer_across_segments(

@@ -19,8 +19,8 @@ from proxyd.rawnetlink import (
     ERROR_CODE,
     HEADER,
     NESTED,
-    NetlinkError,
     NetlinkSocket,
+    RawNetlinkError,
     align,
     attribute,
     attributes,
@@ -104,7 +104,7 @@ def test_a_dump_failing_part_way_raises_the_kernels_code() -> None:
     kernel = ScriptedKernel(
         lambda seq: [message(20, seq, b"one") + message(DONE, seq, ERROR_CODE.pack(-22))]
     )
-    with pytest.raises(NetlinkError) as failed:
+    with pytest.raises(RawNetlinkError) as failed:
         scripted(kernel).dump(22, b"", payloads)
     assert failed.value.errno == errno.EINVAL
 
@@ -116,11 +116,14 @@ def test_an_interrupted_dump_is_asked_again_until_whole_or_out_of_attempts() -> 
     def whole(seq: int) -> list[bytes]:
         return [message(20, seq, b"new") + message(DONE, seq)]
 
-    kernel = ScriptedKernel(interrupted, whole)
+    def interrupted_at_its_end(seq: int) -> list[bytes]:
+        return [message(20, seq, b"old") + message(DONE, seq, flags=DUMP_INTERRUPTED)]
+
+    kernel = ScriptedKernel(interrupted, interrupted_at_its_end, whole)
     assert scripted(kernel).dump(22, b"", payloads) == [b"new"]
-    assert kernel.requests == 2
+    assert kernel.requests == 3
     kernel = ScriptedKernel(*[interrupted] * DUMP_ATTEMPTS)
-    with pytest.raises(NetlinkError) as failed:
+    with pytest.raises(RawNetlinkError) as failed:
         scripted(kernel).dump(22, b"", payloads)
     assert failed.value.errno == errno.EINTR
 
@@ -134,13 +137,13 @@ def test_a_request_ends_at_its_acknowledgement_or_raises_its_refusal() -> None:
     assert [(kind, bytes(payload)) for kind, payload in sock.request(0x105, b"")] == [
         (0x105, b"stat")
     ]
-    with pytest.raises(NetlinkError) as refused:
+    with pytest.raises(RawNetlinkError) as refused:
         sock.request(0x102, b"")
     assert refused.value.errno == errno.ENOENT
 
 
 def test_a_message_longer_than_its_buffer_is_malformed() -> None:
     kernel = ScriptedKernel(lambda seq: [message(20, seq, b"whole")[:-4]])
-    with pytest.raises(NetlinkError) as malformed:
+    with pytest.raises(RawNetlinkError) as malformed:
         scripted(kernel).dump(22, b"", payloads)
     assert malformed.value.errno == errno.EPROTO
