@@ -27,6 +27,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from proxyd.addresses import ADDRESS_FAMILIES
 from proxyd.rawnetlink import (
     NETLINK_NETFILTER,
     NetlinkSocket,
@@ -54,8 +55,11 @@ CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
 CTA_FILTER_ORIG_FLAGS = 1
 FILTER_PROTO_NUM, FILTER_DST_PORT = 1 << 3, 1 << 5
 CTA_STATS_GLOBAL_ENTRIES = 1
+SOURCE, DESTINATION = 0, 1
+"""A tuple's ends, indexing IP_ENDS' pairs and PORT_ENDS."""
 IP_ENDS = {socket.AF_INET: (1, 2), socket.AF_INET6: (3, 4)}
 """CTA_IP_V4_SRC and _DST, CTA_IP_V6_SRC and _DST."""
+PORT_ENDS = (CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT)
 IDENTITY = (CTA_TUPLE_ORIG, CTA_ID, CTA_ZONE)
 """What names an entry to delete: its original tuple, id (so a newer entry that took the tuple
 stays) and zone."""
@@ -99,7 +103,7 @@ class UdpFrontends:
 
     @property
     def address_family(self) -> int:
-        return socket.AF_INET if self.family == 4 else socket.AF_INET6
+        return ADDRESS_FAMILIES[self.family]
 
     def dump_ports(self, entries_in_table: int) -> list[int | None]:
         """The destination ports the kernel is asked for UDP entries to, one dump each; [None]:
@@ -132,26 +136,19 @@ def dump_request(address_family: int, port: int | None) -> bytes:
     )
 
 
-def udp_ends(tuple_attributes: memoryview | None, address_family: int) -> tuple[Address, Address]:
-    """A tuple's (source, destination); ValueError (or struct.error) unless it is a whole UDP
-    tuple."""
+def udp_end(tuple_attributes: memoryview | None, address_family: int, end: int) -> Address:
+    """One end (SOURCE or DESTINATION) of a tuple; ValueError (or struct.error) unless it is a
+    whole UDP tuple."""
     found = attributes(tuple_attributes) if tuple_attributes is not None else {}
     ip = attributes(found[CTA_TUPLE_IP]) if CTA_TUPLE_IP in found else {}
     proto = attributes(found[CTA_TUPLE_PROTO]) if CTA_TUPLE_PROTO in found else {}
-    source, destination = IP_ENDS[address_family]
-    ends = (
-        (ip.get(source), proto.get(CTA_PROTO_SRC_PORT)),
-        (ip.get(destination), proto.get(CTA_PROTO_DST_PORT)),
-    )
     if bytes(proto.get(CTA_PROTO_NUM, b"")) != bytes([socket.IPPROTO_UDP]):
         raise ValueError("not a UDP tuple")
-    if any(address is None or port is None for address, port in ends):
-        raise ValueError("a UDP tuple without its addresses and ports")
-    (source_address, source_port), (destination_address, destination_port) = ends
-    return (
-        (socket.inet_ntop(address_family, source_address), PORT.unpack(source_port)[0]),
-        (socket.inet_ntop(address_family, destination_address), PORT.unpack(destination_port)[0]),
-    )
+    address = ip.get(IP_ENDS[address_family][end])
+    port = proto.get(PORT_ENDS[end])
+    if address is None or port is None:
+        raise ValueError("a UDP tuple without its address or port")
+    return socket.inet_ntop(address_family, address), PORT.unpack(port)[0]
 
 
 def udp_entries(
@@ -168,8 +165,8 @@ def udp_entries(
             return None
         found = attributes(payload[NFGENMSG.size :])
         try:
-            _, destination = udp_ends(found.get(CTA_TUPLE_ORIG), address_family)
-            reply_source, _ = udp_ends(found.get(CTA_TUPLE_REPLY), address_family)
+            destination = udp_end(found.get(CTA_TUPLE_ORIG), address_family, DESTINATION)
+            reply_source = udp_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
         except (ValueError, struct.error):
             return None
         if not keep(destination, reply_source):

@@ -141,7 +141,8 @@ class RouteTable:
 
     def _sync_peers(self, index: int, peers: tuple[OverlayPeer, ...]) -> None:
         """A permanent forwarding entry (peer MAC -> underlay address) and neighbour entry (VTEP
-        address -> peer MAC) per peer: others removed, missing or different ones written, the
+        address -> peer MAC) per peer: others removed (but the neighbour entries the kernel
+        makes itself, such as IPv6 multicast ones), missing or different ones written, the
         rest left alone."""
         fdb = {peer.mac: peer.underlay_ip for peer in peers}
         neighbours = {vtep: peer.mac for peer in peers for vtep in peer.vtep_addresses}
@@ -160,12 +161,14 @@ class RouteTable:
         for family in (4, 6):
             for entry in self.ipr.neigh("dump", ifindex=index, family=AF[family]):
                 dst, mac = entry.get("NDA_DST"), entry.get("NDA_LLADDR")
+                permanent = entry["state"] & NUD_PERMANENT
                 if not dst:
                     continue
-                if neighbours.get(dst) != mac:
+                if dst in neighbours:  # a wrong one is replaced below
+                    if neighbours[dst] == mac and permanent:
+                        in_place.add(dst)
+                elif permanent:  # a departed peer's, not one the kernel made (multicast)
                     self.ipr.neigh("del", ifindex=index, dst=dst, family=AF[family])
-                elif entry["state"] & NUD_PERMANENT:
-                    in_place.add(dst)
         fdb = {mac: dst for mac, dst in fdb.items() if mac not in in_place}
         neighbours = {vtep: mac for vtep, mac in neighbours.items() if vtep not in in_place}
         for mac, underlay in fdb.items():

@@ -27,6 +27,7 @@ def test_addresses_read_in_one_dump_match_pyroute2s(make_netns: Callable[[str], 
         node.run("ip", "link", "set", link, "up")
     batch = [f"addr add {a}/32 dev {names.DUMMY}" for a in SERVICE_ADDRESSES]
     batch += [f"addr add fd00:96::{i:x}/128 dev {names.DUMMY} nodad" for i in range(1, 4)]
+    batch += [f"addr add fe80::99/64 dev {names.DUMMY} nodad"]
     batch += ["addr add 192.0.2.10/24 dev uplink", "addr add fd77::10/64 dev uplink nodad"]
     batch += ["addr add 198.51.100.1 peer 198.51.100.2 dev uplink"]
     node.run("ip", "-batch", "-", stdin="\n".join(batch) + "\n")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
 
 import pytest
 from pyroute2 import IPRoute
 
+from cni import links
 from cni.firewall import detect_iptables_flavour
 from cni.links import addresses
 from tests.conftest import Netns
@@ -455,12 +457,39 @@ def test_other_ipam_types_are_delegated_through_cni_path(node, tmp_path):
     assert answer.output["code"] == 104 and "no-such-ipam" in answer.output["msg"]
 
 
-def test_a_links_addresses_are_its_own_among_many_of_another(node: Node) -> None:
+class CountingIPRoute:
+    """An IPRoute counting the messages each address dump hands over (pyroute2's IPRoute
+    hands its methods out by attribute, so it is wrapped, not subclassed)."""
+
+    received: ClassVar[list[int]] = []
+
+    def __init__(self, **kwarg: Any) -> None:
+        self.ipr = IPRoute(**kwarg)
+
+    def __enter__(self) -> CountingIPRoute:
+        self.ipr.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ipr.__exit__(*exc)
+
+    def addr(self, *args: Any, **kwarg: Any) -> list[Any]:
+        messages = list(self.ipr.addr(*args, **kwarg))
+        self.received.append(len(messages))
+        return messages
+
+
+def test_a_links_addresses_are_its_own_among_many_of_another(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     node.ns.run("ip", "link", "add", "name", "svc0", "type", "veth", "peer", "name", "svc1")
     batch = "".join(f"addr add 10.96.0.{i}/32 dev svc0\n" for i in range(1, 200))
     node.ns.run("ip", "-batch", "-", stdin=batch)
     node.ns.run("ip", "addr", "add", "192.0.2.1/24", "dev", "svc1")
     node.ns.run("ip", "addr", "add", "2001:db8::1/64", "dev", "svc1", "nodad")
+    monkeypatch.setattr(links, "IPRoute", CountingIPRoute)
+    monkeypatch.setattr(CountingIPRoute, "received", [])
     with node.ns.entered(), IPRoute() as ipr:
         index = ipr.link_lookup(ifname="svc1")[0]
         assert sorted(map(str, addresses(index))) == ["192.0.2.1/24", "2001:db8::1/64"]
+    assert CountingIPRoute.received == [2], "the kernel sent only the link's addresses"

@@ -6,8 +6,6 @@ scripted: the kernel tests read real dumps)."""
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
-from itertools import count
 
 import pytest
 
@@ -15,16 +13,13 @@ from proxyd.rawnetlink import (
     DONE,
     DUMP_ATTEMPTS,
     DUMP_INTERRUPTED,
-    ERROR,
     ERROR_CODE,
-    HEADER,
     NESTED,
-    NetlinkSocket,
     RawNetlinkError,
-    align,
     attribute,
     attributes,
 )
+from tests.unit.netlink_script import ScriptedKernel, error, message, scripted
 
 
 def test_an_attribute_is_padded_to_four_bytes() -> None:
@@ -46,44 +41,6 @@ def test_nested_attributes_are_flagged_and_read_back_by_type() -> None:
 def test_a_truncated_run_stops_at_the_last_whole_attribute() -> None:
     for tail in (b"\x02\x00", b"\x08\x00\x02\x00ab"):
         assert list(attributes(memoryview(attribute(1, b"abcd") + tail))) == [1]
-
-
-def message(kind: int, sequence: int, payload: bytes = b"", flags: int = 0) -> bytes:
-    length = HEADER.size + len(payload)
-    return HEADER.pack(length, kind, flags, sequence, 0) + payload + bytes(align(length) - length)
-
-
-def error(sequence: int, code: int) -> bytes:
-    return message(ERROR, sequence, ERROR_CODE.pack(code) + bytes(HEADER.size))
-
-
-class ScriptedKernel:
-    """Stands in for the kernel's end of a netlink socket: each request sent is answered with
-    the buffers its script makes of the request's sequence number, one per recv."""
-
-    def __init__(self, *scripts: Callable[[int], list[bytes]]) -> None:
-        self.scripts = list(scripts)
-        self.buffers: list[bytes] = []
-        self.requests = 0
-
-    def send(self, data: bytes) -> int:
-        self.requests += 1
-        _, _, _, sequence, _ = HEADER.unpack_from(data)
-        self.buffers.extend(self.scripts.pop(0)(sequence))
-        return len(data)
-
-    def recv(self, _: int) -> bytes:
-        return self.buffers.pop(0)
-
-    def close(self) -> None:
-        pass
-
-
-def scripted(kernel: ScriptedKernel) -> NetlinkSocket:
-    sock = NetlinkSocket.__new__(NetlinkSocket)
-    sock._socket = kernel  # type: ignore[assignment]
-    sock._sequence = count(1)
-    return sock
 
 
 def payloads(kind: int, payload: memoryview) -> bytes:
