@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,15 @@ from typing import Any
 
 import pytest
 
-from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
+from deploy.lab.kube import (
+    NODES,
+    SERVICES,
+    SLICES,
+    Kube,
+    endpoint,
+    service_object,
+    slice_object,
+)
 from tests.integration.proxy_env import (
     REMOTE_NODE,
     UPLINK_NODE,
@@ -112,6 +121,7 @@ def dnat_to(proxy_node: ProxyNode, proto: str, ip: str, port: int, target: str) 
     )
 
 
+ZONE_LABEL = "topology.kubernetes.io/zone"
 AFFINITY_SHORT_TIMEOUT = 2
 """Seconds: the shortest wait that still leaves a test's quick connections sticky."""
 
@@ -653,3 +663,61 @@ def test_sync_after_a_change_is_partial(proxy_node: ProxyNode, kube: Kube) -> No
     assert proxy_node.metric(full, ipv4) == full_before, (
         "the change was programmed by a partial sync"
     )
+
+
+CONNECT_UNTIL_STDIN_CLOSES = """
+import json, select, socket, sys
+answers, failures = {}, []
+while not select.select([sys.stdin], [], [], 0)[0]:
+    for host in sys.argv[1:]:
+        try:
+            with socket.create_connection((host, 80), timeout=3) as conn:
+                answer = conn.makefile().readline().split()
+            answers.setdefault(host, []).append(answer[1] if answer else "no answer")
+        except OSError as err:
+            failures.append(f"{host}: {err!r}")
+print(json.dumps({"answers": answers, "failures": failures}))
+"""
+
+
+def test_full_syncs_keep_every_connection_flowing(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    """A full sync rewrites every service's rules (the nftables mode into its other generation
+    of maps, swapped in by its last transaction). Six are forced by the node's zone changing
+    while a client connects without pause to a plain and a sticky ClusterIP: not one connection
+    fails and the sticky one keeps its endpoint."""
+    backed = [
+        endpoint(pods["a"].address(), proxy_node.name),
+        endpoint(pods["b"].address(), proxy_node.name),
+    ]
+    plain = create_backed(kube, "steady", endpoints=backed)["spec"]["clusterIP"]
+    sticky = create_backed(kube, "steady-sticky", sessionAffinity="ClientIP", endpoints=backed)
+    sticky_ip = sticky["spec"]["clusterIP"]
+    client = pods["client"].ns
+    for ip in (plain, sticky_ip):
+        eventually(lambda ip=ip: client.exchange(ip, 80))
+    full = "kubeproxy_sync_full_proxy_rules_duration_seconds_count"
+    ipv4 = 'ip_family="IPv4"'
+    node = f"{NODES}/{proxy_node.name}"
+    script = [sys.executable, "-c", CONNECT_UNTIL_STDIN_CLOSES, plain, sticky_ip]
+    connecting = subprocess.Popen(
+        ["ip", "netns", "exec", client.name, *script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for zone in ("zone-b", "zone-a") * 3:
+            before = proxy_node.metric(full, ipv4)
+            kube.patch(node, {"metadata": {"labels": {ZONE_LABEL: zone}}})
+            eventually(lambda before=before: proxy_node.metric(full, ipv4) > before)
+    finally:
+        report = json.loads(connecting.communicate(timeout=30)[0])
+        kube.patch(node, {"metadata": {"labels": {ZONE_LABEL: "zone-a"}}})
+    assert report["failures"] == []
+    assert len(report["answers"][plain]) >= 6 and set(report["answers"][plain]) <= {
+        "backend-a",
+        "backend-b",
+    }
+    assert len(set(report["answers"][sticky_ip])) == 1, "the sticky client kept its endpoint"
