@@ -146,7 +146,8 @@ class RouteTable:
         rest left alone."""
         fdb = {peer.mac: peer.underlay_ip for peer in peers}
         neighbours = {vtep: peer.mac for peer in peers for vtep in peer.vtep_addresses}
-        in_place: set[str] = set()
+        macs_in_place: set[str] = set()
+        vteps_in_place: set[str] = set()
         for entry in self.ipr.fdb("dump", ifindex=index):
             mac, dst = entry.get("NDA_LLADDR"), entry.get("NDA_DST")
             if not dst:
@@ -157,7 +158,7 @@ class RouteTable:
             if fdb.get(mac) != dst or foreign:
                 self.ipr.fdb("del", ifindex=index, lladdr=mac, dst=dst, flags=NTF_SELF, **foreign)
             elif entry["state"] & NUD_PERMANENT:
-                in_place.add(mac)
+                macs_in_place.add(mac)
         for family in (4, 6):
             for entry in self.ipr.neigh("dump", ifindex=index, family=AF[family]):
                 dst, mac = entry.get("NDA_DST"), entry.get("NDA_LLADDR")
@@ -166,11 +167,11 @@ class RouteTable:
                     continue
                 if dst in neighbours:  # a wrong one is replaced below
                     if neighbours[dst] == mac and permanent:
-                        in_place.add(dst)
+                        vteps_in_place.add(dst)
                 elif permanent:  # a departed peer's, not one the kernel made (multicast)
                     self.ipr.neigh("del", ifindex=index, dst=dst, family=AF[family])
-        fdb = {mac: dst for mac, dst in fdb.items() if mac not in in_place}
-        neighbours = {vtep: mac for vtep, mac in neighbours.items() if vtep not in in_place}
+        fdb = {mac: dst for mac, dst in fdb.items() if mac not in macs_in_place}
+        neighbours = {vtep: mac for vtep, mac in neighbours.items() if vtep not in vteps_in_place}
         for mac, underlay in fdb.items():
             self.ipr.fdb(
                 "replace",
