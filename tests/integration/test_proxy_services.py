@@ -123,7 +123,7 @@ def dnat_to(proxy_node: ProxyNode, proto: str, ip: str, port: int, target: str) 
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
 AFFINITY_SHORT_TIMEOUT = 2
-"""Seconds: the shortest wait that still leaves a test's quick connections sticky."""
+"""timeoutSeconds short enough to wait out, long enough for back-to-back connections to stick."""
 
 AFFINITY_SIGN = {
     "iptables": "--rcheck --seconds 5 --reap",
