@@ -79,7 +79,7 @@ bench-cni: setup cni go-tools
 bench-netlink: setup
 	cd $(ROOT) && $(PY) -m bench.netlink_bench $(ARGS)
 
-# knit-proxyd at 1,000 and 10,000 services (~5 min); e.g. ARGS="--sizes 1000 --quick"
+# knit-proxyd at 1,000 and 10,000 services (~25-30 min); e.g. ARGS="--sizes 1000 --quick"
 bench-proxy: setup cni go-tools
 	cd $(ROOT) && $(PY) -m bench.proxy_bench $(ARGS)
 

@@ -109,7 +109,7 @@ def detect_iptables_flavour() -> str:
     for flavour in ("nft", "legacy"):
         if flavour == "legacy" and "mangle" not in _legacy_tables(4):
             continue
-        if any(chain in _mangle_chains(flavour) for chain in KUBELET_HINT_CHAINS):
+        if not _mangle_chains(flavour).isdisjoint(KUBELET_HINT_CHAINS):
             return flavour
     counts = {}
     for flavour in ("nft", "legacy"):
@@ -150,9 +150,18 @@ class IPTables:
             return False
         return self.flavour != "legacy" or table in _legacy_tables(self.version)
 
-    def chain_rules(self, table: str, chain: str) -> list[str]:
-        """The chain's rules as iptables-save prints them."""
-        return rules_of_chain(run(chain_listing_argv(self.cmd, self.flavour, table, chain)), chain)
+    def chain_reader(self, table: str) -> Callable[[str], list[str]]:
+        """For one look at the table: a chain's rules as iptables-save prints them, each
+        listing made once (legacy xtables' one save of the table serves every chain)."""
+        listings: dict[tuple[str, ...], str] = {}
+
+        def rules(chain: str) -> list[str]:
+            argv = chain_listing_argv(self.cmd, self.flavour, table, chain)
+            if tuple(argv) not in listings:
+                listings[tuple(argv)] = run(argv)
+            return rules_of_chain(listings[tuple(argv)], chain)
+
+        return rules
 
     def restore(self, text: str) -> None:
         run([self.restore_cmd, "--noflush", "-w", "5"], text)

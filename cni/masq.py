@@ -106,11 +106,12 @@ def present(backend: str, select: Selector, addresses: Collection[IPInterface]) 
         iptables = IPTables(version, flavour)
         if not iptables.may_hold_rules("nat"):
             return False
-        jumps = _jumps(iptables, select)
+        chain_rules = iptables.chain_reader("nat")
+        jumps = _jumps(chain_rules, select)
         masquerades = [
             line
-            for chain in sorted({_target(jump) for jump in jumps})
-            for line in _selected(iptables.chain_rules("nat", chain), select, _is_masq)
+            for chain in {_target(jump) for jump in jumps}
+            for line in _selected(chain_rules(chain), select, _is_masq)
         ]
         if min(len(jumps), len(masquerades)) < len(family_addresses):
             return False
@@ -126,9 +127,9 @@ def _selected(rules: list[str], select: Selector, kind: Callable[[str], bool]) -
     return [rule for rule in rules if kind(rule) and (tag := Tag.parse(rule)) and select(tag)]
 
 
-def _jumps(iptables: IPTables, select: Selector) -> list[str]:
+def _jumps(chain_rules: Callable[[str], list[str]], select: Selector) -> list[str]:
     """The selected attachments' entries: their jumps from nat POSTROUTING."""
-    return _selected(iptables.chain_rules("nat", "POSTROUTING"), select, _is_jump)
+    return _selected(chain_rules("POSTROUTING"), select, _is_jump)
 
 
 def _target(jump: str) -> str:
@@ -141,11 +142,11 @@ def _is_jump(line: str) -> bool:
 
 
 def _is_masq(line: str) -> bool:
-    return line.startswith(f"-A {CHAIN_PREFIX}") and line.endswith(" -j MASQUERADE")
+    return line.endswith(" -j MASQUERADE")
 
 
 def _iptables_teardown(iptables: IPTables, select: Selector) -> None:
-    jumps = _jumps(iptables, select)
+    jumps = _jumps(iptables.chain_reader("nat"), select)
     chains = {_target(line) for line in jumps}
     if jumps:
         flushes = [f":{c} - [0:0]" for c in sorted(chains)]

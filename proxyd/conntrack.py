@@ -10,15 +10,16 @@ The kernel picks the entries to look at: one dump per frontend port, filtered on
 (CTA_FILTER, Linux 5.8 and later), costs a walk of the whole table in the kernel (10 ms for
 10,000 entries here), where reading an entry of the dump costs ~15 µs here. Past
 FILTERED_DUMPS_UP_TO ports (a full sync of many UDP services), past KERNEL_WALK_BUDGET entries
-walked in all (a table of mostly TCP entries), or on a kernel that ignores the filter, one dump
-of the family's UDP entries is asked for instead. An entry is deleted by its original tuple,
-zone and id as the dump gave them, so an entry of another conntrack zone goes too and a newer
-entry that took the tuple meanwhile stays.
+walked in all by two or more dumps (a table of mostly TCP entries), or on a kernel that ignores
+the filter, one dump of the family's UDP entries is asked for instead. An entry is deleted by
+its original tuple, zone and id as the dump gave them, so an entry of another conntrack zone
+goes too and a newer entry that took the tuple meanwhile stays.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -47,8 +48,8 @@ CTNETLINK = 1 << 8
 MSG_NEW, MSG_GET, MSG_DELETE = CTNETLINK, CTNETLINK | 1, CTNETLINK | 2
 """A dump returns its entries as MSG_NEW messages."""
 MSG_GET_STATS = CTNETLINK | 5
-NFGENMSG = struct.Struct("=BBH")
-"""nfgenmsg: family, version, resource id."""
+NFGENMSG = struct.Struct(">BBH")
+"""nfgenmsg: family, version, resource id (network byte order)."""
 CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_ID, CTA_ZONE, CTA_FILTER = 1, 2, 12, 18, 25
 CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
 CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
@@ -66,6 +67,7 @@ stays) and zone."""
 PORT = struct.Struct(">H")
 
 
+@functools.cache
 def kernel_filters_dumps() -> bool:
     """Whether this kernel filters conntrack dumps on a tuple (Linux 5.8)."""
     release = re.match(r"(\d+)\.(\d+)", os.uname().release)
@@ -105,15 +107,16 @@ class UdpFrontends:
     def address_family(self) -> int:
         return ADDRESS_FAMILIES[self.family]
 
-    def dump_ports(self, entries_in_table: int) -> list[int | None]:
+    def dump_ports(self, entries_in_table: Callable[[], int]) -> list[int | None]:
         """The destination ports the kernel is asked for UDP entries to, one dump each; [None]:
-        one dump of the family's UDP entries (see the module's notes). Ports alone: a filter
-        naming an IPv6 destination address, sent through pyroute2, matched no entry here (kernel
-        6.18), where the same filter on the port did."""
+        one dump of the family's UDP entries (see the module's notes). The table's size is asked
+        only when it decides: a single port's dump walks the table as the family's would, and
+        sends less. Ports alone: a filter naming an IPv6 destination address, sent through
+        pyroute2, matched no entry here (kernel 6.18), where the same filter on the port did."""
         ports: list[int | None] = sorted({p for _, p in self.by_address} | self.by_node_port.keys())
-        too_many = len(ports) > FILTERED_DUMPS_UP_TO
-        walked = len(ports) * entries_in_table
-        if too_many or walked > KERNEL_WALK_BUDGET or not kernel_filters_dumps():
+        if len(ports) > FILTERED_DUMPS_UP_TO or not kernel_filters_dumps():
+            return [None]
+        if len(ports) > 1 and len(ports) * entries_in_table() > KERNEL_WALK_BUDGET:
             return [None]
         return ports
 
@@ -200,7 +203,7 @@ def clear_stale(frontends: UdpFrontends) -> int:
     with NetlinkSocket(NETLINK_NETFILTER) as sock:
         stale = [
             entry
-            for port in frontends.dump_ports(table_size(sock))
+            for port in frontends.dump_ports(lambda: table_size(sock))
             for entry in udp_entries(sock, frontends.address_family, port, frontends.stale)
         ]
         for entry in stale:

@@ -2,9 +2,9 @@
 
 Objects stay the API server's JSON (dicts): the generated models cost far more time and memory
 than the proxy needs at 10,000 services. A list (in pages) replaces the whole set; the watch
-then streams changes from its resourceVersion, with bookmarks; 410 Gone, a broken connection or
-an unreachable API server lead to a relist after a backoff, and the rules already in the kernel
-stay as they are meanwhile.
+then streams changes from its resourceVersion, with bookmarks; 410 Gone leads to a relist at once,
+a broken connection or an unreachable API server to a relist after a backoff, and the rules
+already in the kernel stay as they are meanwhile.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from proxyd.addresses import link_addresses
+from proxyd.addresses import ADDRESS_FAMILIES, link_addresses, link_index
 from proxyd.model import family_of
 from proxyd.nodenet.plan import NodeNet, OverlayPeer, PodRoute, RoutePlan, vtep_address, vtep_mac
 
@@ -28,7 +28,6 @@ VXLAN_PORT = 8472
 NUD_PERMANENT = 0x80
 NTF_SELF = 0x02
 RTNH_F_ONLINK = 4
-AF = {4: 2, 6: 10}
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,8 @@ class RouteTable:
     def installed(self) -> dict[str, tuple[str, int]]:
         """Our routes in the kernel: destination -> (next hop, output interface)."""
         found: dict[str, tuple[str, int]] = {}
-        for family in (4, 6):
-            for route in self.ipr.route("dump", family=AF[family], proto=ROUTE_PROTOCOL):
+        for address_family in ADDRESS_FAMILIES.values():
+            for route in self.ipr.route("dump", family=address_family, proto=ROUTE_PROTOCOL):
                 dst = f"{route.get('RTA_DST')}/{route['dst_len']}"
                 found[str(ipaddress.ip_network(dst))] = (
                     route.get("RTA_GATEWAY") or "",
@@ -98,16 +97,12 @@ class RouteTable:
             self.ipr.route("replace", proto=ROUTE_PROTOCOL, **spec)
             log.info("route to %s via %s%s", route.cidr, route.via, " (vxlan)" * route.overlay)
 
-    def _device_index(self) -> int | None:
-        found = self.ipr.link_lookup(ifname=self.overlay.device)
-        return found[0] if found else None
-
     def _sync_device(self, local: NodeNet, plan: RoutePlan, mtu: int) -> int | None:
         if not plan.peers:
             self._delete_device()
             return None
         underlay = local.internal_ips[0]
-        index = self._device_index()
+        index = link_index(self.overlay.device)
         if index is None:
             self.ipr.link(
                 "add",
@@ -120,7 +115,7 @@ class RouteTable:
                 address=vtep_mac(underlay),
                 mtu=mtu,
             )
-            index = self.ipr.link_lookup(ifname=self.overlay.device)[0]
+            index = link_index(self.overlay.device)
             log.info("overlay device %s created (VNI %d)", self.overlay.device, self.overlay.vni)
         self.ipr.link("set", index=index, state="up", mtu=mtu)
         for cidr in local.pod_cidrs:
@@ -134,7 +129,7 @@ class RouteTable:
         return index
 
     def _delete_device(self) -> None:
-        index = self._device_index()
+        index = link_index(self.overlay.device)
         if index is not None:
             self.ipr.link("del", index=index)
             log.info("overlay device %s removed", self.overlay.device)
@@ -159,8 +154,8 @@ class RouteTable:
                 self.ipr.fdb("del", ifindex=index, lladdr=mac, dst=dst, flags=NTF_SELF, **foreign)
             elif entry["state"] & NUD_PERMANENT:
                 macs_in_place.add(mac)
-        for family in (4, 6):
-            for entry in self.ipr.neigh("dump", ifindex=index, family=AF[family]):
+        for address_family in ADDRESS_FAMILIES.values():
+            for entry in self.ipr.neigh("dump", ifindex=index, family=address_family):
                 dst, mac = entry.get("NDA_DST"), entry.get("NDA_LLADDR")
                 permanent = entry["state"] & NUD_PERMANENT
                 if not dst:
@@ -169,7 +164,7 @@ class RouteTable:
                     if neighbours[dst] == mac and permanent:
                         vteps_in_place.add(dst)
                 elif permanent:  # a departed peer's, not one the kernel made (multicast)
-                    self.ipr.neigh("del", ifindex=index, dst=dst, family=AF[family])
+                    self.ipr.neigh("del", ifindex=index, dst=dst, family=address_family)
         fdb = {mac: dst for mac, dst in fdb.items() if mac not in macs_in_place}
         neighbours = {vtep: mac for vtep, mac in neighbours.items() if vtep not in vteps_in_place}
         for mac, underlay in fdb.items():
@@ -188,5 +183,5 @@ class RouteTable:
                 dst=vtep,
                 lladdr=mac,
                 state=NUD_PERMANENT,
-                family=AF[family_of(vtep)],
+                family=ADDRESS_FAMILIES[family_of(vtep)],
             )

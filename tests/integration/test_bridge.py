@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -12,6 +13,7 @@ from pyroute2 import IPRoute
 from cni import links
 from cni.firewall import detect_iptables_flavour
 from cni.links import addresses
+from proxyd.addresses import RTM_NEWADDR
 from tests.conftest import Netns
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, bridge_conf
 
@@ -458,13 +460,24 @@ def test_other_ipam_types_are_delegated_through_cni_path(node, tmp_path):
 
 
 class CountingIPRoute:
-    """An IPRoute counting the messages each address dump hands over (pyroute2's IPRoute
-    hands its methods out by attribute, so it is wrapped, not subclassed)."""
+    """An IPRoute counting the address messages the kernel sends for each address dump, as
+    pyroute2 parses them, before any filtering of its own (its IPRoute hands its methods out
+    by attribute, so it is wrapped, not subclassed)."""
 
     received: ClassVar[list[int]] = []
 
     def __init__(self, **kwarg: Any) -> None:
         self.ipr = IPRoute(**kwarg)
+        self.parsed = 0
+        marshal = self.ipr.asyncore.marshal
+        parse = marshal.parse
+
+        def counted(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            for msg in parse(*args, **kwargs):
+                self.parsed += msg["header"]["type"] == RTM_NEWADDR
+                yield msg
+
+        marshal.parse = counted
 
     def __enter__(self) -> CountingIPRoute:
         self.ipr.__enter__()
@@ -474,8 +487,9 @@ class CountingIPRoute:
         self.ipr.__exit__(*exc)
 
     def addr(self, *args: Any, **kwarg: Any) -> list[Any]:
+        self.parsed = 0
         messages = list(self.ipr.addr(*args, **kwarg))
-        self.received.append(len(messages))
+        self.received.append(self.parsed)
         return messages
 
 

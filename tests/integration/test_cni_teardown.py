@@ -20,6 +20,10 @@ def only_binaries(directory: Path, *names: str) -> str:
     return str(directory)
 
 
+IP6TABLES = ("ip6tables-nft", "ip6tables-legacy", "ip6tables-legacy-save")
+"""What lists or writes IPv6 rules in either flavour (legacy lists a chain with its save)."""
+
+
 def failing_before_path(directory: Path, *names: str) -> str:
     """The PATH with the named binaries replaced by ones that always fail."""
     directory.mkdir()
@@ -47,7 +51,7 @@ def test_gc_on_a_node_without_iptables(node, tmp_path):
 def test_del_of_an_ipv4_attachment_leaves_ipv6_alone(node, tmp_path):
     conf = bridge_conf(node.data_dir, ipMasq=True)
     pod = node.add_pod(conf, "v4-only")
-    broken = failing_before_path(tmp_path / "bin", "ip6tables-nft", "ip6tables-legacy")
+    broken = failing_before_path(tmp_path / "bin", *IP6TABLES)
     answer = node.call("DEL", node.with_prev(conf, pod), pod, env={"PATH": broken})
     assert answer.code == 0, answer
     assert node.leftovers() == {}
@@ -56,7 +60,7 @@ def test_del_of_an_ipv4_attachment_leaves_ipv6_alone(node, tmp_path):
 def test_del_still_reports_a_family_the_attachment_used(node, tmp_path):
     conf = bridge_conf(node.data_dir, dual_stack=True, ipMasq=True)
     pod = node.add_pod(conf, "dual")
-    broken = failing_before_path(tmp_path / "bin", "ip6tables-nft", "ip6tables-legacy")
+    broken = failing_before_path(tmp_path / "bin", *IP6TABLES)
     answer = node.call("DEL", node.with_prev(conf, pod), pod, env={"PATH": broken})
     assert answer.error_code == 103 and "broken here" in answer.output["msg"], answer
     assert node.reservations() == [], "the rest of DEL ran"

@@ -73,8 +73,12 @@ def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
     )
     per_port = filtered and conntrack.kernel_filters_dumps()
     expected_ports = [53, NODE_PORT] if per_port else [None]
-    assert frontends.dump_ports(entries_in_table=7) == expected_ports
-    assert frontends.dump_ports(entries_in_table=conntrack.KERNEL_WALK_BUDGET) == [None]
+    assert frontends.dump_ports(lambda: 7) == expected_ports
+    assert frontends.dump_ports(lambda: conntrack.KERNEL_WALK_BUDGET) == [None]
+    one_port = UdpFrontends(version, by_address=frontends.by_address)
+    assert one_port.dump_ports(lambda: conntrack.KERNEL_WALK_BUDGET + 1) == (
+        [53] if per_port else [None]
+    ), "one port's dump walks the table as the family's would"
     dumped: list[int | None] = []
     udp_entries = conntrack.udp_entries
 

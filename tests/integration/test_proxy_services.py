@@ -30,6 +30,7 @@ from deploy.lab.kube import (
     service_object,
     slice_object,
 )
+from proxyd.model import ZONE_LABEL
 from tests.integration.proxy_env import (
     REMOTE_NODE,
     UPLINK_NODE,
@@ -121,7 +122,6 @@ def dnat_to(proxy_node: ProxyNode, proto: str, ip: str, port: int, target: str) 
     )
 
 
-ZONE_LABEL = "topology.kubernetes.io/zone"
 AFFINITY_SHORT_TIMEOUT = 2
 """timeoutSeconds short enough to wait out, long enough for back-to-back connections to stick."""
 
@@ -460,7 +460,7 @@ def test_client_ip_affinity_through_a_node_port_lasts_until_its_timeout(
     if proxy_node.mode == "ipvs":
         return
     seen = {first}
-    for _ in range(20):  # each idle round picks anew: both seen in 20 but with odds 2**-19
+    for _ in range(20):  # each idle round picks anew: both seen in 20 but with odds 2**-20
         time.sleep(AFFINITY_SHORT_TIMEOUT + 1)
         seen.add(outside.exchange(UPLINK_NODE, node_port)[1])
         if len(seen) == 2:
@@ -673,7 +673,10 @@ while not select.select([sys.stdin], [], [], 0)[0]:
         try:
             with socket.create_connection((host, 80), timeout=3) as conn:
                 answer = conn.makefile().readline().split()
-            answers.setdefault(host, []).append(answer[1] if answer else "no answer")
+            if answer:
+                answers.setdefault(host, []).append(answer[1])
+            else:
+                failures.append(f"{host}: no answer")
         except OSError as err:
             failures.append(f"{host}: {err!r}")
 print(json.dumps({"answers": answers, "failures": failures}))
@@ -716,8 +719,7 @@ def test_full_syncs_keep_every_connection_flowing(
         report = json.loads(connecting.communicate(timeout=30)[0])
         kube.patch(node, {"metadata": {"labels": {ZONE_LABEL: "zone-a"}}})
     assert report["failures"] == []
-    assert len(report["answers"][plain]) >= 6 and set(report["answers"][plain]) <= {
-        "backend-a",
-        "backend-b",
-    }
-    assert len(set(report["answers"][sticky_ip])) == 1, "the sticky client kept its endpoint"
+    answers = report["answers"]
+    assert min(len(answers[plain]), len(answers[sticky_ip])) >= 6
+    assert set(answers[plain]) == {"backend-a", "backend-b"}
+    assert set(answers[sticky_ip]) in ({"backend-a"}, {"backend-b"}), "the sticky one stayed"
