@@ -4,7 +4,7 @@ same run, each step in a namespace of its own.
 
 - addresses: N addresses on a link named as IPVS mode's dummy (a bridge: some kernels, this
   machine's among them, have no dummy links), twenty other links with one each; the node's
-  addresses but the dummy's (IPVS mode, every sync) and the dummy's own (its full sync), read
+  addresses split into the dummy's and the other links' (IPVS mode's one read per sync), read
   with struct, against pyroute2's `get_addr` of the family.
 - UDP conntrack clean-up: N entries to a DNS service, half of them answered by an endpoint
   that is then gone; the clean-up of a change that leaves them all (both endpoints serve), of a
@@ -36,7 +36,6 @@ from typing import Any
 from pyroute2 import Conntrack, IPRoute
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-from proxyd.addresses import local_addresses
 from proxyd.conntrack import UdpFrontends, clear_stale
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.plan import NodeNet, plan_routes
@@ -80,24 +79,17 @@ def addresses(node: Netns, count: int, rounds: int) -> None:
         ]
     node.run("ip", "-batch", "-", stdin="\n".join(batch) + "\n")
     with node.entered(), IPRoute() as ipr:
-        assert len(dummy.addresses(4)) == count
-        assert len(local_addresses(4, names.DUMMY)) == OTHER_LINKS + 1
+        on_node = dummy.node_addresses(4)
+        assert (len(on_node.bound), len(on_node.elsewhere)) == (count, OTHER_LINKS + 1)
 
         def pyroute2_read() -> None:
             ipr.get_addr(family=socket.AF_INET)
 
         anchor = median_ms(pyroute2_read, rounds)
-        name = f"pyroute2's get_addr of {count + OTHER_LINKS + 1}"
         report(
-            f"the node's addresses but the dummy's, beside {count} on it",
-            median_ms(lambda: local_addresses(4, names.DUMMY), rounds),
-            name,
-            anchor,
-        )
-        report(
-            f"the dummy's {count} addresses",
-            median_ms(lambda: dummy.addresses(4), rounds),
-            name,
+            f"the node's addresses split at the dummy, {count} on it",
+            median_ms(lambda: dummy.node_addresses(4), rounds),
+            f"pyroute2's get_addr of {count + OTHER_LINKS + 1}",
             anchor,
         )
 

@@ -47,10 +47,9 @@ def link_addresses(family: int) -> list[tuple[int, str]]:
         return sock.dump(RTM_GETADDR, IFADDRMSG.pack(address_family, 0, 0, 0, 0), read)
 
 
-def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]:
-    """The family's addresses of every link (but `exclude_ifname`'s)."""
-    excluded = link_index(exclude_ifname) if exclude_ifname else None
-    return sorted({address for index, address in link_addresses(family) if index != excluded})
+def local_addresses(family: int) -> list[str]:
+    """The family's addresses of every link."""
+    return sorted({address for _, address in link_addresses(family)})
 
 
 def nodeport_addresses(

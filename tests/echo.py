@@ -7,10 +7,15 @@ TCP connection then echoes every line it receives, so a held connection can prov
 works.
 request HOST PORT [tcp|udp] [SOURCE_PORT]: prints the server's answer.
 hold HOST PORT: connects, prints the greeting, then sends each stdin line and prints the echo.
+repeat HOST PORT [HOST ...]: connects to each HOST on PORT in turn, reading each greeting,
+over and over until stdin has input or closes; then prints as JSON each host's answers
+(the greeting's LABEL) and every failure (an error, or a connection closed without a word).
 """
 
 from __future__ import annotations
 
+import json
+import select
 import socket
 import sys
 import threading
@@ -72,10 +77,30 @@ def hold(host: str, port: int) -> None:
             print(stream.readline().strip(), flush=True)
 
 
+def repeat(hosts: list[str], port: int) -> None:
+    answers: dict[str, list[str]] = {}
+    failures: list[str] = []
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        for host in hosts:
+            try:
+                with socket.create_connection((host, port), timeout=3) as conn:
+                    greeting = conn.makefile().readline().split()
+            except OSError as err:
+                failures.append(f"{host}: {err!r}")
+                continue
+            if greeting:
+                answers.setdefault(host, []).append(greeting[1])
+            else:
+                failures.append(f"{host}: no answer")
+    print(json.dumps({"answers": answers, "failures": failures}))
+
+
 if __name__ == "__main__":
     mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "hold":
         hold(host, port)
+    elif mode == "repeat":
+        repeat([host, *sys.argv[4:]], port)
     elif mode == "serve":
         serve(host, port, *sys.argv[4:6])
     else:

@@ -5,6 +5,8 @@ addresses, so every cluster, external and load balancer IP is bound to it (as a 
 from __future__ import annotations
 
 import errno
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -25,23 +27,33 @@ def ensure() -> None:
         ipr.link("set", index=index, state="up")
 
 
-def addresses(family: int) -> set[str]:
-    """The link's addresses of the family; empty when the link does not exist."""
+@dataclass(frozen=True, slots=True)
+class NodeAddresses:
+    """The node's addresses of one family, from one dump, split at the link."""
+
+    bound: frozenset[str]
+    """The link's own (link-local ones left out); empty when the link does not exist."""
+    elsewhere: tuple[str, ...]
+    """Every other link's, sorted."""
+
+
+def node_addresses(family: int) -> NodeAddresses:
     index = link_index(DUMMY)
-    if index is None:
-        return set()
-    return {
-        address
-        for link, address in link_addresses(family)
-        if link == index and not address.startswith("fe80:")
-    }
+    bound: set[str] = set()
+    elsewhere: set[str] = set()
+    for link, address in link_addresses(family):
+        if link != index:
+            elsewhere.add(address)
+        elif not address.startswith("fe80:"):
+            bound.add(address)
+    return NodeAddresses(frozenset(bound), tuple(sorted(elsewhere)))
 
 
 def _prefix(address: str) -> int:
     return 128 if family_of(address) == 6 else 32
 
 
-def bind(added: set[str], removed: set[str]) -> None:
+def bind(added: AbstractSet[str], removed: AbstractSet[str]) -> None:
     """Add and remove addresses; adding one twice or removing a missing one is no error."""
     if not added and not removed:
         return

@@ -17,7 +17,6 @@ from dataclasses import replace
 from pyroute2.ipset import IPSetError
 from pyroute2.netlink.exceptions import NetlinkError
 
-from proxyd.addresses import local_addresses
 from proxyd.iptables.kernel import Iptables, RestoreError
 from proxyd.iptables.render import TABLES
 from proxyd.iptables.restore import RuleSet
@@ -39,7 +38,9 @@ NODE_PORT_SETS = tuple(
 )
 
 
-def _owned_frontends(services: Iterable[Frontend], bound: set[str], sets: Ipsets) -> set[Frontend]:
+def _owned_frontends(
+    services: Iterable[Frontend], bound: frozenset[str], sets: Ipsets
+) -> set[Frontend]:
     """knit's virtual servers among `services`: those on the dummy link's addresses (`bound`),
     and those on a node address whose port is in a NodePort set."""
     ports = sets.ports(key for _, keys in NODE_PORT_SETS for key in keys)
@@ -92,9 +93,10 @@ class IpvsProxier(Proxier):
         self._desired[family] = None
         try:
             self._kernel()
-            nodeports = nodeport_addresses(ctx, local_addresses(family, names.DUMMY))
+            on_node = dummy.node_addresses(family)
+            nodeports = nodeport_addresses(ctx, on_node.elsewhere)
             if full or desired is None or nodeports != self._nodeports.get(family):
-                desired, full = self._full(ctx, plans, nodeports), True
+                desired, full = self._full(ctx, plans, nodeports, on_node.bound), True
             else:
                 self._partial(ctx, desired, plans, changed, nodeports)
         except KERNEL_ERRORS as err:
@@ -103,7 +105,10 @@ class IpvsProxier(Proxier):
         self._nodeports[family] = nodeports
         return full
 
-    def _full(self, ctx: FamilyContext, plans: Plans, nodeports: tuple[str, ...]) -> Desired:
+    def _full(
+        self, ctx: FamilyContext, plans: Plans, nodeports: tuple[str, ...], bound: frozenset[str]
+    ) -> Desired:
+        """Everything written again; `bound`: the dummy's addresses as the sync began."""
         family = ctx.family
         dummy.ensure()
         sets = self.ipsets[family]
@@ -113,7 +118,6 @@ class IpvsProxier(Proxier):
             {name: port_state(plan, ctx, self.scheduler, nodeports) for name, plan in plans.items()}
         )
         wanted = dummy_addresses(desired.members)
-        bound = dummy.addresses(family)
         servers = self._servers[family]
         existing = servers.kernel.services(family)
         owned = _owned_frontends(existing, bound, sets)
@@ -169,7 +173,9 @@ class IpvsProxier(Proxier):
         if ipvs is not None:
             for family in self.families:
                 services = ipvs.services(family)
-                owned = _owned_frontends(services, dummy.addresses(family), self.ipsets[family])
+                owned = _owned_frontends(
+                    services, dummy.node_addresses(family).bound, self.ipsets[family]
+                )
                 for frontend in sorted(owned):
                     ipvs.delete_service(frontend)
                 removed += len(owned)

@@ -38,17 +38,16 @@ def test_addresses_read_in_one_dump_match_pyroute2s(make_netns: Callable[[str], 
                 for msg in ipr.get_addr(family=address_family)
             }
             assert set(link_addresses(family)) == seen
-        assert local_addresses(4, names.DUMMY) == ["127.0.0.1", "192.0.2.10", "198.51.100.1"]
+        v4, v6 = dummy.node_addresses(4), dummy.node_addresses(6)
+        assert v4.elsewhere == ("127.0.0.1", "192.0.2.10", "198.51.100.1")
         assert len(local_addresses(4)) == len(SERVICE_ADDRESSES) + 3
-        global_v6 = {a for a in local_addresses(6, names.DUMMY) if not a.startswith("fe80:")}
-        assert global_v6 == {"::1", "fd77::10"}
-        assert dummy.addresses(4) == set(SERVICE_ADDRESSES)
-        assert dummy.addresses(6) == {"fd00:96::1", "fd00:96::2", "fd00:96::3"}
+        assert {a for a in v6.elsewhere if not a.startswith("fe80:")} == {"::1", "fd77::10"}
+        assert v4.bound == set(SERVICE_ADDRESSES)
+        assert v6.bound == {"fd00:96::1", "fd00:96::2", "fd00:96::3"}
         assert uplink_mtu(ipr, "192.0.2.10") == 1400
         assert uplink_mtu(ipr, "fd77::10") == 1400
 
 
 def test_without_the_dummy_link_it_has_no_addresses(make_netns: Callable[[str], Netns]) -> None:
     with make_netns("addresses").entered():
-        assert dummy.addresses(4) == set()
-        assert local_addresses(4, names.DUMMY) == ["127.0.0.1"]
+        assert dummy.node_addresses(4) == dummy.NodeAddresses(frozenset(), ("127.0.0.1",))

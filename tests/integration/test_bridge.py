@@ -459,7 +459,7 @@ def test_other_ipam_types_are_delegated_through_cni_path(node, tmp_path):
     assert answer.output["code"] == 104 and "no-such-ipam" in answer.output["msg"]
 
 
-class CountingIPRoute:
+class AddressMessagesCounted:
     """An IPRoute counting the address messages the kernel sends for each address dump, as
     pyroute2 parses them, before any filtering of its own (its IPRoute hands its methods out
     by attribute, so it is wrapped, not subclassed)."""
@@ -479,7 +479,7 @@ class CountingIPRoute:
 
         marshal.parse = counted
 
-    def __enter__(self) -> CountingIPRoute:
+    def __enter__(self) -> AddressMessagesCounted:
         self.ipr.__enter__()
         return self
 
@@ -501,9 +501,9 @@ def test_a_links_addresses_are_its_own_among_many_of_another(
     node.ns.run("ip", "-batch", "-", stdin=batch)
     node.ns.run("ip", "addr", "add", "192.0.2.1/24", "dev", "svc1")
     node.ns.run("ip", "addr", "add", "2001:db8::1/64", "dev", "svc1", "nodad")
-    monkeypatch.setattr(links, "IPRoute", CountingIPRoute)
-    monkeypatch.setattr(CountingIPRoute, "received", [])
+    monkeypatch.setattr(links, "IPRoute", AddressMessagesCounted)
+    monkeypatch.setattr(AddressMessagesCounted, "received", [])
     with node.ns.entered(), IPRoute() as ipr:
         index = ipr.link_lookup(ifname="svc1")[0]
         assert sorted(map(str, addresses(index))) == ["192.0.2.1/24", "2001:db8::1/64"]
-    assert CountingIPRoute.received == [2], "the kernel sent only the link's addresses"
+    assert AddressMessagesCounted.received == [2], "the kernel sent only the link's addresses"

@@ -133,14 +133,14 @@ def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
     monkeypatch.setattr(ipvs_proxier, "ipvs_loaded", lambda: True)
     monkeypatch.setattr(dummy, "ensure", lambda: None)
 
-    def local_addresses(family: int, exclude_ifname: str | None = None) -> list[str]:
-        assert family == 4 and exclude_ifname == names.DUMMY
-        return ["127.0.0.1", "192.0.2.10"]
+    address_reads: list[int] = []
 
-    monkeypatch.setattr(ipvs_proxier, "local_addresses", local_addresses)
-    monkeypatch.setattr(
-        dummy, "addresses", lambda family: {a for a in bound if (":" in a) == (family == 6)}
-    )
+    def node_addresses(family: int) -> dummy.NodeAddresses:
+        assert family == 4
+        address_reads.append(family)
+        return dummy.NodeAddresses(frozenset(bound), ("127.0.0.1", "192.0.2.10"))
+
+    monkeypatch.setattr(dummy, "node_addresses", node_addresses)
 
     def bind(added: set[str], removed: set[str]) -> None:
         bound.difference_update(removed)
@@ -149,6 +149,7 @@ def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
     monkeypatch.setattr(dummy, "bind", bind)
     monkeypatch.setattr(dummy, "delete", lambda: False)
     fake.bound = bound  # type: ignore[attr-defined]
+    fake.address_reads = address_reads  # type: ignore[attr-defined]
     return fake
 
 
@@ -176,6 +177,8 @@ def test_proxier_syncs_sets_servers_and_rules(
         RealServer("10.244.1.5", 8080)
     }
     assert fake_kernel.bound == {"10.96.0.10", "10.96.0.53"}  # type: ignore[attr-defined]
+    reads = fake_kernel.address_reads  # type: ignore[attr-defined]
+    assert reads == [4], "a full sync reads the node's addresses once"
     assert members(saved, "KNIT-NODE-PORT-TCP") == {"30080"}
     assert members(saved, "KNIT-NO-ENDPOINTS") == {"10.96.0.53,udp:53"}
     assert members(saved, "KNIT-IPVS-IPS") == {"10.96.0.10", "10.96.0.53"}

@@ -34,7 +34,7 @@ def apply(node: Netns, peers: list[NodeNet]) -> None:
         RouteTable(ipr).apply(LOCAL, plan, 1450)
 
 
-class CountingIPRoute:
+class EntryWritesCounted:
     """An IPRoute counting the forwarding and neighbour entries written or deleted through it
     (pyroute2's IPRoute hands its methods out by attribute, so it is wrapped, not subclassed)."""
 
@@ -58,7 +58,7 @@ def writes(node: Netns, peers: list[NodeNet]) -> int:
     """Forwarding and neighbour entries an apply of these peers writes or deletes."""
     plan = plan_routes(LOCAL, peers, "auto", on_segment)
     with node.entered(), IPRoute() as ipr:
-        counting = CountingIPRoute(ipr)
+        counting = EntryWritesCounted(ipr)
         RouteTable(counting).apply(LOCAL, plan, 1450)  # type: ignore[arg-type]
         return counting.writes
 

@@ -31,6 +31,7 @@ from deploy.lab.kube import (
     slice_object,
 )
 from proxyd.model import ZONE_LABEL
+from tests.conftest import ECHO
 from tests.integration.proxy_env import (
     REMOTE_NODE,
     UPLINK_NODE,
@@ -665,24 +666,6 @@ def test_sync_after_a_change_is_partial(proxy_node: ProxyNode, kube: Kube) -> No
     )
 
 
-CONNECT_UNTIL_STDIN_CLOSES = """
-import json, select, socket, sys
-answers, failures = {}, []
-while not select.select([sys.stdin], [], [], 0)[0]:
-    for host in sys.argv[1:]:
-        try:
-            with socket.create_connection((host, 80), timeout=3) as conn:
-                answer = conn.makefile().readline().split()
-            if answer:
-                answers.setdefault(host, []).append(answer[1])
-            else:
-                failures.append(f"{host}: no answer")
-        except OSError as err:
-            failures.append(f"{host}: {err!r}")
-print(json.dumps({"answers": answers, "failures": failures}))
-"""
-
-
 def test_full_syncs_keep_every_connection_flowing(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
@@ -703,7 +686,7 @@ def test_full_syncs_keep_every_connection_flowing(
     full = "kubeproxy_sync_full_proxy_rules_duration_seconds_count"
     ipv4 = 'ip_family="IPv4"'
     node = f"{NODES}/{proxy_node.name}"
-    script = [sys.executable, "-c", CONNECT_UNTIL_STDIN_CLOSES, plain, sticky_ip]
+    script = [sys.executable, str(ECHO), "repeat", plain, "80", sticky_ip]
     connecting = subprocess.Popen(
         ["ip", "netns", "exec", client.name, *script],
         stdin=subprocess.PIPE,
