@@ -36,6 +36,7 @@ from typing import Any
 from pyroute2 import Conntrack, IPRoute
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
+from proxyd.addresses import link_addresses
 from proxyd.conntrack import UdpFrontends, clear_stale
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.plan import NodeNet, plan_routes
@@ -79,7 +80,7 @@ def addresses(node: Netns, count: int, rounds: int) -> None:
         ]
     node.run("ip", "-batch", "-", stdin="\n".join(batch) + "\n")
     with node.entered(), IPRoute() as ipr:
-        on_node = dummy.node_addresses(4)
+        on_node = dummy.node_addresses(link_addresses(4))
         assert (len(on_node.bound), len(on_node.elsewhere)) == (count, OTHER_LINKS + 1)
 
         def pyroute2_read() -> None:
@@ -88,7 +89,7 @@ def addresses(node: Netns, count: int, rounds: int) -> None:
         anchor = median_ms(pyroute2_read, rounds)
         report(
             f"the node's addresses split at the dummy, {count} on it",
-            median_ms(lambda: dummy.node_addresses(4), rounds),
+            median_ms(lambda: dummy.node_addresses(link_addresses(4)), rounds),
             f"pyroute2's get_addr of {count + OTHER_LINKS + 1}",
             anchor,
         )

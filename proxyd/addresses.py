@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
+from collections.abc import Callable, Iterable
 
 from proxyd.model import NodeInfo, family_of
 from proxyd.rawnetlink import NetlinkSocket, attributes
@@ -47,18 +48,17 @@ def link_addresses(family: int) -> list[tuple[int, str]]:
         return sock.dump(RTM_GETADDR, IFADDRMSG.pack(address_family, 0, 0, 0, 0), read)
 
 
-def local_addresses(family: int) -> list[str]:
-    """The family's addresses of every link."""
-    return sorted({address for _, address in link_addresses(family)})
-
-
 def nodeport_addresses(
-    selectors: tuple[str, ...], family: int, node: NodeInfo
+    selectors: tuple[str, ...],
+    family: int,
+    node: NodeInfo,
+    local: Callable[[], Iterable[tuple[int, str]]],
 ) -> tuple[str, ...] | None:
     """The addresses of this family that --nodeport-addresses selects: local addresses inside
-    the given CIDRs, and the node's primary address (its first InternalIP of the family, else
-    its first ExternalIP) for `primary`. None (every local address) when nothing in the flag
-    speaks for this family, as kube-proxy reads it."""
+    the given CIDRs (`local()`: link_addresses' answer, asked only for CIDRs), and the node's
+    primary address (its first InternalIP of the family, else its first ExternalIP) for
+    `primary`. None (every local address) when nothing in the flag speaks for this family, as
+    kube-proxy reads it."""
     networks = [
         ipaddress.ip_network(s, strict=False)
         for s in selectors
@@ -70,7 +70,7 @@ def nodeport_addresses(
         return None
     chosen = {primary} if primary is not None else set()
     if networks:
-        for address in local_addresses(family):
+        for _, address in local():
             if any(ipaddress.ip_address(address) in net for net in networks):
                 chosen.add(address)
     return tuple(sorted(chosen))

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from proxyd import conntrack
-from proxyd.addresses import local_addresses, nodeport_addresses
+from proxyd.addresses import link_addresses, nodeport_addresses
 from proxyd.metrics import FamilyMetrics, Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName, family_of
 from proxyd.plan import FamilyContext, PortPlan, plan_port
@@ -71,6 +71,7 @@ class Proxier(ABC):
         self._no_local_internal: dict[int, set[ServicePortName]] = {f: set() for f in families}
         self._no_local_external: dict[int, set[ServicePortName]] = {f: set() for f in families}
         self._last_full = 0.0
+        self._on_links: dict[int, list[tuple[int, str]]] = {}
 
     @abstractmethod
     def _program(
@@ -90,9 +91,18 @@ class Proxier(ABC):
         if not full:
             metrics.partial_restore_failures.inc()
 
+    def link_addresses(self, family: int) -> list[tuple[int, str]]:
+        """(link index, address) of the family's addresses on the node, dumped at most once
+        per sync (an IPVS node holds every service address)."""
+        if family not in self._on_links:
+            self._on_links[family] = link_addresses(family)
+        return self._on_links[family]
+
     def context(self, family: int, node: NodeInfo) -> FamilyContext:
         cidr = next((c for c in self.options.cluster_cidrs if family_of(c) == family), "")
-        selected = nodeport_addresses(self.options.nodeport_addresses, family, node)
+        selected = nodeport_addresses(
+            self.options.nodeport_addresses, family, node, lambda: self.link_addresses(family)
+        )
         return FamilyContext(
             family=family,
             node=node,
@@ -107,6 +117,7 @@ class Proxier(ABC):
     def sync(self, changes: Changes) -> SyncResult:
         """Program the changes, recording each family's part in its metrics; raises
         ProgramError, naming the families that failed, when the kernel refused them."""
+        self._on_links.clear()
         changed: set[ServicePortName] = set()
         fresh: dict[ServicePortName, tuple[ServicePort, ServiceView]] = {}
         for key, view in changes.services.items():
@@ -211,7 +222,7 @@ class Proxier(ABC):
             start = time.monotonic()
             try:
                 if frontends.by_node_port:
-                    frontends.local_addresses = set(local_addresses(family))
+                    frontends.local_addresses = {a for _, a in self.link_addresses(family)}
                 deleted = conntrack.clear_stale(frontends)
             except OSError as err:  # the rules stay written, as in kube-proxy
                 log.warning("UDP conntrack clean-up failed (IPv%d): %s", family, err)

@@ -5,6 +5,7 @@ addresses, so every cluster, external and load balancer IP is bound to it (as a 
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD
 
-from proxyd.addresses import link_addresses, link_index
+from proxyd.addresses import link_index
 from proxyd.ipvs.names import DUMMY
 from proxyd.model import family_of
 
@@ -37,11 +38,12 @@ class NodeAddresses:
     """Every other link's, sorted."""
 
 
-def node_addresses(family: int) -> NodeAddresses:
+def node_addresses(on_links: Iterable[tuple[int, str]]) -> NodeAddresses:
+    """`on_links` (link_addresses' answer) split at the link."""
     index = link_index(DUMMY)
     bound: set[str] = set()
     elsewhere: set[str] = set()
-    for link, address in link_addresses(family):
+    for link, address in on_links:
         if link != index:
             elsewhere.add(address)
         elif not address.startswith("fe80:"):

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pyroute2.ipset import IPSetError
 from pyroute2.netlink.exceptions import NetlinkError
 
+from proxyd.addresses import link_addresses
 from proxyd.iptables.kernel import Iptables, RestoreError
 from proxyd.iptables.render import TABLES
 from proxyd.iptables.restore import RuleSet
@@ -93,7 +94,7 @@ class IpvsProxier(Proxier):
         self._desired[family] = None
         try:
             self._kernel()
-            on_node = dummy.node_addresses(family)
+            on_node = dummy.node_addresses(self.link_addresses(family))
             nodeports = nodeport_addresses(ctx, on_node.elsewhere)
             if full or desired is None or nodeports != self._nodeports.get(family):
                 desired, full = self._full(ctx, plans, nodeports, on_node.bound), True
@@ -174,7 +175,9 @@ class IpvsProxier(Proxier):
             for family in self.families:
                 services = ipvs.services(family)
                 owned = _owned_frontends(
-                    services, dummy.node_addresses(family).bound, self.ipsets[family]
+                    services,
+                    dummy.node_addresses(link_addresses(family)).bound,
+                    self.ipsets[family],
                 )
                 for frontend in sorted(owned):
                     ipvs.delete_service(frontend)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from pyroute2 import IPRoute
 
-from proxyd.addresses import link_addresses, local_addresses
+from proxyd.addresses import link_addresses
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.routes import uplink_mtu
 from tests.conftest import Netns
@@ -38,9 +38,9 @@ def test_addresses_read_in_one_dump_match_pyroute2s(make_netns: Callable[[str], 
                 for msg in ipr.get_addr(family=address_family)
             }
             assert set(link_addresses(family)) == seen
-        v4, v6 = dummy.node_addresses(4), dummy.node_addresses(6)
+        v4, v6 = (dummy.node_addresses(link_addresses(family)) for family in (4, 6))
         assert v4.elsewhere == ("127.0.0.1", "192.0.2.10", "198.51.100.1")
-        assert len(local_addresses(4)) == len(SERVICE_ADDRESSES) + 3
+        assert len(link_addresses(4)) == len(SERVICE_ADDRESSES) + 3
         assert {a for a in v6.elsewhere if not a.startswith("fe80:")} == {"::1", "fd77::10"}
         assert v4.bound == set(SERVICE_ADDRESSES)
         assert v6.bound == {"fd00:96::1", "fd00:96::2", "fd00:96::3"}
@@ -50,4 +50,5 @@ def test_addresses_read_in_one_dump_match_pyroute2s(make_netns: Callable[[str], 
 
 def test_without_the_dummy_link_it_has_no_addresses(make_netns: Callable[[str], Netns]) -> None:
     with make_netns("addresses").entered():
-        assert dummy.node_addresses(4) == dummy.NodeAddresses(frozenset(), ("127.0.0.1",))
+        no_link = dummy.NodeAddresses(frozenset(), ("127.0.0.1",))
+        assert dummy.node_addresses(link_addresses(4)) == no_link

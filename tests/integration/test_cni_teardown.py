@@ -21,7 +21,8 @@ def only_binaries(directory: Path, *names: str) -> str:
 
 
 IP6TABLES = ("ip6tables-nft", "ip6tables-legacy", "ip6tables-legacy-save")
-"""What lists or writes IPv6 rules in either flavour (legacy lists a chain with its save)."""
+"""What lists IPv6 rules in either flavour (legacy lists a chain with its save): teardown
+lists before it writes, so these failing is enough to fail it."""
 
 
 def failing_before_path(directory: Path, *names: str) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from proxyd import proxier as proxier_module
 from proxyd.iptables.kernel import Iptables
 from proxyd.iptables.restore import RuleSet
 from proxyd.ipvs import dummy, names
@@ -33,6 +34,7 @@ from proxyd.plan import FamilyContext, plan_port
 from proxyd.proxier import ProgramError, ProxyOptions
 from tests.conftest import Netns
 from tests.unit.test_ipvs_netlink import FakeIpvs
+from tests.unit.test_proxier import changes
 
 HAS_IPVS = os.path.exists("/proc/net/ip_vs")
 needs_ipvs = pytest.mark.skipif(not HAS_IPVS, reason="the kernel has no IPVS (/proc/net/ip_vs)")
@@ -42,6 +44,8 @@ OPTIONS = ProxyOptions(cluster_cidrs=("10.244.0.0/16", "fd10::/48"))
 NAME = ServicePortName("ns", "web", "http", "TCP")
 PORT = ServicePort(name=NAME, cluster_ips=("10.96.0.10",), port=80, node_port=30080)
 POD = Endpoint("10.244.1.5", 8080, node_name="node-a")
+DUMMY_INDEX = 99
+"""The faked dummy link's index."""
 
 
 def ipset_save(ns: Netns) -> str:
@@ -135,12 +139,15 @@ def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
 
     address_reads: list[int] = []
 
-    def node_addresses(family: int) -> dummy.NodeAddresses:
+    def link_addresses(family: int) -> list[tuple[int, str]]:
         assert family == 4
         address_reads.append(family)
-        return dummy.NodeAddresses(frozenset(bound), ("127.0.0.1", "192.0.2.10"))
+        return [(1, "127.0.0.1"), (2, "192.0.2.10"), *((DUMMY_INDEX, a) for a in sorted(bound))]
 
-    monkeypatch.setattr(dummy, "node_addresses", node_addresses)
+    monkeypatch.setattr(proxier_module, "link_addresses", link_addresses)
+    monkeypatch.setattr(ipvs_proxier, "link_addresses", link_addresses)
+    monkeypatch.setattr(dummy, "link_index", lambda name: DUMMY_INDEX)
+    fake.address_reads = address_reads  # type: ignore[attr-defined]
 
     def bind(added: set[str], removed: set[str]) -> None:
         bound.difference_update(removed)
@@ -149,7 +156,6 @@ def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
     monkeypatch.setattr(dummy, "bind", bind)
     monkeypatch.setattr(dummy, "delete", lambda: False)
     fake.bound = bound  # type: ignore[attr-defined]
-    fake.address_reads = address_reads  # type: ignore[attr-defined]
     return fake
 
 
@@ -177,8 +183,6 @@ def test_proxier_syncs_sets_servers_and_rules(
         RealServer("10.244.1.5", 8080)
     }
     assert fake_kernel.bound == {"10.96.0.10", "10.96.0.53"}  # type: ignore[attr-defined]
-    reads = fake_kernel.address_reads  # type: ignore[attr-defined]
-    assert reads == [4], "a full sync reads the node's addresses once"
     assert members(saved, "KNIT-NODE-PORT-TCP") == {"30080"}
     assert members(saved, "KNIT-NO-ENDPOINTS") == {"10.96.0.53,udp:53"}
     assert members(saved, "KNIT-IPVS-IPS") == {"10.96.0.10", "10.96.0.53"}
@@ -219,6 +223,28 @@ def test_proxier_syncs_sets_servers_and_rules(
         assert "KNIT" not in ipset_save(ns)
         assert names.CHAIN_PREFIX not in Iptables(4, fresh.iptables[4].flavour).save("nat")
     assert fake_kernel.services == {}, "cleanup removes the virtual servers"
+
+
+def test_a_sync_reads_the_nodes_addresses_once(
+    make_netns: Callable[[str], Netns], fake_kernel: FakeIpvs
+) -> None:
+    """A full sync with NodePort addresses chosen by CIDR and a UDP NodePort to clean up after
+    needs the node's addresses three times (the CIDR's, the NodePorts' and the dummy's, the
+    clean-up's): one dump gives them all; the next sync dumps afresh."""
+    options = dataclasses.replace(OPTIONS, nodeport_addresses=("192.0.2.0/24",))
+    dns = ServicePort(
+        name=ServicePortName("ns", "dns", "dns", "UDP"),
+        cluster_ips=("10.96.0.53",),
+        port=53,
+        node_port=30053,
+    )
+    with make_netns("ipvs").entered():
+        proxier = IpvsProxier(options, (4,), Metrics())
+        proxier.sync(changes((dns, (Endpoint("10.244.1.6", 53, node_name="node-a"),))))
+        assert fake_kernel.address_reads == [4]  # type: ignore[attr-defined]
+        proxier.sync(changes())
+        assert fake_kernel.address_reads == [4, 4]  # type: ignore[attr-defined]
+    assert Frontend("192.0.2.10", "UDP", 30053) in IpvsKernel(fake_kernel).services(4)
 
 
 def test_ipvs_serves_no_localhost_node_ports(make_netns: Callable[[str], Netns]) -> None:

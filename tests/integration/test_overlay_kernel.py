@@ -2,7 +2,7 @@
 node namespace of its own, builds the VXLAN device with a forwarding and a neighbour entry per
 peer across segments, drops a departed peer's entries and route, mends entries changed behind its
 back (a forwarding entry to another address, one to another port, a neighbour entry
-no longer permanent) while an apply of the same peers again writes nothing, and removes the
+no longer permanent) while an apply of the same peers again writes no entry, and removes the
 device with the last such peer while a route to a peer on the segment stays."""
 
 from __future__ import annotations

@@ -439,8 +439,9 @@ def test_client_ip_affinity_sticks_and_its_timeout_is_in_the_rules(
 def test_client_ip_affinity_through_a_node_port_lasts_until_its_timeout(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
-    """From outside through a NodePort the client's own address is what is remembered (the
-    masquerade comes after); idle longer than timeoutSeconds, a client is balanced again.
+    """From outside through a NodePort a client keeps its endpoint (one client here, so this
+    does not tell its own address from the masqueraded one); idle longer than timeoutSeconds,
+    it is balanced again.
     IPVS keeps a persistence template while connections it made are in its own table (TIME_WAIT
     for 2 minutes), so the expiry is checked in the other modes only, as upstream does."""
     svc = create_backed(
@@ -699,8 +700,9 @@ def test_full_syncs_keep_every_connection_flowing(
             kube.patch(node, {"metadata": {"labels": {ZONE_LABEL: zone}}})
             eventually(lambda before=before: proxy_node.metric(full, ipv4) > before)
     finally:
-        report = json.loads(connecting.communicate(timeout=30)[0])
+        printed = connecting.communicate(timeout=30)[0]
         kube.patch(node, {"metadata": {"labels": {ZONE_LABEL: "zone-a"}}})
+    report = json.loads(printed)
     assert report["failures"] == []
     answers = report["answers"]
     assert min(len(answers[plain]), len(answers[sticky_ip])) >= 6

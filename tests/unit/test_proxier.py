@@ -99,7 +99,7 @@ def test_udp_flows_to_any_serving_endpoint_are_kept(monkeypatch: pytest.MonkeyPa
         return 2
 
     monkeypatch.setattr(proxier_module.conntrack, "clear_stale", clear_stale)
-    monkeypatch.setattr(proxier_module, "local_addresses", lambda family: [])
+    monkeypatch.setattr(proxier_module, "link_addresses", lambda family: [])
     port = dataclasses.replace(
         PORT, name=dataclasses.replace(NAME, protocol="UDP"), internal_policy_local=True
     )

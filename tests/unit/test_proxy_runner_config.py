@@ -80,14 +80,23 @@ def test_bad_options_are_refused() -> None:
         load(["--iptables-masquerade-bit", "40"])
 
 
+def unasked() -> list[tuple[int, str]]:
+    raise AssertionError("the node's addresses are read only for a CIDR of the family")
+
+
 def test_nodeport_addresses_primary_is_the_first_node_ip_of_the_family() -> None:
     node = NodeInfo("node-a", addresses=("192.0.2.10", "192.0.2.11", "fd00::10", "fd00::11"))
-    assert nodeport_addresses(("primary",), 4, node) == ("192.0.2.10",)
-    assert nodeport_addresses(("primary",), 6, node) == ("fd00::10",)
+    assert nodeport_addresses(("primary",), 4, node, unasked) == ("192.0.2.10",)
+    assert nodeport_addresses(("primary",), 6, node, unasked) == ("fd00::10",)
     v4_only = NodeInfo("node-b", addresses=("192.0.2.12",))
-    assert nodeport_addresses(("primary",), 6, v4_only) is None, "no IPv6 primary: every address"
-    assert nodeport_addresses(("192.0.2.0/24",), 6, node) is None, "no IPv6 CIDR: every address"
-    assert nodeport_addresses((), 4, node) is None
+    no_primary = nodeport_addresses(("primary",), 6, v4_only, unasked)
+    assert no_primary is None, "no IPv6 primary: every address"
+    no_cidr = nodeport_addresses(("192.0.2.0/24",), 6, node, unasked)
+    assert no_cidr is None, "no IPv6 CIDR: every address"
+    assert nodeport_addresses((), 4, node, unasked) is None
+    on_links = [(1, "127.0.0.1"), (2, "192.0.2.10"), (3, "198.51.100.1")]
+    in_cidr = nodeport_addresses(("192.0.2.0/24", "primary"), 4, node, lambda: on_links)
+    assert in_cidr == ("192.0.2.10",)
     external_only_v4 = parse_node(
         {
             "metadata": {"name": "node-c"},
@@ -99,8 +108,8 @@ def test_nodeport_addresses_primary_is_the_first_node_ip_of_the_family() -> None
             },
         }
     )
-    assert nodeport_addresses(("primary",), 4, external_only_v4) == ("203.0.113.9",)
-    assert nodeport_addresses(("primary",), 6, external_only_v4) == ("fd00::9",)
+    assert nodeport_addresses(("primary",), 4, external_only_v4, unasked) == ("203.0.113.9",)
+    assert nodeport_addresses(("primary",), 6, external_only_v4, unasked) == ("fd00::9",)
 
 
 def test_runner_retries_wait_for_the_rate_limit() -> None:
