@@ -11,7 +11,12 @@ from typing import Any
 NETWORK_NAME = "knit"
 BRIDGE = "knit0"
 CONFLIST_NAME = "10-knit.conflist"
-CNI_VERSION = "1.1.0"
+# The list's cniVersion is what a runtime without version negotiation uses: libcni before 1.2
+# (containerd 1.6 and 1.7) refuses a result version it does not know, and it knows 1.0.0 at
+# most. cniVersions lets libcni 1.2+ (containerd 2.x, CRI-O) pick the newest it shares with the
+# list, so those runtimes still get STATUS and GC, which need 1.1.0.
+CNI_VERSION = "1.0.0"
+CNI_VERSIONS = ["1.0.0", "1.1.0"]
 
 
 def render(pod_cidrs: tuple[str, ...], data_dir: str, mtu: int) -> dict[str, Any]:
@@ -21,6 +26,7 @@ def render(pod_cidrs: tuple[str, ...], data_dir: str, mtu: int) -> dict[str, Any
     """
     return {
         "cniVersion": CNI_VERSION,
+        "cniVersions": CNI_VERSIONS,
         "name": NETWORK_NAME,
         "plugins": [
             {

@@ -84,6 +84,14 @@ def test_parse_node_reads_pod_cidrs_and_internal_ips_and_refuses_bad_cidrs() -> 
         parse_node_net({"metadata": {"name": "x"}, "spec": {"podCIDRs": ["10.244.1.1/24"]}})
 
 
+def test_conflist_version_suits_runtimes_with_and_without_negotiation() -> None:
+    conf = conflist.render(A.pod_cidrs, "/var/lib/cni/networks", 1450)
+    # libcni before 1.2 (containerd 1.6/1.7) reads cniVersion alone and knows 1.0.0 at most;
+    # libcni 1.2+ picks the newest of cniVersions it supports.
+    assert conf["cniVersion"] == "1.0.0"
+    assert conf["cniVersions"] == ["1.0.0", "1.1.0"]
+
+
 def test_conflist_is_written_by_rename_and_only_when_it_changes(tmp_path: Path) -> None:
     conf = conflist.render(A.pod_cidrs, "/var/lib/cni/networks", 1450)
     assert conflist.write_if_changed(tmp_path, conf)
