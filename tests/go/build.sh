@@ -5,16 +5,29 @@
 #                                                    pinned by go.mod/go.sum)
 #   OUTDIR/controlplane/{etcd,kube-apiserver,kubectl}  (a real control plane and its client,
 #                                                    pinned by controlplane/go.mod/go.sum)
+#   OUTDIR/controlplane/{kubelet,kube-controller-manager,kube-scheduler,kube-proxy}
+#                                                   (the rest of a node and cluster, same pin)
+#   OUTDIR/node/{containerd,containerd-shim-runc-v2,ctr}  (containerd 2.x, pinned by
+#                                                    node/go.mod/go.sum; runc is Debian's)
+#   OUTDIR/node/coredns                             (cluster DNS, pinned by coredns/go.mod/go.sum)
+#   OUTDIR/images/pause                             (pod sandbox process, ./cmd/pause)
+#   OUTDIR/images/agnhost                           (Kubernetes' e2e test image binary,
+#                                                    pinned with kubernetes in controlplane/)
 #   OUTDIR/tools/kubeproxyconfig                    (kube-proxy's own config loading and
 #                                                    validation, ./controlplane/cmd/kubeproxyconfig)
 #   OUTDIR/tools/{actionlint,kindconfig,dockerfilelint}  (linters for .github/workflows,
 #                                                    deploy/kind and the Dockerfile, pinned by
 #                                                    lint/go.mod/go.sum)
 #
-# usage: tests/go/build.sh OUTDIR
+# With --e2e it builds only (slow: e2e.test takes minutes on a cold cache):
+#   OUTDIR/e2e/e2e.test                             (`go test -c k8s.io/kubernetes/test/e2e`)
+#   OUTDIR/e2e/ginkgo                               (its runner, at the version kubernetes
+#                                                    requires; both pinned in controlplane/)
+#
+# usage: tests/go/build.sh [--e2e] OUTDIR
 #
 # Uses `go` from PATH (or /usr/local/go/bin/go) if it is at least the highest `go`
-# version of the three go.mod files; otherwise downloads that toolchain from the Go module proxy
+# version of the go.mod files; otherwise downloads that toolchain from the Go module proxy
 # (module golang.org/toolchain), verifies it against the checksum database
 # (through the proxy) and caches it in ${XDG_CACHE_HOME:-$HOME/.cache}/knit/go.
 #
@@ -30,25 +43,38 @@ set -euo pipefail
 log() { printf 'build.sh: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-[ $# -eq 1 ] && [ -n "$1" ] || { echo "usage: $0 OUTDIR" >&2; exit 2; }
+E2E=0
+if [ "${1:-}" = --e2e ]; then E2E=1; shift; fi
+[ $# -eq 1 ] && [ -n "$1" ] || { echo "usage: $0 [--e2e] OUTDIR" >&2; exit 2; }
 
 SRC_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CP_DIR=$SRC_DIR/controlplane
 LINT_DIR=$SRC_DIR/lint
+NODE_DIR=$SRC_DIR/node
+DNS_DIR=$SRC_DIR/coredns
 mkdir -p "$1"
 OUT_DIR=$(cd "$1" && pwd)
 
 REF_PKG=github.com/containernetworking/plugins/plugins
 REF_PLUGINS=(main/bridge ipam/host-local meta/portmap main/loopback)
-OUTPUTS=("$OUT_DIR/tools/cnidriver")
-for p in "${REF_PLUGINS[@]}"; do OUTPUTS+=("$OUT_DIR/refcni/${p##*/}"); done
-OUTPUTS+=("$OUT_DIR/controlplane/etcd" "$OUT_DIR/controlplane/kube-apiserver")
-OUTPUTS+=("$OUT_DIR/controlplane/kubectl" "$OUT_DIR/tools/kubeproxyconfig")
+KUBE_NODE=(kubelet kube-controller-manager kube-scheduler kube-proxy)
+CTRD_PKG=github.com/containerd/containerd/v2
 LINT_TOOLS=(actionlint kindconfig dockerfilelint)
-for t in "${LINT_TOOLS[@]}"; do OUTPUTS+=("$OUT_DIR/tools/$t"); done
+if [ "$E2E" = 1 ]; then
+    OUTPUTS=("$OUT_DIR/e2e/e2e.test" "$OUT_DIR/e2e/ginkgo")
+else
+    OUTPUTS=("$OUT_DIR/tools/cnidriver")
+    for p in "${REF_PLUGINS[@]}"; do OUTPUTS+=("$OUT_DIR/refcni/${p##*/}"); done
+    OUTPUTS+=("$OUT_DIR/controlplane/etcd" "$OUT_DIR/controlplane/kube-apiserver")
+    OUTPUTS+=("$OUT_DIR/controlplane/kubectl" "$OUT_DIR/tools/kubeproxyconfig")
+    for t in "${KUBE_NODE[@]}"; do OUTPUTS+=("$OUT_DIR/controlplane/$t"); done
+    for t in containerd containerd-shim-runc-v2 ctr coredns; do OUTPUTS+=("$OUT_DIR/node/$t"); done
+    OUTPUTS+=("$OUT_DIR/images/pause" "$OUT_DIR/images/agnhost")
+    for t in "${LINT_TOOLS[@]}"; do OUTPUTS+=("$OUT_DIR/tools/$t"); done
+fi
 
 # ---------------------------------------------------------------- up to date?
-# The inputs are every go source, go.mod and go.sum under SRC_DIR: all three modules.
+# The inputs are every go source, go.mod and go.sum under SRC_DIR: all the modules.
 up_to_date() {
     [ "${KNIT_FORCE_BUILD:-0}" = 1 ] && return 1
     local o newer
@@ -70,7 +96,7 @@ fi
 version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$2" ]; }
 
 REQ_GO=0
-for mod in "$SRC_DIR/go.mod" "$CP_DIR/go.mod" "$LINT_DIR/go.mod"; do
+for mod in "$SRC_DIR/go.mod" "$CP_DIR/go.mod" "$LINT_DIR/go.mod" "$NODE_DIR/go.mod" "$DNS_DIR/go.mod"; do
     v=$(sed -n 's/^go[[:space:]]\{1,\}\([0-9][0-9a-z.]*\).*/\1/p' "$mod" | head -n1)
     [ -n "$v" ] || die "no go directive in $mod"
     version_ge "$REQ_GO" "$v" || REQ_GO=$v
@@ -180,7 +206,6 @@ log "using go $(go_version "$GO") at $GO (the go.mod files require $REQ_GO)"
 export GOTOOLCHAIN=local CGO_ENABLED=0
 # go.sum is the pin: refuse to change go.mod/go.sum while building.
 export GOFLAGS="-mod=readonly -buildvcs=false -trimpath"
-mkdir -p "$OUT_DIR/tools" "$OUT_DIR/refcni" "$OUT_DIR/controlplane"
 
 # timed WHAT CMD...: run CMD and log how long it took
 timed() {
@@ -191,28 +216,75 @@ timed() {
     log "built $what in $(( $(date +%s) - start ))s"
 }
 
-cd "$SRC_DIR"
-pkgs=()
-for p in "${REF_PLUGINS[@]}"; do pkgs+=("$REF_PKG/$p"); done
-timed "tools/cnidriver" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/tools/cnidriver" ./cmd/cnidriver
-timed "refcni/*" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/refcni/" "${pkgs[@]}"
-
-cd "$CP_DIR"
-timed "controlplane/etcd" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/controlplane/etcd" \
-    go.etcd.io/etcd/server/v3
-# Report the pinned release as the server version (clients read it), as Kubernetes' own
+# Report the pinned release as the version (clients and e2e read it), as Kubernetes' own
 # build does; a plain `go build` reports v0.0.0-master.
+cd "$CP_DIR"
 kube=$("$GO" list -m -f '{{.Version}}' k8s.io/kubernetes)
 IFS=. read -r major minor _ <<<"${kube#v}"
 vpkg=k8s.io/component-base/version
 kube_ldflags="-s -w -X $vpkg.gitVersion=$kube -X $vpkg.gitMajor=$major"
 kube_ldflags+=" -X $vpkg.gitMinor=$minor -X $vpkg.gitTreeState=clean"
+
+if [ "$E2E" = 1 ]; then
+    mkdir -p "$OUT_DIR/e2e"
+    # ginkgo's version is the one k8s.io/kubernetes requires (go.mod pins it explicitly too).
+    timed "e2e/ginkgo" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/e2e/ginkgo" \
+        github.com/onsi/ginkgo/v2/ginkgo
+    # Test files of a dependency: e2edeps/ keeps their modules in go.mod/go.sum.
+    timed "e2e/e2e.test" "$GO" test -c -ldflags="$kube_ldflags" -o "$OUT_DIR/e2e/e2e.test" \
+        k8s.io/kubernetes/test/e2e
+    touch "${OUTPUTS[@]}"
+    exit 0
+fi
+
+mkdir -p "$OUT_DIR/tools" "$OUT_DIR/refcni" "$OUT_DIR/controlplane" "$OUT_DIR/node" "$OUT_DIR/images"
+cd "$SRC_DIR"
+pkgs=()
+for p in "${REF_PLUGINS[@]}"; do pkgs+=("$REF_PKG/$p"); done
+timed "tools/cnidriver" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/tools/cnidriver" ./cmd/cnidriver
+timed "refcni/*" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/refcni/" "${pkgs[@]}"
+timed "images/pause" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/images/pause" ./cmd/pause
+
+cd "$CP_DIR"
+timed "controlplane/etcd" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/controlplane/etcd" \
+    go.etcd.io/etcd/server/v3
 timed "controlplane/kube-apiserver" "$GO" build -ldflags="$kube_ldflags" \
     -o "$OUT_DIR/controlplane/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver
 timed "controlplane/kubectl" "$GO" build -ldflags="$kube_ldflags" \
     -o "$OUT_DIR/controlplane/kubectl" k8s.io/kubernetes/cmd/kubectl
+for t in "${KUBE_NODE[@]}"; do
+    timed "controlplane/$t" "$GO" build -ldflags="$kube_ldflags" \
+        -o "$OUT_DIR/controlplane/$t" "k8s.io/kubernetes/cmd/$t"
+done
 timed "tools/kubeproxyconfig" "$GO" build -ldflags='-s -w' \
     -o "$OUT_DIR/tools/kubeproxyconfig" ./cmd/kubeproxyconfig
+# agnhost is a package of k8s.io/kubernetes (no go.mod of its own), so it is pinned with it.
+# Its image tag is test/images/agnhost/VERSION: 2.66.1 in kubernetes v1.37.1, the tag that
+# v1.37.1's e2e.test asks for (test/utils/image/manifest.go), so this is the same source.
+agnhost_dir=$("$GO" list -f '{{.Dir}}' k8s.io/kubernetes/test/images/agnhost)
+agnhost_ver=$(cat "$agnhost_dir/VERSION")
+timed "images/agnhost" "$GO" build -ldflags="-s -w -X main.Version=$agnhost_ver" \
+    -o "$OUT_DIR/images/agnhost" k8s.io/kubernetes/test/images/agnhost
+
+# containerd's own Makefile builds the shim with CGO_ENABLED=0 and tags no_grpc; the daemon
+# and ctr need cgo only for btrfs (tag no_btrfs) and PKCS#11 image decryption (left out).
+cd "$NODE_DIR"
+ctrd=$("$GO" list -m -f '{{.Version}}' "$CTRD_PKG")
+ctrd_ldflags="-s -w -X $CTRD_PKG/version.Version=$ctrd -X $CTRD_PKG/version.Package=$CTRD_PKG"
+ctrd_tags="urfave_cli_no_docs,no_btrfs,no_devmapper,no_zfs,no_aufs"
+for t in containerd ctr; do
+    timed "node/$t" "$GO" build -tags "$ctrd_tags" -ldflags="$ctrd_ldflags" \
+        -o "$OUT_DIR/node/$t" "$CTRD_PKG/cmd/$t"
+done
+timed "node/containerd-shim-runc-v2" "$GO" build -tags "$ctrd_tags,no_grpc" \
+    -ldflags="$ctrd_ldflags" -o "$OUT_DIR/node/containerd-shim-runc-v2" \
+    "$CTRD_PKG/cmd/containerd-shim-runc-v2"
+
+# CoreDNS has a module of its own: its dependency graph (client-go among others) must
+# not raise or lower Kubernetes' versions in controlplane/.
+cd "$DNS_DIR"
+timed "node/coredns" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/node/coredns" \
+    github.com/coredns/coredns
 
 cd "$LINT_DIR"
 timed "tools/{actionlint,kindconfig,dockerfilelint}" "$GO" build -ldflags='-s -w' -o "$OUT_DIR/tools/" \
