@@ -20,11 +20,11 @@ RUN go build -ldflags="-s -w" -o /portmap \
         github.com/containernetworking/plugins/plugins/meta/portmap
 
 # ---------------------------------------------------------------- the project and the bundle
-# gcc and the C headers live here only: python-iptables is published as source with a C
-# extension. binutils (with gcc) also lets cni.bundle strip the bundled interpreter.
+# Every dependency installs from a wheel, so no compiler; binutils lives here only, for
+# cni.bundle to strip the bundled interpreter and libraries.
 FROM ${PYTHON_IMAGE} AS builder
 RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends binutils \
     && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/knit/venv

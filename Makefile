@@ -5,10 +5,9 @@ VENV := $(ROOT)/.venv
 PY := $(VENV)/bin/python
 BUILD := $(ROOT)/build
 # libnftables1: knit-proxyd's nftables mode loads it (nftables depends on it; named as the
-# daemon's own need). gcc, libc6-dev and python3-dev: python-iptables is published only as
-# source with a small C extension, so pip compiles it.
+# daemon's own need).
 APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-ping procps util-linux mount \
-	python3 python3-venv python3-dev gcc libc6-dev curl ca-certificates unzip git openssl \
+	python3 python3-venv curl ca-certificates unzip git openssl \
 	shellcheck
 
 .PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy bench-netlink lab lab-down \
