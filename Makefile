@@ -5,10 +5,12 @@ VENV := $(ROOT)/.venv
 PY := $(VENV)/bin/python
 BUILD := $(ROOT)/build
 # libnftables1: knit-proxyd's nftables mode loads it (nftables depends on it; named as the
-# daemon's own need).
+# daemon's own need). debootstrap: the lab builds its images on a Debian rootfs
+# (deploy/lab/image.py). containerd and runc: the lab's node3 runs Debian's containerd 1.6 (the
+# other nodes the 2.x that go-tools builds), and its ctr imports the images.
 APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-ping procps util-linux mount \
 	python3 python3-venv curl ca-certificates unzip git openssl \
-	shellcheck
+	shellcheck debootstrap containerd runc
 
 .PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy bench-netlink lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
