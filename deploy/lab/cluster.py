@@ -128,23 +128,14 @@ class LabPod:
         return next(a for a in self.addresses if ipaddress.ip_address(a).version == family)
 
 
-class Cluster:
-    def __init__(
-        self,
-        prefix: str,
-        folder: Path,
-        control_plane: ControlPlane,
-        bundle: Path,
-        routing: str = "auto",
-    ) -> None:
+class Network:
+    """The lab's underlay: namespaces on segments joined by a router, everything made recorded
+    in folder (namespaces, processes) so `stop_recorded` can remove it from another process."""
+
+    def __init__(self, prefix: str, folder: Path) -> None:
         self.prefix = prefix
         self.folder = folder
-        self.control_plane = control_plane
-        self.bundle = bundle
-        self.routing = routing
-        self.kube = Kube(api_client(control_plane.kubeconfig))
         self.router = f"{prefix}-{ROUTER}"
-        self.nodes: dict[str, LabNode] = {}
         self.segments: list[Segment] = []
 
     # ------------------------------------------------------------ bookkeeping
@@ -160,7 +151,7 @@ class Cluster:
         in_ns(name, "ip", "link", "set", "lo", "up")
         return name
 
-    def _spawn(self, argv: list[str], log: Path) -> int:
+    def spawn(self, argv: list[str], log: Path) -> int:
         with log.open("ab") as out:
             proc = subprocess.Popen(
                 argv,
@@ -224,6 +215,26 @@ class Cluster:
         self.attach(ns, segment, index, f"{name}-port")
         return ns
 
+
+class Cluster(Network):
+    """Nodes that run knit-proxyd as a process, and pods that are namespaces attached by
+    libcni, as a runtime would: the plugin and the daemon proven without kubelet."""
+
+    def __init__(
+        self,
+        prefix: str,
+        folder: Path,
+        control_plane: ControlPlane,
+        bundle: Path,
+        routing: str = "auto",
+    ) -> None:
+        super().__init__(prefix, folder)
+        self.control_plane = control_plane
+        self.bundle = bundle
+        self.routing = routing
+        self.kube = Kube(api_client(control_plane.kubeconfig))
+        self.nodes: dict[str, LabNode] = {}
+
     # ------------------------------------------------------------ nodes
 
     def add_node(
@@ -242,7 +253,7 @@ class Cluster:
 
     def start_daemon(self, node: LabNode, *extra: str) -> None:
         if not node.forward:
-            node.forward = self._spawn(
+            node.forward = self.spawn(
                 [
                     PYTHON, "-m", "deploy.lab.controlplane", "forward",
                     "--netns", node.ns, "--target-port", str(self.control_plane.port),
@@ -250,7 +261,7 @@ class Cluster:
                 node.folder / "forward.log",
             )  # fmt: skip
         kubeconfig = self.control_plane.write_kubeconfig(node.folder / "kubeconfig", 6443)
-        node.daemon = self._spawn(
+        node.daemon = self.spawn(
             [
                 "ip", "netns", "exec", node.ns, PYTHON, "-m", "proxyd",
                 "--kubeconfig", str(kubeconfig),
@@ -297,7 +308,7 @@ class Cluster:
 
     def serve(self, ns: str, port: int, log: Path) -> None:
         """echo.py answering on port (both families) inside ns."""
-        self._spawn(["ip", "netns", "exec", ns, PYTHON, str(ECHO), "serve", "::", str(port)], log)
+        self.spawn(["ip", "netns", "exec", ns, PYTHON, str(ECHO), "serve", "::", str(port)], log)
         eventually(
             what=f"a server on {ns}:{port}", check=lambda: f":{port} " in in_ns(ns, "ss", "-ltnH")
         )

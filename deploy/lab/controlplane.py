@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +43,17 @@ NODE_PORT_RANGE = "30000-32767"
 ADMIN = "knit-admin"
 NETNS_PORT = 6443
 PROCESSES = ("etcd", "kube-apiserver")
+# a whole cluster's controllers (start_controllers), stopped by `down` like the two above
+CONTROLLERS = ("kube-controller-manager", "kube-scheduler")
 KUBERNETES_SERVICE = "/api/v1/namespaces/default/services/kubernetes"
 # Everything start() writes into the state dir; `down` removes exactly these.
 STATE = (
     "pki",
     "etcd-data",
     "admin.kubeconfig",
-    *(f"{name}.{suffix}" for name in PROCESSES for suffix in ("log", "pid")),
+    "egress.yaml",
+    *(f"{name}.kubeconfig" for name in CONTROLLERS),
+    *(f"{name}.{suffix}" for name in PROCESSES + CONTROLLERS for suffix in ("log", "pid")),
 )
 STOP_GRACE = 10.0
 PR_SET_PDEATHSIG = 1
@@ -97,28 +101,46 @@ def _issue(pki: Path, name: str, subject: dict[str, str], extensions: dict[str, 
     (pki / f"{name}.cnf").unlink()
 
 
-def make_pki(pki: Path, service_cidrs: Sequence[str]) -> None:
-    """CA, apiserver serving cert, admin client cert and the service-account key pair."""
+LEAF = {"basicConstraints": "critical,CA:FALSE", "keyUsage": "critical,digitalSignature"}
+# client certificates every control plane gets: (file name, CN, O)
+CLIENTS = (
+    ("admin", ADMIN, "system:masters"),
+    # the apiserver's own identity towards kubelets (logs, exec, port-forward)
+    ("kubelet-client", "kube-apiserver-kubelet-client", "system:masters"),
+    ("controller-manager", "system:kube-controller-manager", ""),
+    ("scheduler", "system:kube-scheduler", ""),
+)
+
+
+def issue_client(pki: Path, name: str, user: str, group: str = "") -> None:
+    """pki/NAME.crt and .key: a client certificate for user (CN) in group (O)."""
+    subject = {"CN": user, **({"O": group} if group else {})}
+    _issue(pki, name, subject, {**LEAF, "extendedKeyUsage": "clientAuth"})
+
+
+def make_pki(pki: Path, service_cidrs: Sequence[str], addresses: Sequence[str] = ()) -> None:
+    """CA, apiserver serving cert (also for addresses), the control plane's client certs and
+    the service-account key pair."""
     pki.mkdir(parents=True, exist_ok=True)
     ca = {"basicConstraints": "critical,CA:TRUE", "keyUsage": "critical,keyCertSign,cRLSign"}
     _issue(pki, "ca", {"CN": "knit-ca"}, ca)
-    leaf = {"basicConstraints": "critical,CA:FALSE", "keyUsage": "critical,digitalSignature"}
     domains = ("", ".default", ".default.svc", ".default.svc.cluster.local")
     names = ["localhost"] + [f"kubernetes{domain}" for domain in domains]
-    ips = ["127.0.0.1", "::1"] + [str(ipaddress.ip_network(cidr)[1]) for cidr in service_cidrs]
+    ips = ["127.0.0.1", "::1", *addresses]
+    ips += [str(ipaddress.ip_network(cidr)[1]) for cidr in service_cidrs]
     sans = ",".join([f"DNS:{name}" for name in names] + [f"IP:{ip}" for ip in ips])
-    serving = {**leaf, "extendedKeyUsage": "serverAuth", "subjectAltName": sans}
+    serving = {**LEAF, "extendedKeyUsage": "serverAuth", "subjectAltName": sans}
     _issue(pki, "apiserver", {"CN": "kube-apiserver"}, serving)
-    client = {**leaf, "extendedKeyUsage": "clientAuth"}
-    _issue(pki, "admin", {"CN": ADMIN, "O": "system:masters"}, client)
+    for name, user, group in CLIENTS:
+        issue_client(pki, name, user, group)
     _openssl(pki, "genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out sa.key")
     _openssl(pki, "pkey -in sa.key -pubout -out sa.pub")
 
 
-def _admin_config(pki: Path, server: str) -> dict[str, object]:
-    """An admin kubeconfig for server, naming the CA and client cert files in pki rather than
-    embedding them: the Python client copies embedded ones to /tmp files that stay there when
-    a process using it is killed."""
+def kubeconfig_for(pki: Path, server: str, user: str = "admin") -> dict[str, object]:
+    """A kubeconfig for server as the client certificate pki/USER.crt, naming the CA and
+    client cert files in pki rather than embedding them: the Python client copies embedded
+    ones to /tmp files that stay there when a process using it is killed."""
     pki = pki.resolve()
     return {
         "apiVersion": "v1",
@@ -131,14 +153,14 @@ def _admin_config(pki: Path, server: str) -> dict[str, object]:
         ],
         "users": [
             {
-                "name": ADMIN,
+                "name": user,
                 "user": {
-                    "client-certificate": str(pki / "admin.crt"),
-                    "client-key": str(pki / "admin.key"),
+                    "client-certificate": str(pki / f"{user}.crt"),
+                    "client-key": str(pki / f"{user}.key"),
                 },
             }
         ],
-        "contexts": [{"name": "knit", "context": {"cluster": "knit", "user": ADMIN}}],
+        "contexts": [{"name": "knit", "context": {"cluster": "knit", "user": user}}],
         "current-context": "knit",
     }
 
@@ -216,15 +238,20 @@ class ControlPlane:
     def write_kubeconfig(self, path: Path, port: int | None = None) -> Path:
         """An admin kubeconfig for https://127.0.0.1:PORT (default: the apiserver's own port);
         with a NetnsForward's listen_port, it is the kubeconfig to use inside that namespace."""
-        config = _admin_config(self.state_dir / "pki", f"https://127.0.0.1:{port or self.port}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump(config, out, indent=2)
-        return path
+        return write_kubeconfig(
+            path, kubeconfig_for(self.state_dir / "pki", f"https://127.0.0.1:{port or self.port}")
+        )
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
             _stop(proc)
+
+
+def write_kubeconfig(path: Path, config: dict[str, object]) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(config, out, indent=2)
+    return path
 
 
 def _launch(
@@ -285,9 +312,53 @@ def _etcd_args(state_dir: Path, client_port: int, peer_port: int) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Reach:
+    """How a cluster of real nodes reaches the apiserver and the apiserver its kubelets: pods
+    and nodes at advertise on the apiserver's own port (a relay into the lab's network, the
+    `kubernetes` Service's endpoint), the apiserver to kubelets through an HTTP CONNECT proxy
+    on a unix socket that dials from inside the lab's network (deploy/lab/gateway.py)."""
+
+    advertise: str
+    egress_socket: Path
+
+
+def _egress_config(socket_path: Path) -> str:
+    return json.dumps(
+        {
+            "apiVersion": "apiserver.k8s.io/v1beta1",
+            "kind": "EgressSelectorConfiguration",
+            "egressSelections": [
+                {
+                    "name": "cluster",
+                    "connection": {
+                        "proxyProtocol": "HTTPConnect",
+                        "transport": {"uds": {"udsName": str(socket_path)}},
+                    },
+                }
+            ],
+        }
+    )
+
+
+def _cluster_args(state_dir: Path, reach: Reach) -> list[str]:
+    pki = state_dir / "pki"
+    (state_dir / "egress.yaml").write_text(_egress_config(reach.egress_socket))
+    return [
+        f"--advertise-address={reach.advertise}",
+        "--endpoint-reconciler-type=lease",
+        "--enable-admission-plugins=NodeRestriction",
+        f"--egress-selector-config-file={state_dir / 'egress.yaml'}",
+        "--kubelet-preferred-address-types=InternalIP",
+        f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+        f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+    ]
+
+
 def _apiserver_args(
     pki: Path, port: int, etcd_port: int, service_cidrs: Sequence[str], node_port_range: str
 ) -> list[str]:
+    """The apiserver alone, for tests that play the nodes themselves."""
     return [
         "--bind-address=127.0.0.1",
         f"--secure-port={port}",
@@ -296,7 +367,8 @@ def _apiserver_args(
         f"--etcd-servers=http://127.0.0.1:{etcd_port}",
         f"--service-cluster-ip-range={','.join(service_cidrs)}",
         f"--service-node-port-range={node_port_range}",
-        "--authorization-mode=RBAC",
+        # Node: kubelets of a cluster of real nodes are authorized as their own node
+        "--authorization-mode=Node,RBAC",
         # as kubeadm (and so kind) sets it: node agents such as knit's DaemonSet are privileged
         "--allow-privileged=true",
         f"--client-ca-file={pki / 'ca.crt'}",
@@ -319,9 +391,11 @@ def start(
     node_port_range: str = NODE_PORT_RANGE,
     detach: bool = False,
     timeout: float = 90.0,
+    reach: Reach | None = None,
 ) -> ControlPlane:
     """Start etcd and kube-apiserver with their state in state_dir; return once /readyz is ok
-    and the `kubernetes` Service exists.
+    and the `kubernetes` Service exists. With reach, the apiserver serves a cluster of real
+    nodes (see Reach).
 
     Unless detach, the kernel kills both when the thread that started them ends, so a test
     run that dies without calling stop() leaves nothing behind.
@@ -331,7 +405,7 @@ def start(
             raise ControlPlaneError(f"{bin_dir / name} is missing: build it with `make go-tools`")
     state_dir.mkdir(parents=True, exist_ok=True)
     pki = state_dir / "pki"
-    make_pki(pki, service_cidrs)
+    make_pki(pki, service_cidrs, [reach.advertise] if reach else [])
     plane = ControlPlane(state_dir, _free_port(), _free_port(), [])
     try:
         began = time.monotonic()
@@ -344,6 +418,7 @@ def start(
 
         began = time.monotonic()
         args = _apiserver_args(pki, plane.port, plane.etcd_port, service_cidrs, node_port_range)
+        args += _cluster_args(state_dir, reach) if reach else []
         apiserver = _launch(state_dir, bin_dir, "kube-apiserver", args, detach)
         plane.processes.append(apiserver)
         tls = ssl.create_default_context(cafile=pki / "ca.crt")
@@ -361,9 +436,70 @@ def start(
     return plane
 
 
+def start_controllers(
+    plane: ControlPlane,
+    cluster_cidrs: Sequence[str],
+    *,
+    bin_dir: Path = BIN_DIR,
+    service_cidrs: Sequence[str] = SERVICE_CIDRS,
+    node_masks: tuple[int, int] = (24, 64),
+    detach: bool = False,
+    timeout: float = 90.0,
+) -> None:
+    """kube-controller-manager (every default controller, node CIDRs allocated from
+    cluster_cidrs) and kube-scheduler, on host loopback; return once both answer /healthz."""
+    state_dir, pki = plane.state_dir, plane.state_dir / "pki"
+    configs = {
+        name: write_kubeconfig(
+            state_dir / f"{name}.kubeconfig",
+            kubeconfig_for(pki, plane.server, name.removeprefix("kube-")),
+        )
+        for name in CONTROLLERS
+    }
+    ports = {name: _free_port() for name in CONTROLLERS}
+    common = ["--leader-elect=false", "--bind-address=127.0.0.1", "--profiling=false"]
+    args = {
+        "kube-controller-manager": [
+            "--allocate-node-cidrs=true",
+            f"--cluster-cidr={','.join(cluster_cidrs)}",
+            f"--node-cidr-mask-size-ipv4={node_masks[0]}",
+            f"--node-cidr-mask-size-ipv6={node_masks[1]}",
+            f"--service-cluster-ip-range={','.join(service_cidrs)}",
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+            f"--cluster-signing-key-file={pki / 'ca.key'}",
+        ],
+        "kube-scheduler": [],
+    }
+    deadline = time.monotonic() + timeout
+    for name in CONTROLLERS:
+        proc = _launch(
+            state_dir,
+            bin_dir,
+            name,
+            [
+                f"--kubeconfig={configs[name]}",
+                f"--authentication-kubeconfig={configs[name]}",
+                f"--authorization-kubeconfig={configs[name]}",
+                f"--secure-port={ports[name]}",
+                *common,
+                *args[name],
+            ],
+            detach,
+        )
+        plane.processes.append(proc)
+        insecure = ssl.create_default_context()
+        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+        check = http.client.HTTPSConnection("127.0.0.1", ports[name], timeout=2, context=insecure)
+        _wait_ready(proc, state_dir / f"{name}.log", check, "/healthz", deadline)
+
+
 def down(state_dir: Path) -> None:
-    """Stop what `start(state_dir, detach=True)` left running and remove its state."""
-    for name in reversed(PROCESSES):
+    """Stop what `start(state_dir, detach=True)` (and start_controllers) left running and
+    remove its state."""
+    for name in reversed(PROCESSES + CONTROLLERS):
         pid_file = state_dir / f"{name}.pid"
         if pid_file.exists():
             _stop_pid(int(pid_file.read_text()), name)
@@ -380,23 +516,33 @@ def down(state_dir: Path) -> None:
 # ---------------------------------------------------------------- into a namespace
 
 
-def _listen_in(netns: str, port: int) -> socket.socket:
-    """A socket listening on 127.0.0.1:port inside /run/netns/NETNS (made by a thread that
-    entered the namespace: the socket stays there, the thread goes back)."""
-    try:
+def socket_in(netns: str, make: Callable[[], socket.socket]) -> socket.socket:
+    """The socket make() returns, made inside /run/netns/NETNS by a thread of its own that
+    entered the namespace: the socket stays there, the caller's thread never changes it."""
+
+    def made_inside() -> socket.socket:
         fd = open_netns(f"/run/netns/{netns}")
         try:
             with entered(fd):
-                return socket.create_server(("127.0.0.1", port))
+                return make()
         finally:
             os.close(fd)
+
+    with ThreadPoolExecutor(max_workers=1) as one:
+        return one.submit(made_inside).result()
+
+
+def _listen_in(netns: str, address: str, port: int) -> socket.socket:
+    """A socket listening on address:port inside /run/netns/NETNS."""
+    try:
+        return socket_in(netns, lambda: socket.create_server((address, port)))
     except (OSError, CniError) as err:
         raise ControlPlaneError(
-            f"cannot listen on 127.0.0.1:{port} in netns {netns} (is lo up there?): {err}"
+            f"cannot listen on {address}:{port} in netns {netns} (is lo up there?): {err}"
         ) from err
 
 
-def _pump(source: socket.socket, sink: socket.socket) -> None:
+def pump(source: socket.socket, sink: socket.socket) -> None:
     try:
         while data := source.recv(65536):
             sink.sendall(data)
@@ -407,16 +553,20 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 
 class NetnsForward:
-    """Listen on 127.0.0.1:listen_port inside network namespace NETNS (/run/netns/NETNS) and
+    """Listen on address:listen_port inside network namespace NETNS (/run/netns/NETNS) and
     relay every connection to 127.0.0.1:target_port in this process's own namespace."""
 
-    def __init__(self, netns: str, target_port: int, listen_port: int = NETNS_PORT) -> None:
+    def __init__(
+        self,
+        netns: str,
+        target_port: int,
+        listen_port: int = NETNS_PORT,
+        address: str = "127.0.0.1",
+    ) -> None:
         self.netns = netns
         self.target_port = target_port
         self.listen_port = listen_port
-        # a thread of its own enters the namespace: the caller's thread never changes it
-        with ThreadPoolExecutor(max_workers=1) as one:
-            self._listener = one.submit(_listen_in, netns, listen_port).result()
+        self._listener = _listen_in(netns, address, listen_port)
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -442,9 +592,9 @@ class NetnsForward:
             relay.start()
 
     def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
-        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+        back = threading.Thread(target=pump, args=(upstream, client), daemon=True)
         back.start()
-        _pump(client, upstream)
+        pump(client, upstream)
         back.join()
         with self._lock:
             self._sockets -= {client, upstream}

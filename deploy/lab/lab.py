@@ -1,135 +1,259 @@
-"""The local lab: a three-node cluster in network namespaces, no Docker, no cloud.
+"""The local lab: a real three-node Kubernetes cluster in namespaces, no Docker, no cloud.
 
-`up` starts a real etcd and kube-apiserver, two underlay segments joined by a router, three
-nodes (node1 and node2 on lan1, routed directly; node3 on lan2, reached over VXLAN) each
-running knit-proxyd (which installs the plugin, writes the CNI config and routes pod
-traffic), a web backend on every node attached through the CNI plugin by libcni, a client pod,
-an outside host, and a NodePort Service over the backends. It then shows, in plain words,
-that the traffic flows, and leaves everything running. `down` removes all of it.
-Everything a node keeps on its disk lives under the lab's folder (default .lab/).
+`up` starts a control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) on
+host loopback, reachable from the lab's network through the gateway (deploy/lab/gateway.py);
+two underlay segments joined by a router; three nodes (node1 and node2 on lan1, routed directly;
+node3 on lan2, reached over VXLAN), each with its own containerd and kubelet in its own network
+and mount namespaces (deploy/lab/kubenode.py); knit's image and the images the cluster needs,
+built without Docker and imported into every node; knit installed from deploy/kubernetes, run
+by the kubelets as a DaemonSet; CoreDNS. It then shows, with real pods of a Deployment, that
+traffic flows, and leaves everything running. `down` removes all of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
-from deploy.lab import controlplane
-from deploy.lab.cluster import ECHO, PYTHON, Cluster, LabPod, stop_recorded
+import yaml
+
+from deploy.lab import controlplane, image
+from deploy.lab.cluster import PYTHON, Network, eventually, in_ns, stop_recorded
+from deploy.lab.kubenode import KubeNode
+from deploy.lab.machine import Cgroup, Machine
+from deploy.lab.runtime import BUILT, DEBIAN, Containerd
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = ROOT / "build" / "controlplane" / "kubectl"
-NODES = {
-    "node1": ("lan1", 11, ("10.244.1.0/24", "fd10:244:0:1::/64")),
-    "node2": ("lan1", 12, ("10.244.2.0/24", "fd10:244:0:2::/64")),
-    "node3": ("lan2", 13, ("10.244.3.0/24", "fd10:244:0:3::/64")),
+MANIFESTS = Path(__file__).resolve().parent / "manifests"
+DEPLOY = ROOT / "deploy" / "kubernetes"
+CLUSTER_CIDRS = ("10.244.0.0/16", "fd10:244::/56")
+# name: (segment, host number, containerd): containerd 2.x on two nodes, 1.6 on one
+NODES: dict[str, tuple[str, int, Containerd]] = {
+    "node1": ("lan1", 11, BUILT),
+    "node2": ("lan1", 12, BUILT),
+    "node3": ("lan2", 13, DEBIAN),
 }
+CONTROL_PLANE_HOST = 2
+PROXY_MODES = ("iptables", "nftables")
 
 
-def build_bundle(output: Path) -> Path:
-    subprocess.run(
-        [PYTHON, "-m", "cni.bundle", "--output", str(output)],
-        cwd=ROOT,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return output
+def knit_overlay(folder: Path, advertise: str, port: int, mode: str) -> Path:
+    """A kustomization over deploy/kubernetes changing only what this cluster must: the API
+    server's address, the proxy mode and the cluster CIDRs (both families here)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    configmap = yaml.safe_load((DEPLOY / "configmap.yaml").read_text())
+    settings = yaml.safe_load(configmap["data"]["config.yaml"])
+    settings.update(mode=mode, clusterCIDR=",".join(CLUSTER_CIDRS))
+    daemonset_env = [
+        {"name": "KUBERNETES_SERVICE_HOST", "value": advertise},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": str(port)},
+    ]
+    patches = [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": "knit", "namespace": "kube-system"},
+            "spec": {
+                "template": {"spec": {"containers": [{"name": "knit", "env": daemonset_env}]}}
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "knit-config", "namespace": "kube-system"},
+            "data": {"config.yaml": yaml.safe_dump(settings)},
+        },
+    ]
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(DEPLOY, folder)],
+        "patches": [{"patch": json.dumps(patch)} for patch in patches],
+    }
+    (folder / "kustomization.yaml").write_text(json.dumps(kustomization, indent=2))
+    return folder
+
+
+def report(label: str, passed: bool, detail: str) -> bool:
+    print(f"  {label}: {detail}: {'OK' if passed else 'FAILED'}")
+    return passed
 
 
 class Lab:
-    def __init__(self, prefix: str, folder: Path) -> None:
+    def __init__(self, prefix: str, folder: Path, mode: str = "iptables") -> None:
         self.prefix = prefix
         self.folder = folder
+        self.mode = mode
+        self.cgroup = Cgroup(prefix)
+        self.nodes: dict[str, KubeNode] = {}
+        self.outside = ""
 
     @property
     def plane_dir(self) -> Path:
         return self.folder / "controlplane"
 
-    def up(self) -> bool:
-        self.folder.mkdir(parents=True)
-        print("starting etcd and kube-apiserver ...", flush=True)
-        plane = controlplane.start(self.plane_dir, detach=True)
-        print("building the CNI plugin bundle the node daemons install ...", flush=True)
-        bundle = build_bundle(self.folder / "cni-bundle")
-        cluster = Cluster(self.prefix, self.folder, plane, bundle)
-        segments = {
-            "lan1": cluster.add_segment("lan1", "10.77.1.0/24", "fd77:1::/64"),
-            "lan2": cluster.add_segment("lan2", "10.77.2.0/24", "fd77:2::/64"),
-        }
-        for name, (segment, index, pod_cidrs) in NODES.items():
-            print(f"starting {name} and its knit-proxyd ...", flush=True)
-            cluster.add_node(name, segments[segment], index, pod_cidrs)
-        outside = cluster.add_host("outside", segments["lan2"], 99)
-        web = [cluster.add_pod(node, f"web-{node.name}") for node in cluster.nodes.values()]
-        client = cluster.add_pod(cluster.nodes["node1"], "client")
-        service = cluster.publish("web", web, type="NodePort")
-        return self.demonstrate(cluster, web, client, outside, service)
+    @property
+    def kubeconfig(self) -> Path:
+        return self.folder / "kubeconfig"
 
-    def demonstrate(
-        self, cluster: Cluster, web: list[LabPod], client: LabPod, outside: str, service: dict
-    ) -> bool:
-        print("\nknit lab is up: a real API server, 3 nodes running knit-proxyd, 4 pods")
-        for node in cluster.nodes.values():
-            print(
-                f"  {node.name} ({node.ns}): {node.segment.name} {node.addresses[0]}, "
-                f"pods {', '.join(node.pod_cidrs)}, files under {node.folder}"
+    def kubectl(self, *argv: str, timeout: float = 120) -> str:
+        proc = subprocess.run(
+            [str(KUBECTL), f"--kubeconfig={self.kubeconfig}", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(argv)}: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def up(self) -> bool:
+        began = time.monotonic()
+        self.folder.mkdir(parents=True)
+        network = Network(self.prefix, self.folder)
+        segments = {
+            "lan1": network.add_segment("lan1", "10.77.1.0/24", "fd77:1::/64"),
+            "lan2": network.add_segment("lan2", "10.77.2.0/24", "fd77:2::/64"),
+        }
+        plane_ns = network.add_host("apiserver", segments["lan1"], CONTROL_PLANE_HOST)
+        self.outside = network.add_host("outside", segments["lan2"], 99)
+        advertise = segments["lan1"].host(CONTROL_PLANE_HOST)[0]
+        print("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler ...")
+        reach = controlplane.Reach(advertise, self.plane_dir / "egress.sock")
+        self.plane_dir.mkdir()
+        plane = controlplane.start(self.plane_dir, detach=True, reach=reach)
+        network.spawn(
+            [
+                PYTHON, "-m", "deploy.lab.gateway",
+                "--netns", plane_ns,
+                "--address", advertise,
+                "--apiserver-port", str(plane.port),
+                "--egress-socket", str(reach.egress_socket),
+            ],
+            self.folder / "gateway.log",
+        )  # fmt: skip
+        controlplane.start_controllers(plane, CLUSTER_CIDRS, detach=True)
+        shutil.copy(plane.kubeconfig, self.kubeconfig)
+        print("building the images (knit, pause, agnhost, coredns) ...", flush=True)
+        archives = image.build_lab_images(ROOT / "build" / "images").values()
+        server = f"https://{advertise}:{plane.port}"
+        for name, (segment, index, containerd) in NODES.items():
+            print(f"starting {name}: containerd ({containerd.name}) and kubelet ...", flush=True)
+            ns = network.add_namespace(f"{self.prefix}-{name}")
+            addresses = network.attach(ns, segments[segment], index, f"{name}-port")
+            machine = Machine(ns, self.folder / name, f"{self.prefix}/{name}")
+            machine.boot()
+            node = KubeNode(name, machine, addresses, containerd)
+            node.start_containerd()
+            image.import_images(node.ctr(), archives)
+            node.start_kubelet(self.plane_dir / "pki", server)
+            self.nodes[name] = node
+        print("installing knit from deploy/kubernetes and CoreDNS ...", flush=True)
+        overlay = knit_overlay(self.folder / "knit", advertise, plane.port, self.mode)
+        self.kubectl("apply", "-k", str(overlay))
+        self.kubectl("apply", "-f", str(MANIFESTS / "coredns.yaml"))
+        self.wait_ready()
+        print(f"all nodes Ready with knit running in {time.monotonic() - began:.0f}s")
+        return self.demonstrate()
+
+    def wait_ready(self) -> None:
+        names = list(self.nodes)
+        for name in names:
+            eventually(
+                lambda name=name: self._node_ready(name), 180, what=f"{name} Ready", interval=1
             )
-        cluster_ip = service["spec"]["clusterIP"]
+        self.kubectl(
+            "-n", "kube-system", "rollout", "status", "daemonset/knit", "--timeout=180s",
+            timeout=200,
+        )  # fmt: skip
+        self.kubectl(
+            "-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=180s",
+            timeout=200,
+        )  # fmt: skip
+
+    def _node_ready(self, name: str) -> bool:
+        node: dict[str, Any] = json.loads(self.kubectl("get", "node", name, "-o", "json"))
+        conditions = node.get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    def demonstrate(self) -> bool:
+        """Checks made with real pods: a Deployment spread over the nodes, a client pod on node1,
+        a NodePort Service, and a host outside the cluster."""
+        self.kubectl("apply", "-f", str(MANIFESTS / "demo.yaml"))
+        self.kubectl("rollout", "status", "deployment/web", "--timeout=180s", timeout=200)
+        self.kubectl("wait", "--for=condition=Ready", "pod/client", "--timeout=180s", timeout=200)
+        pods = json.loads(self.kubectl("get", "pods", "-l", "app=web", "-o", "json"))["items"]
+        web = {pod["spec"]["nodeName"]: pod for pod in pods}
+        client = json.loads(self.kubectl("get", "pod", "client", "-o", "json"))
+        client_ips = [ip["ip"] for ip in client["status"]["podIPs"]]
+        service = json.loads(self.kubectl("get", "service", "web", "-o", "json"))
         node_port = service["spec"]["ports"][0]["nodePort"]
-        node2 = cluster.nodes["node2"]
-        checks = [
-            (
-                f"pod-to-pod across nodes, direct route: client on node1 -> {web[1].name}",
-                cluster.request(client.ns, web[1].address()),
-                (client.address(), web[1].address()),
-            ),
-            (
-                f"pod-to-pod across segments, over VXLAN: client on node1 -> {web[2].name}",
-                cluster.request(client.ns, web[2].address()),
-                (client.address(), web[2].address()),
-            ),
-            (
-                f"pod-to-pod over IPv6: client -> {web[2].name} at {web[2].address(6)}",
-                cluster.request(client.ns, web[2].address(6)),
-                (client.address(6), web[2].address(6)),
-            ),
-        ]
+
+        def fetch(url: str, *options: str) -> str:
+            return self.kubectl(
+                "exec", "client", "--", "curl", "-sS", "-m", "5", "-g", *options, url
+            )  # fmt: skip
+
+        print("\nknit lab is up:")
+        for name, node in self.nodes.items():
+            print(f"  {name}: Ready, {node.containerd.name}, files under {node.folder}")
         ok = True
-        for label, got, want in checks:
-            ok &= self.report(label, got == want, f"server saw {got[0] or 'nothing'}")
-        answered = {cluster.request(client.ns, cluster_ip)[1] for _ in range(12)}
-        ok &= self.report(
-            f"pod-to-Service: client -> ClusterIP {cluster_ip}:80",
-            answered <= {pod.address() for pod in web} and len(answered) > 1,
+        for node_name, label in (("node2", "direct route"), ("node3", "over VXLAN")):
+            pod = web[node_name]
+            for ip in (entry["ip"] for entry in pod["status"]["podIPs"]):
+                url = f"http://[{ip}]:8080/clientip" if ":" in ip else f"http://{ip}:8080/clientip"
+                seen = fetch(url).rpartition(":")[0].strip("[]")
+                ok &= report(
+                    f"pod-to-pod, {label}: client on node1 -> {pod['metadata']['name']} at {ip}",
+                    seen in client_ips,
+                    f"server saw {seen or 'nothing'}",
+                )
+        answered = {fetch("http://web/hostname") for _ in range(12)}
+        names = {pod["metadata"]["name"] for pod in pods}
+        ok &= report(
+            "pod-to-Service by DNS name: client -> http://web",
+            answered <= names and len(answered) > 1,
             f"answered by {', '.join(sorted(answered))}",
         )
-        seen, by = cluster.request(outside, node2.addresses[0], node_port)
-        ok &= self.report(
-            f"external-to-NodePort: outside host -> {node2.addresses[0]}:{node_port}",
-            by in {pod.address() for pod in web},
-            f"answered by {by or 'nobody'}, which saw {seen or 'nothing'}",
+        ca = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+        version = json.loads(fetch("https://kubernetes.default.svc/version", "--cacert", ca))
+        ok &= report(
+            "pod-to-apiserver through the `kubernetes` Service",
+            "gitVersion" in version,
+            f"version {version.get('gitVersion')}",
         )
-        kubectl = KUBECTL if KUBECTL.exists() else "kubectl"
+        node2 = self.nodes["node2"].addresses[0]
+        outside = in_ns(
+            self.outside, "curl", "-sS", "-m", "5", f"http://{node2}:{node_port}/hostname",
+            check=False,
+        )  # fmt: skip
+        ok &= report(
+            f"outside-to-NodePort: a host on lan2 -> {node2}:{node_port}",
+            outside in names,
+            f"answered by {outside or 'nobody'}",
+        )
         print("\npoke at it:")
-        print(f"  export KUBECONFIG={cluster.control_plane.kubeconfig}")
-        print(f"  {kubectl} get nodes,services,endpointslices -o wide")
-        print(f"  ip netns exec {client.ns} {PYTHON} {ECHO} request {cluster_ip} 80")
-        print(f"  ip netns exec {outside} {PYTHON} {ECHO} request {node2.addresses[0]} {node_port}")
-        print(f"  ip netns exec {cluster.nodes['node1'].ns} ip route")
-        print(f"  ip netns exec {cluster.nodes['node1'].ns} iptables-save -t nat | grep KNIT")
-        print(f"  less {cluster.nodes['node1'].log}")
+        print(f"  export KUBECONFIG={self.kubeconfig}")
+        print(f"  {KUBECTL} get nodes,pods -A -o wide")
+        print(f"  {KUBECTL} exec client -- curl -s http://web/hostname")
+        print(f"  less {self.nodes['node1'].folder / 'kubelet.log'}")
         print("remove it: make lab-down")
         return ok
 
-    @staticmethod
-    def report(label: str, passed: bool, detail: str) -> bool:
-        print(f"  {label}: {detail}: {'OK' if passed else 'FAILED'}")
-        return passed
-
     def down(self) -> None:
-        stop_recorded(self.folder)  # the daemons first: their watches would hold up the apiserver
+        # the nodes first (every process of theirs, pods included, by cgroup), then the
+        # gateway and the namespaces, then the control plane
+        self.cgroup.kill()
+        self.cgroup.remove()
+        stop_recorded(self.folder)
         controlplane.down(self.plane_dir)
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -139,16 +263,20 @@ def main() -> None:
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("--prefix", default="knit-lab")
     parser.add_argument("--folder", type=Path, default=ROOT / ".lab")
+    parser.add_argument("--mode", choices=PROXY_MODES, default="iptables")
     options = parser.parse_args()
-    lab = Lab(options.prefix, options.folder.resolve())
+    lab = Lab(options.prefix, options.folder.resolve(), options.mode)
     lab.down()
     if options.action == "down":
         return
     try:
         passed = lab.up()
-    except BaseException:
+    except KeyboardInterrupt:
         lab.down()
         raise
+    except Exception as err:
+        # what is up stays up to be looked at: the logs are in the nodes' folders
+        raise SystemExit(f"the lab did not come up: {err}\nremove it: make lab-down") from err
     if not passed:
         raise SystemExit("the lab is up, but a check failed (see above)")
 

@@ -21,30 +21,26 @@ def _text(cert):
 
 
 def test_certificates_chain_to_the_ca_with_the_names_clients_use(tmp_path):
-    make_pki(tmp_path, SERVICE_CIDRS)
-    for name in ("apiserver", "admin"):
+    make_pki(tmp_path, SERVICE_CIDRS, ["10.77.1.2"])
+    for name in ("apiserver", "admin", "kubelet-client", "controller-manager", "scheduler"):
         subprocess.run(
             ["openssl", "verify", "-CAfile", "ca.crt", f"{name}.crt"], cwd=tmp_path, check=True
         )
     serving = _text(tmp_path / "apiserver.crt")
     ips = {ipaddress.ip_address(ip) for ip in re.findall(r"IP Address:([0-9A-Fa-f:.]+)", serving)}
     assert ips == {
-        ipaddress.ip_address(ip) for ip in ("127.0.0.1", "::1", "10.96.0.1", "fd00:10:96::1")
+        ipaddress.ip_address(ip)
+        for ip in ("127.0.0.1", "::1", "10.77.1.2", "10.96.0.1", "fd00:10:96::1")
     }
     assert "DNS:kubernetes.default.svc.cluster.local" in serving and "DNS:localhost" in serving
     admin = _text(tmp_path / "admin.crt")
     assert "CN = knit-admin" in admin and "O = system:masters" in admin
     assert "TLS Web Client Authentication" in admin
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "admin.crt",
-        "admin.key",
-        "apiserver.crt",
-        "apiserver.key",
-        "ca.crt",
-        "ca.key",
-        "sa.key",
-        "sa.pub",
-    ]
+    assert "CN = system:kube-controller-manager" in _text(tmp_path / "controller-manager.crt")
+    names = ["admin", "apiserver", "ca", "controller-manager", "kubelet-client", "scheduler"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{name}.{suffix}" for name in names for suffix in ("crt", "key")] + ["sa.key", "sa.pub"]
+    )
 
 
 def test_missing_binaries_name_the_make_target(tmp_path):
