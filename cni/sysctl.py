@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from cni.errors import CniError, Code
 
+# A container's /proc/sys is read-only unless it is privileged. knit's DaemonSet, which is not,
+# mounts the node's /proc/sys/net writable at /host/proc/sys/net and names /host/proc/sys here.
+# A file under net/ speaks for the network namespace of the thread that opens it, whatever path
+# reaches the procfs, so that one mount serves the node and every pod's namespace.
+ROOT_ENV = "KNIT_PROC_SYS"
+
+
+def path(key: str) -> Path:
+    """The file of sysctl key (slash-separated, net/ipv4/ip_forward: interface names may hold
+    dots)."""
+    return Path(os.environ.get(ROOT_ENV, "/proc/sys")) / key
+
 
 def write(key: str, value: str) -> None:
-    """key is slash-separated (net/ipv4/ip_forward): interface names may hold dots."""
-    path = Path("/proc/sys") / key
+    target = path(key)
     try:
-        if path.read_text().strip() != value:
-            path.write_text(value)
+        if target.read_text().strip() != value:
+            target.write_text(value)
     except OSError as err:
         raise CniError(Code.IO_FAILURE, f"cannot set sysctl {key}={value}: {err}") from err
 

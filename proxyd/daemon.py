@@ -44,7 +44,7 @@ SYSCTLS_FOR_BRIDGED_PODS = (
     "net/bridge/bridge-nf-call-ip6tables",
 )
 SYSCTLS_FOR_ROUTING = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
-BRIDGE_SYSCTLS = Path("/proc/sys/net/bridge")
+BRIDGE_SYSCTLS = "net/bridge"
 """Present once br_netfilter is loaded."""
 
 
@@ -247,9 +247,9 @@ class Daemon:
     def _set_sysctls(self) -> None:
         if self.proxier.options.localhost_nodeports:
             _write_sysctl("net/ipv4/conf/all/route_localnet", "1")
-        if not BRIDGE_SYSCTLS.exists():
+        if not sysctl.path(BRIDGE_SYSCTLS).exists():
             _load_br_netfilter()
-        if BRIDGE_SYSCTLS.exists():
+        if sysctl.path(BRIDGE_SYSCTLS).exists():
             for name in SYSCTLS_FOR_BRIDGED_PODS:
                 _write_sysctl(name, "1")
         if self.config.routing != "none" or self.config.proxy_mode == "ipvs":

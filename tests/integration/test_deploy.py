@@ -149,7 +149,7 @@ def test_the_dry_run_refuses_a_wrong_field(control_plane, manifests_copy, change
     assert "daemonset.apps/knit created" not in out
 
 
-def test_the_daemonset_runs_on_every_node_privileged_for_sysctls(objects, pod, container):
+def test_the_daemonset_runs_on_every_node_unprivileged(objects, pod, container):
     daemonset = find(objects, "DaemonSet")
     assert daemonset["metadata"]["namespace"] == "kube-system"
     assert daemonset["spec"]["updateStrategy"] == {
@@ -162,9 +162,17 @@ def test_the_daemonset_runs_on_every_node_privileged_for_sysctls(objects, pod, c
     assert pod["tolerations"] == [{"operator": "Exists"}]
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["serviceAccountName"] == "knit"
-    security = container["securityContext"]
-    # /proc/sys is read-only in a non-privileged container; the plugin writes sysctls
-    assert security == {"privileged": True}
+    assert container["securityContext"] == {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {
+            "drop": ["ALL"],
+            "add": ["NET_ADMIN", "NET_RAW", "SYS_ADMIN", "SYS_MODULE"],
+        },
+    }
+    # /proc/sys is read-only in a non-privileged container: sysctls go through the node's
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KNIT_PROC_SYS"] == "/host/proc/sys"
 
 
 def test_the_daemonset_probes_kube_proxys_health_endpoints(container):
@@ -181,7 +189,7 @@ def test_the_daemonset_mounts_the_node_paths_it_needs(pod, container):
         "/opt/cni/bin": ("/opt/cni/bin", "DirectoryOrCreate"),
         "/var/lib/cni": ("/var/lib/cni", "DirectoryOrCreate"),
         "/run/knit": ("/run/knit", "DirectoryOrCreate"),
-        "/run/netns": ("/run/netns", "DirectoryOrCreate"),
+        "/proc/sys/net": ("/host/proc/sys/net", "Directory"),
         "/lib/modules": ("/lib/modules", None),
         "/run/xtables.lock": ("/run/xtables.lock", "FileOrCreate"),
     }
@@ -191,7 +199,7 @@ def test_the_daemonset_mounts_the_node_paths_it_needs(pod, container):
     }
     assert got == wanted
     by_path = {m["mountPath"]: m for m in container["volumeMounts"]}
-    assert by_path["/run/netns"]["mountPropagation"] == "HostToContainer"
+    assert not by_path["/host/proc/sys/net"].get("readOnly")
     assert by_path["/lib/modules"]["readOnly"] is True
     (config,) = [v for v in pod["volumes"] if v["name"] == by_path["/etc/knit"]["name"]]
     assert config["configMap"]["name"] == "knit-config"
