@@ -5,7 +5,8 @@ The apiserver listens on host loopback; nodes and pods live in namespaces with n
   port the apiserver advertises (so the `kubernetes` Service's endpoint) to the apiserver.
 - Out of the apiserver: an HTTP CONNECT proxy on a unix socket, named by the apiserver's
   EgressSelectorConfiguration for the `cluster` egress, which dials kubelets (logs, exec,
-  port-forward), pods and services from inside the same namespace.
+  port-forward), pods and services (the apiserver's proxy) from inside a node's namespace:
+  only nodes have routes to the pods' addresses, as on kind, where the control plane is a node.
 """
 
 from __future__ import annotations
@@ -98,13 +99,14 @@ def main() -> None:
     parser.add_argument("--address", required=True, help="the address the apiserver advertises")
     parser.add_argument("--apiserver-port", type=int, required=True)
     parser.add_argument("--egress-socket", type=Path, required=True)
+    parser.add_argument("--egress-netns", required=True, help="a node's namespace")
     options = parser.parse_args()
     done = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: done.set())
     port = options.apiserver_port
     relay = NetnsForward(options.netns, port, listen_port=port, address=options.address)
-    egress = ConnectProxy(options.egress_socket, options.netns)
+    egress = ConnectProxy(options.egress_socket, options.egress_netns)
     done.wait()
     egress.stop()
     relay.stop()

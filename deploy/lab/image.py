@@ -66,6 +66,7 @@ KNIT_IMAGE = "docker.io/library/knit:dev"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10.2"
 AGNHOST_IMAGE = "registry.k8s.io/e2e-test-images/agnhost:2.66.1"
 COREDNS_IMAGE = "registry.k8s.io/coredns/coredns:lab"
+GLIBC_DNS_TESTING_IMAGE = "registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1"
 
 # Bump when a step's recipe changes in a way its other inputs do not show.
 RECIPE = 2
@@ -1099,6 +1100,14 @@ def agnhost_image(binary: Path, log: Callable[[str], None] = print) -> ImageSpec
     return ImageSpec(AGNHOST_IMAGE, [*system.layers, layer], config)
 
 
+def glibc_dns_testing_image(log: Callable[[str], None] = print) -> ImageSpec:
+    """The e2e DNS specs' glibc querier: a shell script of dig and getent over glibc's
+    resolver, which agnhost's Debian rootfs holds (dnsutils, libc-bin)."""
+    system = packages_step("agnhost-packages", base_step(log), AGNHOST_PACKAGES, log)
+    config = {"Env": [f"{k}={v}" for k, v in BASE_ENV.items()], "Cmd": ["/bin/sh"]}
+    return ImageSpec(GLIBC_DNS_TESTING_IMAGE, list(system.layers), config)
+
+
 # ---------------------------------------------------------------- OCI layout
 
 
@@ -1276,6 +1285,7 @@ def build(
             specs.append(("pause", pause_image(pause)))
         if agnhost is not None:
             specs.append(("agnhost", agnhost_image(agnhost, log)))
+            specs.append(("glibc-dns-testing", glibc_dns_testing_image(log)))
         if coredns is not None:
             specs.append(("coredns", coredns_image(coredns)))
         for filename, spec in specs:

@@ -118,7 +118,12 @@ def installed_packages(files: dict[str, tuple[tarfile.TarInfo, bytes | None]]) -
 
 
 def test_the_archives_name_the_images(archives):
-    assert set(archives) == {image.KNIT_IMAGE, image.PAUSE_IMAGE, image.AGNHOST_IMAGE}
+    assert set(archives) == {
+        image.KNIT_IMAGE,
+        image.PAUSE_IMAGE,
+        image.AGNHOST_IMAGE,
+        image.GLIBC_DNS_TESTING_IMAGE,
+    }
     for name, path in archives.items():
         assert image.image_names(path) == [name]
         with tarfile.open(path) as tar:
