@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.lab.image import (
-    BASE_ENV,
+from deploy.lab.image.dockerfile import (
     DOCKERFILE,
     DockerfileError,
     parse_dockerfile,
     read_dockerfile,
     words,
 )
+from deploy.lab.image.steps import BASE_ENV
 
 
 def test_the_repository_dockerfile_final_stage():

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from deploy.lab import image
+from deploy.lab.image import cache, layers, oci, recipes
 
 
 @pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(image, "CACHE", tmp_path / "cache")
-    monkeypatch.setattr(image, "XATTRS", ("user.knit-test",))
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(layers, "XATTRS", ("user.knit-test",))
     return tmp_path / "cache"
 
 
@@ -42,7 +42,7 @@ def tree(root: Path) -> Path:
 
 
 def changes(upper: Path, lower: Path | None = None) -> list[str]:
-    return [entry.path for entry in image.tree_changes(upper, lower)]
+    return [entry.path for entry in layers.tree_changes(upper, lower)]
 
 
 def test_a_whole_tree_parents_first_sorted_and_no_special_files(tmp_path):
@@ -91,7 +91,7 @@ def test_the_changes_between_two_trees(tmp_path):
     ]
 
 
-def test_a_layer_blob_its_digests_and_entries(tmp_path, cache):
+def test_a_layer_blob_its_digests_and_entries(tmp_path, cache_dir):
     lower = tree(tmp_path / "lower")
     upper = tmp_path / "upper"
     subprocess.run(["cp", "-a", lower, upper], check=True)
@@ -100,9 +100,9 @@ def test_a_layer_blob_its_digests_and_entries(tmp_path, cache):
     shutil.rmtree(upper / "gone")
     os.setxattr(upper / "etc" / "a.conf", "user.knit-test", b"\xff\x00cap")
 
-    layer = image.write_layer("test", upper, lower)
-    blob = image.blob_path(layer.digest)
-    assert blob.parent == cache / "blobs" / "sha256"
+    layer = layers.write_layer("test", upper, lower)
+    blob = cache.blob_path(layer.digest)
+    assert blob.parent == cache_dir / "blobs" / "sha256"
     data = blob.read_bytes()
     assert (layer.digest, layer.size) == ("sha256:" + hashlib.sha256(data).hexdigest(), len(data))
     assert layer.diff_id == "sha256:" + hashlib.sha256(gzip.decompress(data)).hexdigest()
@@ -116,18 +116,18 @@ def test_a_layer_blob_its_digests_and_entries(tmp_path, cache):
     assert xattr.encode("utf-8", "surrogateescape") == b"\xff\x00cap"
     assert isinstance(members["etc/a.conf"].mtime, int)
     # the same tree gives the same blob
-    assert image.write_layer("test", upper, lower) == layer
+    assert layers.write_layer("test", upper, lower) == layer
 
 
 def test_an_archive_of_an_image_and_its_index(tmp_path):
     binary = tmp_path / "pause"
     binary.write_bytes(b"\x7fELF" + b"\0" * 100)
-    layer = image.write_layer("pause", members=[image.Member("pause", "file", source=binary)])
-    spec = image.ImageSpec("registry.example/a/b:1.2", [layer], {"Entrypoint": ["/pause"]})
+    layer = layers.write_layer("pause", members=[layers.Member("pause", "file", source=binary)])
+    spec = oci.ImageSpec("registry.example/a/b:1.2", [layer], {"Entrypoint": ["/pause"]})
     path = tmp_path / "out.tar"
-    assert image.write_archive(spec, path)
-    assert not image.write_archive(spec, path)  # already that image
-    assert image.image_names(path) == ["registry.example/a/b:1.2"]
+    assert oci.write_archive(spec, path)
+    assert not oci.write_archive(spec, path)  # already that image
+    assert oci.image_names(path) == ["registry.example/a/b:1.2"]
     with tarfile.open(path) as tar:
         assert tar.getnames()[:4] == ["oci-layout", "index.json", "blobs", "blobs/sha256"]
 
@@ -153,7 +153,7 @@ def test_an_archive_of_an_image_and_its_index(tmp_path):
         assert config["rootfs"]["diff_ids"] == [layer.diff_id]
         assert config["config"] == {"Entrypoint": ["/pause"]}
         assert manifest["layers"] == [
-            {"mediaType": image.LAYER_MEDIA_TYPE, "digest": layer.digest, "size": layer.size}
+            {"mediaType": oci.LAYER_MEDIA_TYPE, "digest": layer.digest, "size": layer.size}
         ]
         assert len(blob(layer.digest)) == layer.size
 
@@ -169,8 +169,8 @@ def elf(path: Path, segment_types: list[int]) -> Path:
 
 
 def test_static_elf(tmp_path):
-    assert image.static_elf(elf(tmp_path / "static", [1, 1, 4]))
-    assert not image.static_elf(elf(tmp_path / "dynamic", [6, 3, 1]))
-    assert not image.static_elf(Path(sys.executable).resolve())
+    assert recipes.static_elf(elf(tmp_path / "static", [1, 1, 4]))
+    assert not recipes.static_elf(elf(tmp_path / "dynamic", [6, 3, 1]))
+    assert not recipes.static_elf(Path(sys.executable).resolve())
     (tmp_path / "script").write_text("#!/bin/sh\n")
-    assert not image.static_elf(tmp_path / "script")
+    assert not recipes.static_elf(tmp_path / "script")
