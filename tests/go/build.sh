@@ -11,7 +11,8 @@
 #                                                    node/go.mod/go.sum; runc is Debian's)
 #   OUTDIR/node/coredns                             (cluster DNS, pinned by coredns/go.mod/go.sum)
 #   OUTDIR/images/pause                             (pod sandbox process, ./cmd/pause)
-#   OUTDIR/images/agnhost                           (Kubernetes' e2e test image binary,
+#   OUTDIR/images/agnhost, localhost.{crt,key}      (Kubernetes' e2e test image binary and
+#                                                    its porter's TLS certificate,
 #                                                    pinned with kubernetes in controlplane/)
 #   OUTDIR/tools/kubeproxyconfig                    (kube-proxy's own config loading and
 #                                                    validation, ./controlplane/cmd/kubeproxyconfig)
@@ -70,6 +71,7 @@ else
     for t in "${KUBE_NODE[@]}"; do OUTPUTS+=("$OUT_DIR/controlplane/$t"); done
     for t in containerd containerd-shim-runc-v2 ctr coredns; do OUTPUTS+=("$OUT_DIR/node/$t"); done
     OUTPUTS+=("$OUT_DIR/images/pause" "$OUT_DIR/images/agnhost")
+    OUTPUTS+=("$OUT_DIR/images/localhost.crt" "$OUT_DIR/images/localhost.key")
     for t in "${LINT_TOOLS[@]}"; do OUTPUTS+=("$OUT_DIR/tools/$t"); done
 fi
 
@@ -265,6 +267,9 @@ agnhost_dir=$("$GO" list -f '{{.Dir}}' k8s.io/kubernetes/test/images/agnhost)
 agnhost_ver=$(cat "$agnhost_dir/VERSION")
 timed "images/agnhost" "$GO" build -ldflags="-s -w -X main.Version=$agnhost_ver" \
     -o "$OUT_DIR/images/agnhost" k8s.io/kubernetes/test/images/agnhost
+# porter's TLS ports serve with these (the image has them at /), as upstream's Dockerfile adds
+install -m 0644 "$agnhost_dir/porter/localhost.crt" "$agnhost_dir/porter/localhost.key" \
+    "$OUT_DIR/images/"
 
 # containerd's own Makefile builds the shim with CGO_ENABLED=0 and tags no_grpc; the daemon
 # and ctr need cgo only for btrfs (tag no_btrfs) and PKCS#11 image decryption (left out).

@@ -23,11 +23,10 @@ from typing import Any
 import pytest
 
 from deploy.lab import image
-from tests.conftest import REFERENCE_DIR
 
 TOOLS = ("debootstrap", "unshare", "chroot", "containerd", "ctr")
-PAUSE = image.PAUSE_BINARY if image.PAUSE_BINARY.is_file() else REFERENCE_DIR / "loopback"
-AGNHOST = image.AGNHOST_BINARY if image.AGNHOST_BINARY.is_file() else REFERENCE_DIR / "portmap"
+PAUSE = image.PAUSE_BINARY
+AGNHOST = image.AGNHOST_BINARY
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +235,8 @@ def test_the_agnhost_image_has_the_tools_and_the_binary(opened):
         assert f"usr/sbin/{tool}" in files or f"sbin/{tool}" in files, tool
     assert files["agnhost"][0].size == AGNHOST.stat().st_size
     assert files["usr/local/bin/agnhost"][0].linkname == "/agnhost"
+    for name in ("localhost.crt", "localhost.key"):
+        assert files[name][1] == (AGNHOST.parent / name).read_bytes()
 
 
 def test_a_rebuild_of_unchanged_inputs_leaves_the_archives(archives):
