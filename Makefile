@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 BUILD := $(ROOT)/build
 # libnftables1: knit-proxyd's nftables mode loads it (nftables depends on it; named as the
 # daemon's own need). debootstrap: the lab builds its images on a Debian rootfs
-# (deploy/lab/image.py). containerd and runc: the lab's node3 runs Debian's containerd 1.6 (the
+# (deploy/lab/image/). containerd and runc: the lab's node3 runs Debian's containerd 1.6 (the
 # other nodes the 2.x that go-tools builds), and its ctr imports the images.
 APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-ping procps util-linux mount \
 	python3 python3-venv curl ca-certificates unzip git openssl \
 	shellcheck debootstrap containerd runc
 
-.PHONY: setup system-deps venv cni go-tools test lint unit bench-cni bench-proxy bench-netlink lab lab-down \
+.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit bench-cni bench-proxy bench-netlink lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
 
 setup: system-deps venv
@@ -50,6 +50,10 @@ $(BUILD)/cni/knit: venv Makefile
 go-tools:
 	tests/go/build.sh $(BUILD)
 
+# e2e.test and ginkgo from the pinned kubernetes module (~3 min cold)
+e2e-tools:
+	tests/go/build.sh --e2e $(BUILD)
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -57,14 +61,19 @@ lint: venv
 unit: venv
 	$(PY) -m pytest -q tests/unit
 
-test: setup cni go-tools lint
+test: setup cni go-tools e2e-tools lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-lab: setup cni go-tools
+lab: setup go-tools
 	cd $(ROOT) && $(PY) -m deploy.lab.lab up
 
 lab-down:
 	cd $(ROOT) && $(PY) -m deploy.lab.lab down
+
+# the upstream e2e network specs against a fresh lab in each proxy mode (iptables, nftables);
+# JUnit reports under build/e2e/MODE/. ARGS="--selection conformance" for the CI subset.
+e2e: setup go-tools e2e-tools
+	cd $(ROOT) && $(PY) -m deploy.lab.e2e $(ARGS)
 
 # etcd + kube-apiserver on host loopback, left running; kubeconfig and logs in .controlplane/
 controlplane: setup go-tools

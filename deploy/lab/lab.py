@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +82,11 @@ def knit_overlay(folder: Path, advertise: str, port: int, mode: str) -> Path:
     return folder
 
 
-def report(label: str, passed: bool, detail: str) -> bool:
-    print(f"  {label}: {detail}: {'OK' if passed else 'FAILED'}")
-    return passed
+@dataclass(frozen=True)
+class Check:
+    label: str
+    passed: bool
+    detail: str
 
 
 class Lab:
@@ -115,7 +118,8 @@ class Lab:
             raise RuntimeError(f"kubectl {' '.join(argv)}: {proc.stderr.strip()}")
         return proc.stdout
 
-    def up(self) -> bool:
+    def up(self) -> None:
+        """Everything started, every node Ready with knit and CoreDNS running."""
         began = time.monotonic()
         self.folder.mkdir(parents=True)
         network = Network(self.prefix, self.folder)
@@ -137,6 +141,7 @@ class Lab:
                 "--address", advertise,
                 "--apiserver-port", str(plane.port),
                 "--egress-socket", str(reach.egress_socket),
+                "--egress-netns", f"{self.prefix}-{next(iter(NODES))}",
             ],
             self.folder / "gateway.log",
         )  # fmt: skip
@@ -162,7 +167,6 @@ class Lab:
         self.kubectl("apply", "-f", str(MANIFESTS / "coredns.yaml"))
         self.wait_ready()
         print(f"all nodes Ready with knit running in {time.monotonic() - began:.0f}s")
-        return self.demonstrate()
 
     def wait_ready(self) -> None:
         names = list(self.nodes)
@@ -184,7 +188,7 @@ class Lab:
         conditions = node.get("status", {}).get("conditions", [])
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
-    def demonstrate(self) -> bool:
+    def checks(self) -> list[Check]:
         """Checks made with real pods: a Deployment spread over the nodes, a client pod on node1,
         a NodePort Service, and a host outside the cluster."""
         self.kubectl("apply", "-f", str(MANIFESTS / "demo.yaml"))
@@ -202,51 +206,65 @@ class Lab:
                 "exec", "client", "--", "curl", "-sS", "-m", "5", "-g", *options, url
             )  # fmt: skip
 
-        print("\nknit lab is up:")
-        for name, node in self.nodes.items():
-            print(f"  {name}: Ready, {node.containerd.name}, files under {node.folder}")
-        ok = True
+        checks = []
         for node_name, label in (("node2", "direct route"), ("node3", "over VXLAN")):
             pod = web[node_name]
             for ip in (entry["ip"] for entry in pod["status"]["podIPs"]):
                 url = f"http://[{ip}]:8080/clientip" if ":" in ip else f"http://{ip}:8080/clientip"
                 seen = fetch(url).rpartition(":")[0].strip("[]")
-                ok &= report(
-                    f"pod-to-pod, {label}: client on node1 -> {pod['metadata']['name']} at {ip}",
-                    seen in client_ips,
-                    f"server saw {seen or 'nothing'}",
+                name = pod["metadata"]["name"]
+                checks.append(
+                    Check(
+                        f"pod-to-pod, {label}: client on node1 -> {name} at {ip}",
+                        seen in client_ips,
+                        f"server saw {seen or 'nothing'}",
+                    )
                 )
         answered = {fetch("http://web/hostname") for _ in range(12)}
         names = {pod["metadata"]["name"] for pod in pods}
-        ok &= report(
-            "pod-to-Service by DNS name: client -> http://web",
-            answered <= names and len(answered) > 1,
-            f"answered by {', '.join(sorted(answered))}",
+        checks.append(
+            Check(
+                "pod-to-Service by DNS name: client -> http://web",
+                answered <= names and len(answered) > 1,
+                f"answered by {', '.join(sorted(answered))}",
+            )
         )
         ca = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
         version = json.loads(fetch("https://kubernetes.default.svc/version", "--cacert", ca))
-        ok &= report(
-            "pod-to-apiserver through the `kubernetes` Service",
-            "gitVersion" in version,
-            f"version {version.get('gitVersion')}",
+        checks.append(
+            Check(
+                "pod-to-apiserver through the `kubernetes` Service",
+                "gitVersion" in version,
+                f"version {version.get('gitVersion')}",
+            )
         )
         node2 = self.nodes["node2"].addresses[0]
         outside = in_ns(
             self.outside, "curl", "-sS", "-m", "5", f"http://{node2}:{node_port}/hostname",
             check=False,
         )  # fmt: skip
-        ok &= report(
-            f"outside-to-NodePort: a host on lan2 -> {node2}:{node_port}",
-            outside in names,
-            f"answered by {outside or 'nobody'}",
+        checks.append(
+            Check(
+                f"outside-to-NodePort: a host on lan2 -> {node2}:{node_port}",
+                outside in names,
+                f"answered by {outside or 'nobody'}",
+            )
         )
+        return checks
+
+    def show(self, checks: list[Check]) -> bool:
+        print("\nknit lab is up:")
+        for name, node in self.nodes.items():
+            print(f"  {name}: Ready, {node.containerd.name}, files under {node.folder}")
+        for check in checks:
+            print(f"  {check.label}: {check.detail}: {'OK' if check.passed else 'FAILED'}")
         print("\npoke at it:")
         print(f"  export KUBECONFIG={self.kubeconfig}")
         print(f"  {KUBECTL} get nodes,pods -A -o wide")
         print(f"  {KUBECTL} exec client -- curl -s http://web/hostname")
         print(f"  less {self.nodes['node1'].folder / 'kubelet.log'}")
         print("remove it: make lab-down")
-        return ok
+        return all(check.passed for check in checks)
 
     def down(self) -> None:
         # the nodes first (every process of theirs, pods included, by cgroup), then the
@@ -270,7 +288,8 @@ def main() -> None:
     if options.action == "down":
         return
     try:
-        passed = lab.up()
+        lab.up()
+        passed = lab.show(lab.checks())
     except KeyboardInterrupt:
         lab.down()
         raise

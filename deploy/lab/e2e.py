@@ -1,0 +1,127 @@
+"""The upstream Kubernetes e2e suite as the judge of the lab's network.
+
+`run` drives the pinned e2e.test with ginkgo against a kubeconfig and reads its JUnit report;
+`python -m deploy.lab.e2e` brings a lab up once per proxy mode (iptables and nftables; this
+kernel has no IPVS, so that mode is not run), runs a selection, prints a table of passed,
+failed and skipped specs per mode, keeps the reports under build/e2e/MODE/ and exits non-zero
+on any failure.
+
+The selections are the kind workflow's (.github/workflows/kind-e2e.yaml) narrowed to sig-network:
+`network` is Services, Networking, KubeProxy, Conntrack and every network [Conformance] spec
+(`make e2e`); `conformance` is the network [Conformance] specs alone (what `make test` runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.lab.lab import PROXY_MODES, Lab
+
+ROOT = Path(__file__).resolve().parents[2]
+E2E_BIN = ROOT / "build" / "e2e"
+REPORTS = ROOT / "build" / "e2e"
+SELECTIONS = {
+    "conformance": r"\[sig-network\].*\[Conformance\]",
+    "network": r"\[sig-network\].*(Services|Networking|KubeProxy|Conntrack|\[Conformance\])",
+}
+# as the kind workflow: serial, disruptive, slow and flaky specs; optional features; what the
+# lab does not provide (load balancers; SCTP, which this kernel cannot open sockets of)
+SKIP = (
+    r"\[Serial\]|\[Disruptive\]|\[Slow\]|\[Flaky\]|\[Feature:[^\]]+\]|LoadBalancer|load.balancer"
+    r"|SCTP"
+)
+PROCS = 3
+
+
+@dataclass
+class Outcome:
+    passed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    skipped: int = 0
+
+
+def read_junit(report: Path) -> Outcome:
+    """The selected specs a ginkgo JUnit report holds, by outcome. Suite-level nodes are left
+    out, and so are the specs the selection filtered out, which the report lists as skipped
+    with no reason; a spec that skipped itself gives one ("skipped - ...")."""
+    outcome = Outcome()
+    for case in ElementTree.parse(report).iter("testcase"):
+        name = case.get("name", "")
+        skipped = case.find("skipped")
+        if not name.startswith("[It]") or (
+            skipped is not None and skipped.get("message") == "skipped"
+        ):
+            continue
+        if skipped is not None:
+            outcome.skipped += 1
+        elif case.find("failure") is not None or case.find("error") is not None:
+            outcome.failed.append(name)
+        else:
+            outcome.passed.append(name)
+    return outcome
+
+
+def run(kubeconfig: Path, report_dir: Path, focus: str, procs: int = PROCS) -> Outcome:
+    """The selected specs against the cluster of kubeconfig; the log and JUnit in report_dir."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    for old in report_dir.glob("junit*.xml"):
+        old.unlink()
+    with (report_dir / "e2e.log").open("w") as log:
+        subprocess.run(
+            [
+                str(E2E_BIN / "ginkgo"),
+                f"--procs={procs}", "--timeout=120m", "--no-color", "--silence-skips",
+                f"--focus={focus}", f"--skip={SKIP}",
+                str(E2E_BIN / "e2e.test"), "--",
+                f"--kubeconfig={kubeconfig}", "--provider=skeleton",
+                f"--report-dir={report_dir}", "--disable-log-dump=true",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
+            cwd=report_dir,
+        )  # fmt: skip
+    reports = sorted(report_dir.glob("junit*.xml"))
+    if not reports:
+        raise RuntimeError(f"e2e wrote no JUnit report; see {report_dir / 'e2e.log'}")
+    return read_junit(reports[0])
+
+
+def table(outcomes: dict[str, Outcome]) -> str:
+    lines = [f"{'mode':<10} {'passed':>7} {'failed':>7} {'skipped':>8}"]
+    for mode, outcome in outcomes.items():
+        lines.append(
+            f"{mode:<10} {len(outcome.passed):>7} {len(outcome.failed):>7} {outcome.skipped:>8}"
+        )
+        lines += [f"  FAILED {name}" for name in outcome.failed]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--selection", choices=sorted(SELECTIONS), default="network")
+    parser.add_argument("--modes", default=",".join(PROXY_MODES))
+    parser.add_argument("--folder", type=Path, default=ROOT / ".lab-e2e")
+    options = parser.parse_args()
+    outcomes = {}
+    for mode in options.modes.split(","):
+        lab = Lab("knit-e2e", options.folder.resolve(), mode)
+        lab.down()
+        try:
+            print(f"\n{mode}: bringing the lab up ...", flush=True)
+            lab.up()
+            print(f"{mode}: running the {options.selection} specs ...", flush=True)
+            outcomes[mode] = run(lab.kubeconfig, REPORTS / mode, SELECTIONS[options.selection])
+        finally:
+            lab.down()
+    print(table(outcomes))
+    sys.exit(1 if any(outcome.failed for outcome in outcomes.values()) else 0)
+
+
+if __name__ == "__main__":
+    main()
