@@ -77,8 +77,6 @@ class KubeNode:
     machine: Machine
     addresses: tuple[str, str]
     containerd: Containerd
-    containerd_pid: int = 0
-    kubelet_pid: int = 0
 
     @property
     def folder(self) -> Path:
@@ -98,7 +96,7 @@ class KubeNode:
         config = self.folder / "containerd.toml"
         config.write_text(self.containerd.config)
         path = f"{self.containerd.shim_dir}:/usr/sbin:/usr/bin:/sbin:/bin"
-        self.containerd_pid = self.machine.spawn(
+        self.machine.spawn(
             [str(self.containerd.binary), "--config", str(config)],
             self.folder / "containerd.log",
             env={"PATH": path},
@@ -126,7 +124,7 @@ class KubeNode:
         config.write_text(
             json.dumps(kubelet_config(self.addresses[0], cgroup_root, pki, resolv_conf))
         )
-        self.kubelet_pid = self.machine.spawn(
+        self.machine.spawn(
             [
                 str(KUBELET),
                 f"--config={config}",

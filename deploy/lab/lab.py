@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import yaml
 
 from deploy.lab import controlplane, image
-from deploy.lab.cluster import PYTHON, Network, eventually, in_ns, stop_recorded
+from deploy.lab.cluster import PYTHON, Network, eventually, in_ns, sh, stop_recorded
 from deploy.lab.kubenode import KubeNode
 from deploy.lab.machine import Cgroup, Machine
 from deploy.lab.runtime import BUILT, DEBIAN, Containerd
@@ -107,16 +106,7 @@ class Lab:
         return self.folder / "kubeconfig"
 
     def kubectl(self, *argv: str, timeout: float = 120) -> str:
-        proc = subprocess.run(
-            [str(KUBECTL), f"--kubeconfig={self.kubeconfig}", *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(argv)}: {proc.stderr.strip()}")
-        return proc.stdout
+        return sh(str(KUBECTL), f"--kubeconfig={self.kubeconfig}", *argv, timeout=timeout)
 
     def up(self) -> None:
         """Everything started, every node Ready with knit and CoreDNS running."""

@@ -25,10 +25,8 @@ import subprocess
 import time
 from pathlib import Path
 
-CGROUP_FS = Path("/sys/fs/cgroup")
-# the overlays' upper layers, the node's own folders, and the scratch dirs the holder needs
-OVERLAID = ("etc", "opt")
-OWN = ("var/lib", "var/log", "run")
+from deploy.lab.cluster import sh
+
 HOLD = r"""
 set -eu
 F=$NODE_FOLDER
@@ -186,20 +184,6 @@ class Machine:
 
     def run(self, *argv: str, timeout: float = 60) -> str:
         """Run argv in the node's namespaces and return its output (RuntimeError if it fails)."""
-        proc = subprocess.run(
-            ["nsenter", f"--target={self.holder}", "--mount", "--net", "--", *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
+        return sh(
+            "nsenter", f"--target={self.holder}", "--mount", "--net", "--", *argv, timeout=timeout
         )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} on {self.netns}: {proc.stderr.strip()}")
-        return proc.stdout
-
-    def shutdown(self) -> None:
-        """Every process of the node killed and its cgroup removed; the mount namespace and
-        everything mounted in it go with its last process."""
-        self.cgroup.kill()
-        self.cgroup.remove()
-        self.holder = 0
