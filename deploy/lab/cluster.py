@@ -282,7 +282,7 @@ class Cluster(Network):
         eventually(node.socket.exists, 30, what=f"knit-proxyd on {node.name} serving its socket")
 
     def stop_daemon(self, node: LabNode) -> None:
-        _terminate(node.daemon)
+        terminate(node.daemon)
         node.daemon = 0
         # a daemon ended by SIGKILL leaves its socket, which start_daemon waits for
         node.socket.unlink(missing_ok=True)
@@ -291,7 +291,7 @@ class Cluster(Network):
         """The node leaves: its Node object goes, its machine goes away."""
         self.kube.delete(f"{NODES}/{node.name}")
         self.stop_daemon(node)
-        _terminate(node.forward)
+        terminate(node.forward)
         _remove_namespace(node.ns)
         del self.nodes[node.name]
 
@@ -403,7 +403,7 @@ def _gone(pid: int) -> bool:
     return state == "Z"  # ended; its parent (init, once the lab exited) reaps it later
 
 
-def _terminate(pid: int) -> None:
+def terminate(pid: int) -> None:
     if not pid:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -428,7 +428,7 @@ def stop_recorded(folder: Path) -> None:
     """Stop every process and delete every namespace recorded in folder."""
     pids = folder / "pids"
     for pid in reversed(pids.read_text().split() if pids.exists() else []):
-        _terminate(int(pid))
+        terminate(int(pid))
     record = folder / "namespaces"
     for name in reversed(record.read_text().split() if record.exists() else []):
         _remove_namespace(name)

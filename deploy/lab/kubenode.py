@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deploy.lab.cluster import terminate
 from deploy.lab.controlplane import issue_client, kubeconfig_for, write_kubeconfig
 from deploy.lab.machine import Machine
 from deploy.lab.runtime import CNI_BIN_DIR, SOCKET, Containerd
@@ -77,6 +78,8 @@ class KubeNode:
     machine: Machine
     addresses: tuple[str, str]
     containerd: Containerd
+    containerd_pid: int = 0
+    kubelet_pid: int = 0
 
     @property
     def folder(self) -> Path:
@@ -96,7 +99,8 @@ class KubeNode:
         config = self.folder / "containerd.toml"
         config.write_text(self.containerd.config)
         path = f"{self.containerd.shim_dir}:/usr/sbin:/usr/bin:/sbin:/bin"
-        self.machine.spawn(
+        self.socket.unlink(missing_ok=True)  # one a killed containerd left
+        self.containerd_pid = self.machine.spawn(
             [str(self.containerd.binary), "--config", str(config)],
             self.folder / "containerd.log",
             env={"PATH": path},
@@ -124,7 +128,7 @@ class KubeNode:
         config.write_text(
             json.dumps(kubelet_config(self.addresses[0], cgroup_root, pki, resolv_conf))
         )
-        self.machine.spawn(
+        self.kubelet_pid = self.machine.spawn(
             [
                 str(KUBELET),
                 f"--config={config}",
@@ -134,3 +138,11 @@ class KubeNode:
             ],
             self.folder / "kubelet.log",
         )
+
+    def restart(self, pki: Path, server: str) -> None:
+        """kubelet and containerd stopped and started again, as a node's service manager
+        would; the pods' processes (under their shims) go on."""
+        for pid in (self.kubelet_pid, self.containerd_pid):
+            terminate(pid)
+        self.start_containerd()
+        self.start_kubelet(pki, server)

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from deploy.lab import controlplane, image
-from deploy.lab.cluster import PYTHON, Network, eventually, in_ns, sh, stop_recorded
+from deploy.lab.cluster import PYTHON, Network, Segment, eventually, in_ns, sh, stop_recorded
 from deploy.lab.kubenode import KubeNode
 from deploy.lab.machine import Cgroup, Machine
 from deploy.lab.runtime import BUILT, DEBIAN, Containerd
@@ -82,6 +82,18 @@ def knit_overlay(folder: Path, advertise: str, port: int, mode: str) -> Path:
 
 
 @dataclass(frozen=True)
+class Endpoint:
+    """Where nodes and pods reach the apiserver."""
+
+    address: str
+    port: int
+
+    @property
+    def server(self) -> str:
+        return f"https://{self.address}:{self.port}"
+
+
+@dataclass(frozen=True)
 class Check:
     label: str
     passed: bool
@@ -96,6 +108,7 @@ class Lab:
         self.cgroup = Cgroup(prefix)
         self.nodes: dict[str, KubeNode] = {}
         self.outside = ""
+        self.server = ""
 
     @property
     def plane_dir(self) -> Path:
@@ -117,10 +130,38 @@ class Lab:
             "lan1": network.add_segment("lan1", "10.77.1.0/24", "fd77:1::/64"),
             "lan2": network.add_segment("lan2", "10.77.2.0/24", "fd77:2::/64"),
         }
-        plane_ns = network.add_host("apiserver", segments["lan1"], CONTROL_PLANE_HOST)
         self.outside = network.add_host("outside", segments["lan2"], 99)
-        advertise = segments["lan1"].host(CONTROL_PLANE_HOST)[0]
+        plane = self._start_control_plane(network, segments["lan1"])
+        self.server = plane.server
+        print("building the images (knit, pause, agnhost, coredns) ...", flush=True)
+        archives = list(image.build_lab_images(ROOT / "build" / "images").values())
+        for name, (segment, index, containerd) in NODES.items():
+            print(f"starting {name}: containerd ({containerd.name}) and kubelet ...", flush=True)
+            ns = network.add_namespace(self.node_ns(name))
+            addresses = network.attach(ns, segments[segment], index, f"{name}-port")
+            machine = Machine(ns, self.folder / name, f"{self.prefix}/{name}")
+            machine.boot()
+            node = KubeNode(name, machine, addresses, containerd)
+            node.start_containerd()
+            image.import_images(node.ctr(), archives)
+            node.start_kubelet(self.plane_dir / "pki", plane.server)
+            self.nodes[name] = node
+        print("installing knit from deploy/kubernetes and CoreDNS ...", flush=True)
+        overlay = knit_overlay(self.folder / "knit", plane.address, plane.port, self.mode)
+        self.kubectl("apply", "-k", str(overlay))
+        self.kubectl("apply", "-f", str(MANIFESTS / "coredns.yaml"))
+        self.wait_ready()
+        print(f"all nodes Ready with knit running in {time.monotonic() - began:.0f}s")
+
+    def node_ns(self, name: str) -> str:
+        return f"{self.prefix}-{name}"
+
+    def _start_control_plane(self, network: Network, segment: Segment) -> Endpoint:
+        """The control plane on host loopback, the gateway that makes it reachable at a host
+        of segment, and the admin kubeconfig; returns where nodes and pods reach it."""
         print("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler ...")
+        plane_ns = network.add_host("apiserver", segment, CONTROL_PLANE_HOST)
+        advertise = segment.host(CONTROL_PLANE_HOST)[0]
         reach = controlplane.Reach(advertise, self.plane_dir / "egress.sock")
         self.plane_dir.mkdir()
         plane = controlplane.start(self.plane_dir, detach=True, reach=reach)
@@ -131,32 +172,13 @@ class Lab:
                 "--address", advertise,
                 "--apiserver-port", str(plane.port),
                 "--egress-socket", str(reach.egress_socket),
-                "--egress-netns", f"{self.prefix}-{next(iter(NODES))}",
+                "--egress-netns", self.node_ns(next(iter(NODES))),
             ],
             self.folder / "gateway.log",
         )  # fmt: skip
         controlplane.start_controllers(plane, CLUSTER_CIDRS, detach=True)
         shutil.copy(plane.kubeconfig, self.kubeconfig)
-        print("building the images (knit, pause, agnhost, coredns) ...", flush=True)
-        archives = image.build_lab_images(ROOT / "build" / "images").values()
-        server = f"https://{advertise}:{plane.port}"
-        for name, (segment, index, containerd) in NODES.items():
-            print(f"starting {name}: containerd ({containerd.name}) and kubelet ...", flush=True)
-            ns = network.add_namespace(f"{self.prefix}-{name}")
-            addresses = network.attach(ns, segments[segment], index, f"{name}-port")
-            machine = Machine(ns, self.folder / name, f"{self.prefix}/{name}")
-            machine.boot()
-            node = KubeNode(name, machine, addresses, containerd)
-            node.start_containerd()
-            image.import_images(node.ctr(), archives)
-            node.start_kubelet(self.plane_dir / "pki", server)
-            self.nodes[name] = node
-        print("installing knit from deploy/kubernetes and CoreDNS ...", flush=True)
-        overlay = knit_overlay(self.folder / "knit", advertise, plane.port, self.mode)
-        self.kubectl("apply", "-k", str(overlay))
-        self.kubectl("apply", "-f", str(MANIFESTS / "coredns.yaml"))
-        self.wait_ready()
-        print(f"all nodes Ready with knit running in {time.monotonic() - began:.0f}s")
+        return Endpoint(advertise, plane.port)
 
     def wait_ready(self) -> None:
         names = list(self.nodes)
@@ -178,12 +200,16 @@ class Lab:
         conditions = node.get("status", {}).get("conditions", [])
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
-    def checks(self) -> list[Check]:
-        """Checks made with real pods: a Deployment spread over the nodes, a client pod on node1,
-        a NodePort Service, and a host outside the cluster."""
+    def deploy_demo(self) -> None:
+        """A web Deployment spread over the nodes, a NodePort Service over it and a client pod
+        on node1, all ready."""
         self.kubectl("apply", "-f", str(MANIFESTS / "demo.yaml"))
         self.kubectl("rollout", "status", "deployment/web", "--timeout=180s", timeout=200)
         self.kubectl("wait", "--for=condition=Ready", "pod/client", "--timeout=180s", timeout=200)
+
+    def checks(self) -> list[Check]:
+        """Checks made with real pods of the demo and a host outside the cluster."""
+        self.deploy_demo()
         pods = json.loads(self.kubectl("get", "pods", "-l", "app=web", "-o", "json"))["items"]
         web = {pod["spec"]["nodeName"]: pod for pod in pods}
         client = json.loads(self.kubectl("get", "pod", "client", "-o", "json"))
