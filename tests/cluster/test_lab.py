@@ -4,12 +4,17 @@ and nftables (no IPVS in this kernel). The JUnit reports stay under build/e2e/MO
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from deploy.lab import e2e
-from deploy.lab.lab import PROXY_MODES, Lab
+from deploy.lab.cluster import eventually, sh
+from deploy.lab.lab import KUBECTL, PROXY_MODES, Lab
 from tests.conftest import unique_name
 
 # bringing a lab up takes a minute or two; the e2e selection tens of minutes
@@ -36,3 +41,135 @@ def test_every_network_conformance_spec_passes(lab: Lab) -> None:
     outcome = e2e.run(lab.kubeconfig, e2e.REPORTS / lab.mode, e2e.SELECTIONS["conformance"])
     assert outcome.failed == []
     assert outcome.passed
+
+
+# ---------------------------------------------------------------- knit's own life on real nodes
+
+KNIT_IMAGE = "docker.io/library/knit:dev"
+NEXT_IMAGE = "docker.io/library/knit:next"
+# a client that fetches until the file named by $STOP exists, then prints its counts
+LOOP = (
+    'n=0; f=0; until [ -e "$STOP" ]; do n=$((n+1)); '
+    'curl -sf -m 2 -o /dev/null "$URL" || f=$((f+1)); done; echo "$n $f"'
+)
+
+
+def _loop_in_pod(lab: Lab, url: str, stop: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(KUBECTL), f"--kubeconfig={lab.kubeconfig}", "exec", "client", "--",
+         "env", f"URL={url}", f"STOP={stop}", "sh", "-c", LOOP],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _loop_outside(lab: Lab, url: str, stop: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", lab.outside, "env", f"URL={url}", f"STOP={stop}", "sh", "-c", LOOP],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _counts(proc: subprocess.Popen[str]) -> tuple[int, int]:
+    out, _ = proc.communicate(timeout=60)
+    made, failed = out.split()
+    return int(made), int(failed)
+
+
+def test_a_rolling_update_of_knit_loses_no_connection(lab: Lab, tmp_path: Path) -> None:
+    lab.deploy_demo()
+    node_port = json.loads(lab.kubectl("get", "service", "web", "-o", "json"))["spec"]["ports"][0][
+        "nodePort"
+    ]
+    node2 = lab.nodes["node2"].addresses[0]
+    # the new image: knit's archive under another tag, on every node, as a registry would serve
+    for node in lab.nodes.values():
+        sh(*node.ctr("images", "tag", "--force", KNIT_IMAGE, NEXT_IMAGE))
+    stop = tmp_path / "stop"
+    inside = _loop_in_pod(lab, "http://web/hostname", "/tmp/stop")
+    outside = _loop_outside(lab, f"http://{node2}:{node_port}/hostname", stop)
+    lab.kubectl("-n", "kube-system", "set", "image", "daemonset/knit", f"knit={NEXT_IMAGE}")
+    # a pod made while the update runs
+    lab.kubectl(
+        "run", "during", "--image=registry.k8s.io/e2e-test-images/agnhost:2.66.1",
+        "--", "netexec", "--http-port=8080",
+    )  # fmt: skip
+    lab.kubectl(
+        "-n", "kube-system", "rollout", "status", "daemonset/knit", "--timeout=300s", timeout=320
+    )  # fmt: skip
+    lab.kubectl("exec", "client", "--", "touch", "/tmp/stop")
+    stop.touch()
+    (made_inside, failed_inside), (made_outside, failed_outside) = _counts(inside), _counts(outside)
+    assert (failed_inside, failed_outside) == (0, 0)
+    assert made_inside > 10 and made_outside > 10
+    images = lab.kubectl(
+        "-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=knit",
+        "-o", "jsonpath={.items[*].spec.containers[0].image}",
+    ).split()  # fmt: skip
+    assert images == [NEXT_IMAGE] * len(lab.nodes)
+    lab.kubectl("wait", "--for=condition=Ready", "pod/during", "--timeout=120s", timeout=130)
+    during = json.loads(lab.kubectl("get", "pod", "during", "-o", "json"))["status"]["podIP"]
+    assert (
+        lab.kubectl(
+            "exec", "client", "--", "curl", "-sS", "-m", "5", f"http://{during}:8080/hostname"
+        )
+        == "during"
+    )
+    print(f"rolling update: {made_inside} requests to a ClusterIP, {made_outside} to a NodePort")
+
+
+def _node_state(lab: Lab, name: str) -> dict[str, object]:
+    """What a node holds for its pods: address reservations, veths and rules, beside the
+    addresses of the pods the API server places there."""
+    node = lab.nodes[name]
+    store = node.folder / "var/lib/cni/networks/knit"
+    reserved = sorted(p.name for p in store.iterdir() if p.name[0].isdigit() or ":" in p.name)
+    # pods' veths on knit's bridge (the node's own uplink is a veth too)
+    veths = node.machine.run("ip", "-o", "link", "show", "master", "knit0").count("\n")
+    ruleset = ["iptables-save"] if lab.mode == "iptables" else ["nft", "list", "ruleset"]
+    pods = json.loads(
+        lab.kubectl("get", "pods", "-A", "--field-selector", f"spec.nodeName={name}", "-o", "json")
+    )["items"]
+    addresses = [
+        ip["ip"]
+        for pod in pods
+        if not pod["spec"].get("hostNetwork")
+        for ip in pod["status"].get("podIPs", [])
+    ]
+    return {
+        "reserved": reserved,
+        "veths": veths,
+        "rules": len(node.machine.run(*ruleset).splitlines()),
+        "pod addresses": sorted(addresses),
+    }
+
+
+def _settled(lab: Lab, name: str) -> dict[str, object] | None:
+    """The node's state once its reservations are exactly its pods' addresses and nothing
+    changed over two seconds (knit has programmed the Services just made)."""
+    first = _node_state(lab, name)
+    time.sleep(2)
+    state = _node_state(lab, name)
+    return state if state == first and state["reserved"] == state["pod addresses"] else None
+
+
+def test_knit_and_the_node_restarting_leak_nothing(lab: Lab) -> None:
+    lab.deploy_demo()
+    # the pods of specs run before this one may still be going away
+    before = eventually(lambda: _settled(lab, "node3"), 120, what="node3's pods settled")
+    assert before["veths"] == len(before["pod addresses"]) // 2  # one per dual-stack pod
+    knit = lab.kubectl(
+        "-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=knit",
+        "--field-selector", "spec.nodeName=node3", "-o", "name",
+    ).strip()  # fmt: skip
+    lab.kubectl("-n", "kube-system", "delete", knit, "--timeout=60s", timeout=70)
+    lab.kubectl(
+        "-n", "kube-system", "rollout", "status", "daemonset/knit", "--timeout=180s", timeout=200
+    )  # fmt: skip
+    after_knit = eventually(lambda: _settled(lab, "node3"), 120, what="node3 settled")
+    lab.nodes["node3"].restart(lab.plane_dir / "pki", lab.server)
+    lab.wait_ready()
+    lab.kubectl("wait", "--for=condition=Ready", "pods", "--all", "--timeout=120s", timeout=130)
+    after_restart = eventually(lambda: _settled(lab, "node3"), 120, what="node3 settled")
+    print(f"node3 before {before}, after knit's pod {after_knit}, after a restart {after_restart}")
+    assert after_knit == before
+    assert after_restart == before
