@@ -1,7 +1,8 @@
-"""A cluster in network namespaces, shared by `make lab` and the tests.
+"""The lab's underlay (Network, which `make lab` builds on), and a kubelet-less cluster for tests.
 
 A router namespace holds one bridge per underlay segment (an L2 network with an IPv4 and an
-IPv6 subnet) and routes between segments. A node is a namespace with one leg on a segment,
+IPv6 subnet) and routes between segments. In the kubelet-less Cluster, a node is a namespace
+with one leg on a segment,
 its own copies of what a real node keeps on disk (etc/cni/net.d, opt/cni/bin, var/lib/cni,
 run/knit) under the cluster's folder, a Node object in the API server, a relay to the API
 server at 127.0.0.1:6443, and knit-proxyd, which installs the plugin from the bundle, writes
@@ -50,6 +51,28 @@ def sh(*argv: str, check: bool = True, timeout: float = 60) -> str:
 
 def in_ns(ns: str, *argv: str, check: bool = True, timeout: float = 60) -> str:
     return sh("ip", "netns", "exec", ns, *argv, check=check, timeout=timeout)
+
+
+def detach(
+    argv: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    preexec: Callable[[], None] | None = None,
+) -> int:
+    """Start argv in a session of its own, from the project's root with the project importable,
+    writing to log; returns its pid (the process outlives this one)."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            preexec_fn=preexec,
+        )
+    return proc.pid
 
 
 def eventually(
@@ -152,18 +175,9 @@ class Network:
         return name
 
     def spawn(self, argv: list[str], log: Path) -> int:
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-        self._record("pids", str(proc.pid))
-        return proc.pid
+        pid = detach(argv, log)
+        self._record("pids", str(pid))
+        return pid
 
     # ------------------------------------------------------------ underlay
 

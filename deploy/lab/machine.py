@@ -21,11 +21,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
-from deploy.lab.cluster import sh
+from deploy.lab.cluster import detach, sh
 
 HOLD = r"""
 set -eu
@@ -170,17 +169,7 @@ class Machine:
             for procs in joins:
                 procs.write_text(str(os.getpid()))
 
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **(env or {})},
-                preexec_fn=join,
-            )
-        return proc.pid
+        return detach(argv, log, env, join)
 
     def run(self, *argv: str, timeout: float = 60) -> str:
         """Run argv in the node's namespaces and return its output (RuntimeError if it fails)."""
