@@ -64,8 +64,9 @@ unit: venv
 test: setup cni go-tools e2e-tools lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# a real cluster in namespaces (docs/lab.md); e.g. ARGS="--mode nftables"
 lab: setup go-tools
-	cd $(ROOT) && $(PY) -m deploy.lab.lab up
+	cd $(ROOT) && $(PY) -m deploy.lab.lab up $(ARGS)
 
 lab-down:
 	cd $(ROOT) && $(PY) -m deploy.lab.lab down
