@@ -23,8 +23,8 @@ from pathlib import Path
 from deploy.lab.lab import PROXY_MODES, Lab
 
 ROOT = Path(__file__).resolve().parents[2]
-E2E_BIN = ROOT / "build" / "e2e"
-REPORTS = ROOT / "build" / "e2e"
+# e2e.test and ginkgo (make e2e-tools), and one folder of reports per proxy mode beside them
+E2E = ROOT / "build" / "e2e"
 SELECTIONS = {
     "conformance": r"\[sig-network\].*\[Conformance\]",
     "network": r"\[sig-network\].*(Services|Networking|KubeProxy|Conntrack|\[Conformance\])",
@@ -74,10 +74,10 @@ def run(kubeconfig: Path, report_dir: Path, focus: str, procs: int = PROCS) -> O
     with (report_dir / "e2e.log").open("w") as log:
         subprocess.run(
             [
-                str(E2E_BIN / "ginkgo"),
+                str(E2E / "ginkgo"),
                 f"--procs={procs}", "--timeout=120m", "--no-color", "--silence-skips",
                 f"--focus={focus}", f"--skip={SKIP}",
-                str(E2E_BIN / "e2e.test"), "--",
+                str(E2E / "e2e.test"), "--",
                 f"--kubeconfig={kubeconfig}", "--provider=skeleton",
                 f"--report-dir={report_dir}", "--disable-log-dump=true",
             ],
@@ -116,7 +116,7 @@ def main() -> None:
             print(f"\n{mode}: bringing the lab up ...", flush=True)
             lab.up()
             print(f"{mode}: running the {options.selection} specs ...", flush=True)
-            outcomes[mode] = run(lab.kubeconfig, REPORTS / mode, SELECTIONS[options.selection])
+            outcomes[mode] = run(lab.kubeconfig, E2E / mode, SELECTIONS[options.selection])
         finally:
             lab.down()
     print(table(outcomes))

@@ -24,7 +24,16 @@ from typing import Any
 import yaml
 
 from deploy.lab import controlplane, image
-from deploy.lab.cluster import PYTHON, Network, Segment, eventually, in_ns, sh, stop_recorded
+from deploy.lab.cluster import (
+    CLUSTER_CIDRS,
+    PYTHON,
+    Network,
+    Segment,
+    eventually,
+    in_ns,
+    sh,
+    stop_recorded,
+)
 from deploy.lab.kubenode import KubeNode
 from deploy.lab.machine import Cgroup, Machine
 from deploy.lab.runtime import BUILT, DEBIAN, Containerd
@@ -33,7 +42,6 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = ROOT / "build" / "controlplane" / "kubectl"
 MANIFESTS = Path(__file__).resolve().parent / "manifests"
 DEPLOY = ROOT / "deploy" / "kubernetes"
-CLUSTER_CIDRS = ("10.244.0.0/16", "fd10:244::/56")
 # name: (segment, host number, containerd): containerd 2.x on two nodes, 1.6 on one
 NODES: dict[str, tuple[str, int, Containerd]] = {
     "node1": ("lan1", 11, BUILT),
