@@ -78,13 +78,13 @@ e2e: setup go-tools e2e-tools
 
 # etcd + kube-apiserver on host loopback, left running; kubeconfig and logs in .controlplane/
 controlplane: setup go-tools
-	$(PY) deploy/lab/controlplane.py up --dir $(ROOT)/.controlplane
+	cd $(ROOT) && $(PY) -m deploy.lab.controlplane up --dir $(ROOT)/.controlplane
 
 controlplane-down:
-	$(PY) deploy/lab/controlplane.py down --dir $(ROOT)/.controlplane
+	cd $(ROOT) && $(PY) -m deploy.lab.controlplane down --dir $(ROOT)/.controlplane
 
 bench-cni: setup cni go-tools
-	$(PY) bench/cni_bench.py $(ARGS)
+	cd $(ROOT) && $(PY) -m bench.cni_bench $(ARGS)
 
 # the daemon's address and UDP conntrack reads and VXLAN peers, against the old ways (~2 min)
 bench-netlink: setup

@@ -6,8 +6,8 @@ per pod) in one node namespace, on the same pod namespaces, alternating rounds. 
 daemon (cni.server) runs inside the node namespace. Prints the medians, the ratio against the
 reference (1.0 = as fast, above 1 = slower), and where the fast path's time goes.
 
-Run as root: .venv/bin/python bench/cni_bench.py [--pods 20] [--rounds 3] [--ip-masq]
-[--nat-rules N] [--node-addresses N]. --ip-masq: every contender masquerades its pods'
+Run as root, from the checkout: .venv/bin/python -m bench.cni_bench [--pods 20] [--rounds 3]
+[--ip-masq] [--nat-rules N] [--node-addresses N]. --ip-masq: every contender masquerades its pods'
 outgoing traffic, so ADD, CHECK and DEL also write, verify and remove those rules, knit and the
 reference both through iptables. --nat-rules: the node's nat table first holds N other rules,
 as kube-proxy's iptables mode fills it, 8 to a chain, with kubelet's hint chain in mangle.
@@ -30,9 +30,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DRIVER = ROOT / "build" / "tools" / "cnidriver"
-REFERENCE_DIR = ROOT / "build" / "refcni"
+from deploy.lab.paths import CNIDRIVER, REFERENCE_PLUGINS, ROOT
+
 PREFIX = f"kb{os.getpid()}"
 VERBS = ("add", "check", "del")
 CONTENDERS = ("reference", "knit", "knit-fast")
@@ -108,7 +107,7 @@ def run_driver(node: str, work: Path, name: str, conf: dict, cni_path: str) -> d
     path.write_text(json.dumps(conf))
     files = ["--conflist", str(path), "--cache-dir", str(work / "cache")]
     files += ["--netns-list", str(work / "netns")]
-    out = sh("ip", "netns", "exec", node, str(DRIVER), "bench", *files, "--cni-path", cni_path)
+    out = sh("ip", "netns", "exec", node, str(CNIDRIVER), "bench", *files, "--cni-path", cni_path)
     return json.loads(out)
 
 
@@ -226,7 +225,9 @@ def main() -> None:
                     for name, conf in confs.items():
                         plugin_dir = launchers[name]
                         cni_path = (
-                            f"{plugin_dir}:{REFERENCE_DIR}" if plugin_dir else str(REFERENCE_DIR)
+                            f"{plugin_dir}:{REFERENCE_PLUGINS}"
+                            if plugin_dir
+                            else str(REFERENCE_PLUGINS)
                         )
                         for verb, times in run_driver(node, work, name, conf, cni_path).items():
                             samples[name].setdefault(verb, []).extend(times)

@@ -29,20 +29,19 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 from pyroute2 import Conntrack, IPRoute
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
+from deploy.lab.conntrack_entries import add_entry
+from deploy.lab.netns import Netns, namespaces
 from proxyd.addresses import link_addresses
 from proxyd.conntrack import UdpFrontends, clear_stale
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.plan import NodeNet, plan_routes
 from proxyd.nodenet.routes import NTF_SELF, VXLAN_DEVICE, RouteTable
-from tests.conftest import Netns, netns_factory
-from tests.integration.conntrack_env import add_entry
 
 OTHER_LINKS = 20
 DNS = ("10.96.0.10", 53)
@@ -207,9 +206,9 @@ def main() -> None:
         (conntrack, options.entries),
         (overlay_peers, options.peers),
     )
-    with contextmanager(netns_factory)() as make_netns:
+    with namespaces("knb-") as make_netns:
         for step, count in steps:
-            step(make_netns("knb"), count, options.rounds)
+            step(make_netns("node"), count, options.rounds)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import pstats
 import re
 import shlex
@@ -88,10 +87,20 @@ from typing import Any, TypeVar
 from kubernetes import client, config
 
 from cni.firewall import detect_iptables_flavour
-from cni.netns import entered, open_netns
-from deploy.lab.cluster import eventually
 from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent, start
-from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
+from deploy.lab.kube import (
+    SERVICES,
+    SLICES,
+    Kube,
+    endpoint,
+    node_object,
+    service_object,
+    slice_object,
+)
+from deploy.lab.netns import Netns, namespaces
+from deploy.lab.paths import ROOT
+from deploy.lab.process import eventually
+from deploy.lab.proxyd_node import NodeFiles, launch_proxyd, proxyd_flags
 from proxyd.config import load as load_config
 from proxyd.daemon import make_proxier
 from proxyd.iptables import render as iptables_render
@@ -101,20 +110,23 @@ from proxyd.iptables.kernel import Iptables as IptablesKernel
 from proxyd.iptables.proxier import NFT_CHAINS_PER_RESTORE
 from proxyd.iptables.restore import RuleSet, Script, partial_script
 from proxyd.metrics import Metrics
-from proxyd.model import IP_FAMILIES, Endpoint, ServicePort, ServicePortName, parse_node
+from proxyd.model import (
+    IP_FAMILIES,
+    ZONE_LABEL,
+    Endpoint,
+    ServicePort,
+    ServicePortName,
+    parse_node,
+)
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.kernel import CHAIN_LINE, Nft
 from proxyd.nftables.transaction import GENERATION_SUFFIXES, TableState, partial_transaction
 from proxyd.plan import FamilyContext, PortPlan, plan_port
-from tests.conftest import ROOT, Netns, unique_name
-from tests.integration.proxy_env import (
-    REMOTE_NODE,
-    launch_proxyd,
-    node_object,
-    proxyd_args,
-)
 
 NODE = "bench-node"
+NODE_ADDRESS = "198.18.0.1"
+REMOTE_NODE = "node-elsewhere"
+"""The node every service's endpoints are on: not this one, so no rule is local."""
 CLUSTER_CIDR = "10.244.0.0/16"
 PORT, TARGET_PORT = 80, 8080
 ENDPOINTS = 10
@@ -136,7 +148,6 @@ SYNC_LOGGED = {
     PARTIAL: re.compile(r"knit-proxyd: partial sync of [1-9]"),
 }
 """The line the daemon logs after each kind of sync (Daemon._sync_changes in proxyd/daemon.py)."""
-ZONE = "topology.kubernetes.io/zone"
 LEGACY_HINT = "KUBE-IPTABLES-HINT"
 OUTSIDE_POLL_LIMIT = 0.05
 """Seconds one look at the kernel may cost to be polled during a change (legacy: ~0.8 s at
@@ -191,12 +202,8 @@ def in_netns(ns: Netns, fn: Callable[[], T]) -> T:
     thread stays where it is."""
 
     def entered_call() -> T:
-        fd = open_netns(ns.path)
-        try:
-            with entered(fd):
-                return fn()
-        finally:
-            os.close(fd)
+        with ns.entered():
+            return fn()
 
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(entered_call).result()
@@ -253,11 +260,7 @@ def create_services(kube: Kube, indices: range) -> float:
 
 def make_netns(prefix: str, stack: ExitStack) -> Netns:
     """A fresh network namespace (lo up), removed when stack closes."""
-    ns = Netns(unique_name(f"kpb-{prefix}"))
-    subprocess.run(["ip", "netns", "add", ns.name], check=True)
-    stack.callback(ns.remove)
-    ns.run("ip", "link", "set", "lo", "up")
-    return ns
+    return stack.enter_context(namespaces("kpb-"))(prefix)
 
 
 @dataclass
@@ -789,15 +792,15 @@ class Bench:
             )
             folder = self.work / tag
             (folder / "networks").mkdir(parents=True)
-            args = proxyd_args(
+            files = NodeFiles(folder / "net.d", folder / "bin", folder / "networks")
+            args = proxyd_flags(
                 kubeconfig,
                 NODE,
                 CLUSTER_CIDR,
-                mode.name,
-                folder,
-                folder / "networks",
+                files,
                 "--metrics-bind-address",
                 "127.0.0.1:10249",
+                mode=mode.name,
             )
             daemon = Daemon.start(node, args, self.work / f"proxyd-{tag}.log", profile)
             stack.callback(daemon.stop)
@@ -865,7 +868,7 @@ class Bench:
         for repeat in range(self.repeats):
             before, since = daemon.metrics(), daemon.log_size()
             zone = f"zone-{size}-{mode.name}-{repeat}"
-            self.kube.patch(f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {ZONE: zone}}})
+            self.kube.patch(f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {ZONE_LABEL: zone}}})
             try:
                 after = daemon.wait_sync(FULL, since, self.options.sync_timeout)
             except TimeoutError:
@@ -1118,7 +1121,7 @@ def main() -> None:
         api = api_client(plane)
         stack.callback(api.close)
         kube = Kube(api)
-        kube.call("POST", "/api/v1/nodes", node_object(NODE))
+        kube.call("POST", "/api/v1/nodes", node_object(NODE, [NODE_ADDRESS], zone="zone-a"))
         bench = Bench(options, plane, kube, work)
         created = 0
         for size in sizes:

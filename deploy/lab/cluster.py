@@ -15,83 +15,35 @@ from another process.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from deploy.lab.controlplane import ControlPlane
-from deploy.lab.kube import NODES, SERVICES, SLICES, Kube, api_client, endpoint, slice_object
+from deploy.lab.kube import (
+    NODES,
+    SERVICES,
+    SLICES,
+    Kube,
+    api_client,
+    endpoint,
+    node_object,
+    slice_object,
+)
+from deploy.lab.netns import ECHO, remove_namespace
+from deploy.lab.paths import CNIDRIVER, REFERENCE_PLUGINS
+from deploy.lab.process import detach, eventually, in_ns, sh, terminate
+from deploy.lab.proxyd_node import NodeFiles, proxyd_argv, proxyd_flags
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "build" / "tools" / "cnidriver"
-PORTMAP = ROOT / "build" / "refcni" / "portmap"
-ECHO = ROOT / "tests" / "echo.py"
+PORTMAP = REFERENCE_PLUGINS / "portmap"
 PYTHON = sys.executable
 CLUSTER_CIDRS = ("10.244.0.0/16", "fd10:244::/56")
 ROUTER = "router"
-T = TypeVar("T")
-
-
-def sh(*argv: str, check: bool = True, timeout: float = 60) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def in_ns(ns: str, *argv: str, check: bool = True, timeout: float = 60) -> str:
-    return sh("ip", "netns", "exec", ns, *argv, check=check, timeout=timeout)
-
-
-def detach(
-    argv: list[str],
-    log: Path,
-    env: dict[str, str] | None = None,
-    preexec: Callable[[], None] | None = None,
-) -> int:
-    """Start argv in a session of its own, from the project's root with the project importable,
-    writing to log; returns its pid (the process outlives this one)."""
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-            preexec_fn=preexec,
-        )
-    return proc.pid
-
-
-def eventually(
-    check: Callable[[], T], timeout: float = 15, what: str = "condition", interval: float = 0.2
-) -> T:
-    """The first truthy result of check(), tried every `interval` seconds; TimeoutError naming
-    the last error after timeout."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while True:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception as err:
-            last = err
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s (last error: {last!r})")
-        time.sleep(interval)
 
 
 @dataclass(frozen=True)
@@ -260,7 +212,7 @@ class Cluster(Network):
         for sub in ("etc/cni/net.d", "opt/cni/bin", "var/lib/cni/networks", "run/knit"):
             (node.folder / sub).mkdir(parents=True, exist_ok=True)
         shutil.copy2(PORTMAP, node.bin_dir / "portmap")
-        self.kube.create(NODES, node_object(node))
+        self.kube.create(NODES, node_object(name, addresses, pod_cidrs))
         self.nodes[name] = node
         self.start_daemon(node)
         return node
@@ -275,24 +227,20 @@ class Cluster(Network):
                 node.folder / "forward.log",
             )  # fmt: skip
         kubeconfig = self.control_plane.write_kubeconfig(node.folder / "kubeconfig", 6443)
-        node.daemon = self.spawn(
-            [
-                "ip", "netns", "exec", node.ns, PYTHON, "-m", "proxyd",
-                "--kubeconfig", str(kubeconfig),
-                "--hostname-override", node.name,
-                "--cluster-cidr", ",".join(CLUSTER_CIDRS),
-                "--min-sync-period", "200ms",
-                "--metrics-bind-address", "127.0.0.1:10249",
-                "--cni-conf-dir", str(node.conflist.parent),
-                "--cni-bin-dir", str(node.bin_dir),
-                "--cni-data-dir", str(node.data_dir),
-                "--cni-socket", str(node.socket),
-                "--cni-bundle", str(self.bundle),
-                "--routing", self.routing,
-                *extra,
-            ],
-            node.log,
+        files = NodeFiles(
+            node.conflist.parent, node.bin_dir, node.data_dir, str(node.socket), str(self.bundle)
+        )
+        flags = proxyd_flags(
+            kubeconfig,
+            node.name,
+            ",".join(CLUSTER_CIDRS),
+            files,
+            "--min-sync-period", "200ms",
+            "--metrics-bind-address", "127.0.0.1:10249",
+            *extra,
+            routing=self.routing,
         )  # fmt: skip
+        node.daemon = self.spawn(proxyd_argv(node.ns, flags), node.log)
         eventually(node.socket.exists, 30, what=f"knit-proxyd on {node.name} serving its socket")
 
     def stop_daemon(self, node: LabNode) -> None:
@@ -306,7 +254,7 @@ class Cluster(Network):
         self.kube.delete(f"{NODES}/{node.name}")
         self.stop_daemon(node)
         terminate(node.forward)
-        _remove_namespace(node.ns)
+        remove_namespace(node.ns)
         del self.nodes[node.name]
 
     # ------------------------------------------------------------ pods
@@ -329,12 +277,12 @@ class Cluster(Network):
 
     def vanish(self, pod: LabPod) -> None:
         """The pod's namespace (and so its veth) goes away without a CNI DEL, as in a reboot."""
-        _remove_namespace(pod.ns)
+        remove_namespace(pod.ns)
 
     def cni(self, node: LabNode, verb: str, ns: str, name: str) -> str:
         """Run verb (add, check, del) for a pod through libcni, as a runtime on node would."""
         return in_ns(
-            node.ns, str(DRIVER), verb,
+            node.ns, str(CNIDRIVER), verb,
             "--conflist", str(node.conflist),
             "--cni-path", str(node.bin_dir),
             "--cache-dir", str(node.folder / "var/lib/cni/cache"),
@@ -388,56 +336,6 @@ class Cluster(Network):
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def node_object(node: LabNode) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": node.name},
-        "spec": {"podCIDR": node.pod_cidrs[0], "podCIDRs": list(node.pod_cidrs)}
-        if node.pod_cidrs
-        else {},
-        "status": {
-            "addresses": [{"type": "InternalIP", "address": a} for a in node.addresses]
-            + [{"type": "Hostname", "address": node.name}]
-        },
-    }
-
-
-def _gone(pid: int) -> bool:
-    """Whether process pid has ended (reaping it if it is our child)."""
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return True
-    except ChildProcessError:
-        pass
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (FileNotFoundError, IndexError):
-        return True
-    return state == "Z"  # ended; its parent (init, once the lab exited) reaps it later
-
-
-def terminate(pid: int) -> None:
-    if not pid:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while not _gone(pid):
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            deadline += 10
-        time.sleep(0.02)
-
-
-def _remove_namespace(name: str) -> None:
-    for pid in sh("ip", "netns", "pids", name, check=False).split():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-
-
 def stop_recorded(folder: Path) -> None:
     """Stop every process and delete every namespace recorded in folder."""
     pids = folder / "pids"
@@ -445,4 +343,4 @@ def stop_recorded(folder: Path) -> None:
         terminate(int(pid))
     record = folder / "namespaces"
     for name in reversed(record.read_text().split() if record.exists() else []):
-        _remove_namespace(name)
+        remove_namespace(name)

@@ -35,9 +35,8 @@ from pathlib import Path
 
 from cni.errors import CniError
 from cni.netns import entered, open_netns
+from deploy.lab.paths import CONTROLPLANE_BIN
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN_DIR = ROOT / "build" / "controlplane"
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
 NODE_PORT_RANGE = "30000-32767"
 ADMIN = "knit-admin"
@@ -386,7 +385,7 @@ def _apiserver_args(
 def start(
     state_dir: Path,
     *,
-    bin_dir: Path = BIN_DIR,
+    bin_dir: Path = CONTROLPLANE_BIN,
     service_cidrs: Sequence[str] = SERVICE_CIDRS,
     node_port_range: str = NODE_PORT_RANGE,
     detach: bool = False,
@@ -440,7 +439,7 @@ def start_controllers(
     plane: ControlPlane,
     cluster_cidrs: Sequence[str],
     *,
-    bin_dir: Path = BIN_DIR,
+    bin_dir: Path = CONTROLPLANE_BIN,
     service_cidrs: Sequence[str] = SERVICE_CIDRS,
     node_masks: tuple[int, int] = (24, 64),
     detach: bool = False,
@@ -636,7 +635,7 @@ def main() -> None:
     for action in ("up", "down"):
         sub = actions.add_parser(action)
         sub.add_argument("--dir", type=Path, required=True, help="state dir (certs, data, logs)")
-        sub.add_argument("--bin-dir", type=Path, default=BIN_DIR)
+        sub.add_argument("--bin-dir", type=Path, default=CONTROLPLANE_BIN)
         sub.add_argument("--service-cidrs", default=",".join(SERVICE_CIDRS))
     forward = actions.add_parser("forward", help="relay 127.0.0.1:6443 in NETNS to the apiserver")
     forward.add_argument("--netns", required=True)

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.lab.lab import PROXY_MODES, Lab
+from deploy.lab.paths import E2E, ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-# e2e.test and ginkgo (make e2e-tools), and one folder of reports per proxy mode beside them
-E2E = ROOT / "build" / "e2e"
+# E2E holds e2e.test and ginkgo (make e2e-tools), and one folder of reports per proxy mode
 SELECTIONS = {
     "conformance": r"\[sig-network\].*\[Conformance\]",
     "network": r"\[sig-network\].*(Services|Networking|KubeProxy|Conntrack|\[Conformance\])",

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kubernetes.client import ApiClient
 from kubernetes.config import new_client_from_config
+
+from proxyd.model import ZONE_LABEL
 
 SERVICES = "/api/v1/namespaces/default/services"
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
@@ -99,3 +102,22 @@ def slice_object(
         "ports": ports,
         "endpoints": endpoints,
     }
+
+
+def node_object(
+    name: str, addresses: Sequence[str], pod_cidrs: Sequence[str] = (), zone: str = ""
+) -> dict[str, Any]:
+    """A Node as kubelet and the node IPAM controller leave it: InternalIPs, its hostname,
+    its pod CIDRs when given, its zone label when given."""
+    node: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {ZONE_LABEL: zone} if zone else {}},
+        "status": {
+            "addresses": [{"type": "InternalIP", "address": a} for a in addresses]
+            + [{"type": "Hostname", "address": name}]
+        },
+    }
+    if pod_cidrs:
+        node["spec"] = {"podCIDR": pod_cidrs[0], "podCIDRs": list(pod_cidrs)}
+    return node

@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deploy.lab.cluster import terminate
 from deploy.lab.controlplane import issue_client, kubeconfig_for, write_kubeconfig
 from deploy.lab.machine import Machine
+from deploy.lab.paths import CONTROLPLANE_BIN, REFERENCE_PLUGINS
+from deploy.lab.process import terminate
 from deploy.lab.runtime import CNI_BIN_DIR, SOCKET, Containerd
 
-ROOT = Path(__file__).resolve().parents[2]
-KUBELET = ROOT / "build" / "controlplane" / "kubelet"
+KUBELET = CONTROLPLANE_BIN / "kubelet"
 # containerd brings up a pod's lo with the reference loopback plugin, which a node's OS
 # provides (kind's node image, kubeadm's kubernetes-cni package), not the pod network
-LOOPBACK = ROOT / "build" / "refcni" / "loopback"
+LOOPBACK = REFERENCE_PLUGINS / "loopback"
 CLUSTER_DNS = "10.96.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 

@@ -24,22 +24,14 @@ from typing import Any
 import yaml
 
 from deploy.lab import controlplane, image
-from deploy.lab.cluster import (
-    CLUSTER_CIDRS,
-    PYTHON,
-    Network,
-    Segment,
-    eventually,
-    in_ns,
-    sh,
-    stop_recorded,
-)
+from deploy.lab.cluster import CLUSTER_CIDRS, PYTHON, Network, Segment, stop_recorded
 from deploy.lab.kubenode import KubeNode
 from deploy.lab.machine import Cgroup, Machine
+from deploy.lab.paths import CONTROLPLANE_BIN, IMAGES, ROOT
+from deploy.lab.process import eventually, in_ns, sh
 from deploy.lab.runtime import BUILT, DEBIAN, Containerd
 
-ROOT = Path(__file__).resolve().parents[2]
-KUBECTL = ROOT / "build" / "controlplane" / "kubectl"
+KUBECTL = CONTROLPLANE_BIN / "kubectl"
 MANIFESTS = Path(__file__).resolve().parent / "manifests"
 DEPLOY = ROOT / "deploy" / "kubernetes"
 # name: (segment, host number, containerd): containerd 2.x on two nodes, 1.6 on one
@@ -142,7 +134,7 @@ class Lab:
         plane = self._start_control_plane(network, segments["lan1"])
         self.server = plane.server
         print("building the images (knit, pause, agnhost, coredns) ...", flush=True)
-        archives = list(image.build_lab_images(ROOT / "build" / "images").values())
+        archives = list(image.build_lab_images(IMAGES).values())
         for name, (segment, index, containerd) in NODES.items():
             print(f"starting {name}: containerd ({containerd.name}) and kubelet ...", flush=True)
             ns = network.add_namespace(self.node_ns(name))

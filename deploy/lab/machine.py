@@ -24,7 +24,7 @@ import signal
 import time
 from pathlib import Path
 
-from deploy.lab.cluster import detach, sh
+from deploy.lab.process import detach, sh
 
 HOLD = r"""
 set -eu

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from deploy.lab.paths import NODE_BIN
+
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10.2"
 SOCKET = "/run/containerd/containerd.sock"
 CNI_CONF_DIR = "/etc/cni/net.d"
@@ -83,4 +84,4 @@ class Containerd:
 
 
 DEBIAN = Containerd("containerd 1.6 (Debian)", Path("/usr/bin/containerd"), config_v2())
-BUILT = Containerd("containerd 2.x", ROOT / "build" / "node" / "containerd", config_v3())
+BUILT = Containerd("containerd 2.x", NODE_BIN / "containerd", config_v3())

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from deploy.lab import e2e
-from deploy.lab.cluster import eventually, sh
 from deploy.lab.lab import KUBECTL, PROXY_MODES, Lab
-from tests.conftest import unique_name
+from deploy.lab.netns import unique_name
+from deploy.lab.process import eventually, sh
 
 # bringing a lab up takes a minute or two; the e2e selection tens of minutes
 pytestmark = pytest.mark.timeout(3600)

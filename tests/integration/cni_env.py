@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import CniAnswer, Netns, call_plugin
+from deploy.lab.netns import Netns
+from tests.conftest import CniAnswer, call_plugin
 
 NETWORK = "knit-test"
 SUBNET = "10.244.1.0/24"

@@ -10,7 +10,9 @@ from kubernetes.client import ApiClient
 
 from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import Kube
-from tests.conftest import ROOT, Netns, netns_factory
+from deploy.lab.netns import Netns
+from deploy.lab.paths import ROOT
+from tests.conftest import netns_factory
 from tests.integration.cni_env import Node
 from tests.integration.proxy_env import ProxyNode, running_proxy_node
 

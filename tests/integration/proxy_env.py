@@ -3,7 +3,6 @@ through the CNI plugin, an outside host, and the Kubernetes objects tests create
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.lab.cluster import eventually
-from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent
-from deploy.lab.kube import Kube
-from tests.conftest import ROOT, Netns, unique_name
+from deploy.lab.controlplane import ControlPlane, NetnsForward
+from deploy.lab.kube import NODES, Kube, node_object
+from deploy.lab.netns import Netns, unique_name
+from deploy.lab.process import eventually
+from deploy.lab.proxyd_node import NodeFiles, launch_proxyd, proxyd_flags
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, bridge_conf
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
@@ -57,19 +57,17 @@ class ProxyNode:
         return self.node.ns
 
     def start(self, *extra: str) -> None:
-        self.args = proxyd_args(
+        folder = self.log_path.parent
+        self.args = proxyd_flags(
             self.kubeconfig,
             self.name,
             CLUSTER_CIDRS,
-            self.mode,
-            self.log_path.parent,
-            self.node.data_dir,
-            "--min-sync-period",
-            "100ms",
-            "--v",
-            "4",
+            NodeFiles(folder / "net.d", folder / "bin", self.node.data_dir),
+            "--min-sync-period", "100ms",
+            "--v", "4",
             *extra,
-        )
+            mode=self.mode,
+        )  # fmt: skip
         self.process = launch_proxyd(self.ns, self.args, self.log_path)
         eventually(lambda: self.synced_after(0.0))
 
@@ -138,64 +136,6 @@ class ProxyNode:
         return pod
 
 
-def node_paths(folder: Path, data_dir: Path, socket: str = "") -> list[str]:
-    """The daemon's flags for what a real node keeps on its disk, all under folder."""
-    return [
-        "--cni-conf-dir",
-        str(folder / "net.d"),
-        "--cni-bin-dir",
-        str(folder / "bin"),
-        "--cni-data-dir",
-        str(data_dir),
-        "--cni-socket",
-        socket,
-        "--cni-bundle",
-        "",
-    ]
-
-
-def proxyd_args(
-    kubeconfig: Path,
-    name: str,
-    cluster_cidrs: str,
-    mode: str,
-    folder: Path,
-    data_dir: Path,
-    *extra: str,
-) -> list[str]:
-    """knit-proxyd's flags for a node namespace: its CNI files under folder and data_dir
-    (node_paths), none of the host's, and no routes to other nodes."""
-    return [
-        "--kubeconfig",
-        str(kubeconfig),
-        "--hostname-override",
-        name,
-        "--cluster-cidr",
-        cluster_cidrs,
-        *node_paths(folder, data_dir),
-        "--routing",
-        "none",
-        "--proxy-mode",
-        mode,
-        *extra,
-    ]
-
-
-def launch_proxyd(ns: Netns, args: list[str], log: Path, *python: str) -> subprocess.Popen[bytes]:
-    """knit-proxyd in ns (`ip netns exec` execs it: the pid is the daemon's), its output
-    appended to log, killed when the launching thread ends; `python`: interpreter options
-    before `-m proxyd`."""
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            ["ip", "netns", "exec", ns.name, sys.executable, *python, "-m", "proxyd", *args],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            preexec_fn=die_with_parent,
-        )
-
-
 def setup_node(
     node: Node, outside: Netns, name: str, kubeconfig: Path, log_path: Path, mode: str = "iptables"
 ) -> ProxyNode:
@@ -222,7 +162,7 @@ def running_proxy_node(
     proxy: ProxyNode | None = None
     try:
         name = unique_name("node")
-        kube.create("/api/v1/nodes", node_object(name))
+        kube.create(NODES, node_object(name, [UPLINK_NODE], zone="zone-a"))
         proxy = setup_node(
             Node(node_ns, tmp / "ipam", make_netns),
             make_netns("outside"),
@@ -239,15 +179,3 @@ def running_proxy_node(
             proxy.stop()
             forward = proxy.forward  # a test may have replaced it
         forward.stop()
-
-
-def node_object(name: str, zone: str = "zone-a") -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"topology.kubernetes.io/zone": zone}},
-        "status": {"addresses": [{"type": "InternalIP", "address": UPLINK_NODE}]},
-    }
-
-
-__all__ = ["UPLINK_NODE", "UPLINK_OUTSIDE", "eventually"]

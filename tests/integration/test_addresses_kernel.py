@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 from pyroute2 import IPRoute
 
+from deploy.lab.netns import Netns
 from proxyd.addresses import link_addresses
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.routes import uplink_mtu
-from tests.conftest import Netns
 
 SERVICE_ADDRESSES = [f"10.96.{i // 250}.{i % 250 + 1}" for i in range(1500)]
 

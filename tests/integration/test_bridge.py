@@ -13,8 +13,8 @@ from pyroute2 import IPRoute
 from cni import links
 from cni.firewall import detect_iptables_flavour
 from cni.links import addresses
+from deploy.lab.netns import Netns
 from proxyd.addresses import RTM_NEWADDR
-from tests.conftest import Netns
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, bridge_conf
 
 

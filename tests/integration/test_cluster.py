@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from deploy.lab.cluster import Cluster, LabNode, eventually, in_ns
+from deploy.lab.cluster import Cluster, LabNode
 from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import NODES
+from deploy.lab.netns import unique_name
+from deploy.lab.process import eventually, in_ns
 from proxyd.nodenet.egress import EGRESS_CHAIN
 from proxyd.nodenet.plan import vtep_address
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE
-from tests.conftest import unique_name
 
 APPLIED = "node networking in place for"
 POD_CIDRS = {

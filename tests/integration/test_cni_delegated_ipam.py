@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import Netns
+from deploy.lab.netns import Netns
 from tests.integration.cni_env import Node, bridge_conf
 from tests.integration.test_fastpath import (
     build_launcher,

@@ -14,7 +14,8 @@ from kubernetes import client
 from kubernetes.config import new_client_from_config
 
 from deploy.lab.controlplane import PROCESSES, SERVICE_CIDRS, NetnsForward
-from tests.conftest import CONTROLPLANE_BIN, ROOT, Netns, unique_name
+from deploy.lab.netns import Netns, unique_name
+from deploy.lab.paths import CONTROLPLANE_BIN
 
 SERVICE_RANGES = [ipaddress.ip_network(cidr) for cidr in SERVICE_CIDRS]
 
@@ -143,7 +144,7 @@ def _alive(pid: int) -> bool:
 
 def test_cli_up_leaves_it_running_and_down_removes_it(tmp_path):
     state = tmp_path / "cp"
-    cli = [sys.executable, str(ROOT / "deploy/lab/controlplane.py")]
+    cli = [sys.executable, "-m", "deploy.lab.controlplane"]
     try:
         up = subprocess.run(
             [*cli, "up", "--dir", str(state), "--bin-dir", str(CONTROLPLANE_BIN)],

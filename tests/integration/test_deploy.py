@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.lab.cluster import eventually
 from deploy.lab.controlplane import ControlPlane
+from deploy.lab.paths import BUILD, CONTROLPLANE_BIN, ROOT
+from deploy.lab.process import eventually
 from proxyd import config as proxy_config
 from proxyd import watch
-from tests.conftest import BUILD, CONTROLPLANE_BIN, ROOT
 
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 KIND_CONFIG = ROOT / "deploy" / "kind" / "cluster.yaml"

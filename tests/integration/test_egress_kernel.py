@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from deploy.lab.netns import Netns
 from proxyd.iptables.kernel import Iptables
 from proxyd.nodenet.egress import EGRESS_CHAIN, HOOK, Egress
-from tests.conftest import Netns
 
 
 def test_a_rewritten_egress_chain_keeps_one_hook(make_netns: Callable[[str], Netns]) -> None:

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from cni.server import read_request
-from deploy.lab.cluster import eventually
-from tests.conftest import CNIDRIVER, PLUGIN_DIR, REFERENCE_DIR, ROOT, Netns
+from deploy.lab.netns import Netns
+from deploy.lab.paths import CNIDRIVER, PLUGIN_DIR, REFERENCE_PLUGINS, ROOT
+from deploy.lab.process import eventually
 from tests.integration.cni_env import NETWORK, Node, bridge_conf
 
 SERVER = """
@@ -152,7 +153,7 @@ def raw_call(
         "PATH": os.environ["PATH"],
         "CNI_COMMAND": command,
         "CNI_IFNAME": "eth0",
-        "CNI_PATH": f"{PLUGIN_DIR}:{REFERENCE_DIR}",
+        "CNI_PATH": f"{PLUGIN_DIR}:{REFERENCE_PLUGINS}",
         **env,
     }
     done = node.ns.run(*through, str(launcher), stdin=stdin, env=full_env, check=False)
@@ -173,7 +174,7 @@ def libcni(node: Node, tmp_path: Path, launcher: Path) -> Callable[..., str]:
     def drive(verb: str, pod: Netns) -> str:
         capabilities = json.dumps({"mac": POD_MAC, "ips": [f"{POD_IP}/24"]})
         files = ["--conflist", str(path), "--cache-dir", str(tmp_path / "cache")]
-        files += ["--cni-path", f"{launcher.parent}:{REFERENCE_DIR}"]
+        files += ["--cni-path", f"{launcher.parent}:{REFERENCE_PLUGINS}"]
         attachment = ["--netns", pod.path, "--container-id", "pod"]
         call = [str(CNIDRIVER), verb, *files, *attachment, "--capability-args", capabilities]
         return node.ns.run(*call).stdout
@@ -267,7 +268,7 @@ def test_a_delegated_ipam_plugin_gets_the_calls_own_variables(
 ):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    (plugins / "ref-host-local").symlink_to(REFERENCE_DIR / "host-local")
+    (plugins / "ref-host-local").symlink_to(REFERENCE_PLUGINS / "host-local")
     conf = bridge_conf(node.data_dir)
     conf["ipam"]["type"] = "ref-host-local"
     stdin = json.dumps(conf).encode()

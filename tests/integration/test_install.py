@@ -20,7 +20,8 @@ import pytest
 
 from cni.bundle import GLIBC, MANIFEST, PLUGINS, read_manifest, seal
 from cni.install import ENTRY, LAUNCHER, TEMP_PREFIX, VERSIONS, InstallError, install
-from tests.conftest import CNIDRIVER, REFERENCE_DIR, ROOT, Netns
+from deploy.lab.netns import Netns
+from deploy.lab.paths import CNIDRIVER, REFERENCE_PLUGINS, ROOT
 from tests.integration.cni_env import NETWORK, Node, bridge_conf
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
@@ -50,7 +51,7 @@ def build_bundle(python: Path, output: Path) -> Path:
         check=True,
     ).stdout.strip()
     built = subprocess.run(
-        [python, "-m", "cni.bundle", "--output", output, "--plugin", REFERENCE_DIR / "portmap"],
+        [python, "-m", "cni.bundle", "--output", output, "--plugin", REFERENCE_PLUGINS / "portmap"],
         env={**os.environ, "PYTHONPATH": f"{ROOT}:{site}"},
         capture_output=True,
         text=True,
@@ -65,7 +66,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The bundle built from this venv's interpreter (here pyenv's, which links libpython
     dynamically) and, when the machine has a recent enough one, from /usr/bin/python3 (Debian's
     links it statically)."""
-    if not (REFERENCE_DIR / "portmap").exists() or not CNIDRIVER.exists():
+    if not (REFERENCE_PLUGINS / "portmap").exists() or not CNIDRIVER.exists():
         pytest.fail("build/refcni/portmap or build/tools/cnidriver is missing: run `make go-tools`")
     tmp = tmp_path_factory.mktemp("bundles")
     built = {"venv": build_bundle(Path(sys.executable), tmp / "venv")}

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from deploy.lab.netns import Netns
 from proxyd import proxier as proxier_module
 from proxyd.iptables.kernel import Iptables
 from proxyd.iptables.restore import RuleSet
@@ -32,7 +33,6 @@ from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from proxyd.plan import FamilyContext, plan_port
 from proxyd.proxier import ProgramError, ProxyOptions
-from tests.conftest import Netns
 from tests.unit.test_ipvs_netlink import FakeIpvs
 from tests.unit.test_proxier import changes
 

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT, unique_name
+from deploy.lab.netns import unique_name
+from deploy.lab.paths import ROOT
 
 SHOWN = (
     "pod-to-pod, direct route",

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import CNIDRIVER, PLUGIN_DIR, REFERENCE_DIR
+from deploy.lab.paths import CNIDRIVER, PLUGIN_DIR, REFERENCE_PLUGINS
 from tests.integration.cni_env import NETWORK, UPLINK_NODE, UPLINK_OUTSIDE, bridge_conf
 
 CONTAINERD_ARGS = (
@@ -42,7 +42,7 @@ def runtime(node, tmp_path):
             "--conflist",
             str(path),
             "--cni-path",
-            f"{PLUGIN_DIR}:{REFERENCE_DIR}",
+            f"{PLUGIN_DIR}:{REFERENCE_PLUGINS}",
             "--cache-dir",
             str(cache),
             *extra,

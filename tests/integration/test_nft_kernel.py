@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from deploy.lab.netns import Netns
 from proxyd.metrics import Metrics
 from proxyd.model import ServicePort, ServicePortName
 from proxyd.nftables import proxier as nftables_proxier
@@ -24,7 +25,6 @@ from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nftables.render import render_base
 from proxyd.proxier import ProgramError, ProxyOptions
 from proxyd.tracker import Changes, ServiceView
-from tests.conftest import Netns
 from tests.unit.example_service import NODE, PORT, READY
 
 OPTIONS = ProxyOptions(cluster_cidrs=("10.244.0.0/16",))

@@ -14,12 +14,13 @@ import pytest
 
 from deploy.lab.controlplane import ControlPlane, NetnsForward
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
+from deploy.lab.netns import ECHO, Netns
+from deploy.lab.paths import ROOT
+from deploy.lab.process import eventually
 from proxyd.iptables.chains import owned_by_knit
-from tests.conftest import ECHO, ROOT, Netns
+from tests.integration.cni_env import UPLINK_NODE
 from tests.integration.proxy_env import (
-    UPLINK_NODE,
     ProxyNode,
-    eventually,
     running_proxy_node,
 )
 

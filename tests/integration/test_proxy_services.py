@@ -30,14 +30,13 @@ from deploy.lab.kube import (
     service_object,
     slice_object,
 )
+from deploy.lab.netns import ECHO
+from deploy.lab.process import eventually
 from proxyd.model import ZONE_LABEL
-from tests.conftest import ECHO
+from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE
 from tests.integration.proxy_env import (
     REMOTE_NODE,
-    UPLINK_NODE,
-    UPLINK_OUTSIDE,
     ProxyNode,
-    eventually,
 )
 
 GATEWAY = "10.244.1.1"

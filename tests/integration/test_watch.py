@@ -13,10 +13,10 @@ import pytest
 from kubernetes import client
 from kubernetes.client import ApiClient, Configuration
 
-from deploy.lab.cluster import eventually
+from deploy.lab.netns import unique_name
+from deploy.lab.process import eventually
 from proxyd import watch
 from proxyd.watch import Obj, Reflector
-from tests.conftest import unique_name
 
 
 def service(name: str, **labels: str) -> client.V1Service:

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from kubernetes.client import ApiClient, Configuration
 
-from deploy.lab.cluster import eventually
+from deploy.lab.process import eventually
 from proxyd import watch
 from proxyd.watch import Obj, Reflector
 

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from deploy.lab.image.errors import ImageError
+from deploy.lab.paths import IMAGES
 
-CACHE = Path(__file__).resolve().parents[3] / "build" / "images" / "cache"
+CACHE = IMAGES / "cache"
 # Bump when a step's recipe changes in a way its other inputs do not show.
 RECIPE = 2
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.lab.image.errors import ImageError
+from deploy.lab.paths import ROOT
 
-DOCKERFILE = Path(__file__).resolve().parents[3] / "Dockerfile"  # the repository's
+DOCKERFILE = ROOT / "Dockerfile"
 FLAG = re.compile(r"--([a-z-]+)(?:=(\S*))?$")
 APT_OPTIONS_WITH_VALUE = {"-o", "-t", "-c", "--option", "--target-release", "--config-file"}
 

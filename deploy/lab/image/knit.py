@@ -33,9 +33,9 @@ from deploy.lab.image.errors import ImageError
 from deploy.lab.image.layers import write_layer
 from deploy.lab.image.oci import ImageSpec, config_env
 from deploy.lab.image.steps import BASE_ENV, base_step, chroot, copy_tree, packages_step, run
+from deploy.lab.paths import REFERENCE_PLUGINS, ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
-PORTMAP = ROOT / "build" / "refcni" / "portmap"  # where `make go-tools` puts it
+PORTMAP = REFERENCE_PLUGINS / "portmap"
 KNIT_IMAGE = "docker.io/library/knit:dev"
 # python:3.11-slim has python and venv built in; Debian splits venv (ensurepip) out.
 KNIT_BASE_PACKAGES = ("python3", "python3-venv")

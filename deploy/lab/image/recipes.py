@@ -27,12 +27,12 @@ from deploy.lab.image.knit import knit_image
 from deploy.lab.image.layers import Member, write_layer
 from deploy.lab.image.oci import ImageSpec, config_env, write_archive
 from deploy.lab.image.steps import BASE_ENV, base_step, packages_step
+from deploy.lab.paths import IMAGES, NODE_BIN
 
-ROOT = Path(__file__).resolve().parents[3]
 # where the other builds put these binaries
-PAUSE_BINARY = ROOT / "build" / "images" / "pause"
-AGNHOST_BINARY = ROOT / "build" / "images" / "agnhost"
-COREDNS_BINARY = ROOT / "build" / "node" / "coredns"
+PAUSE_BINARY = IMAGES / "pause"
+AGNHOST_BINARY = IMAGES / "agnhost"
+COREDNS_BINARY = NODE_BIN / "coredns"
 
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10.2"
 AGNHOST_IMAGE = "registry.k8s.io/e2e-test-images/agnhost:2.66.1"

@@ -1,5 +1,5 @@
-"""Conntrack entries made through pyroute2 (another reading of ctnetlink than the clean-up's),
-for the clean-up's kernel tests and bench."""
+"""Conntrack entries made through pyroute2 (another reading of ctnetlink than knit's clean-up), for
+the clean-up's kernel tests and its bench."""
 
 from __future__ import annotations
 
