@@ -9,7 +9,8 @@ request HOST PORT [tcp|udp] [SOURCE_PORT]: prints the server's answer.
 hold HOST PORT: connects, prints the greeting, then sends each stdin line and prints the echo.
 repeat HOST PORT [HOST ...]: connects to each HOST on PORT in turn, reading each greeting,
 over and over until stdin has input or closes; then prints as JSON each host's answers
-(the greeting's LABEL) and every failure (an error, or a connection closed without a word).
+(the greeting's LABEL) and every failure (an error with the step it came at and when, or a
+connection closed without a word).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import select
 import socket
 import sys
 import threading
+import time
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -82,11 +84,14 @@ def repeat(hosts: list[str], port: int) -> None:
     failures: list[str] = []
     while not select.select([sys.stdin], [], [], 0)[0]:
         for host in hosts:
+            began, stage = time.monotonic(), "connect"
             try:
                 with socket.create_connection((host, port), timeout=3) as conn:
+                    stage = f"read from source port {conn.getsockname()[1]}"
                     greeting = conn.makefile().readline().split()
             except OSError as err:
-                failures.append(f"{host}: {err!r}")
+                spent = time.monotonic() - began
+                failures.append(f"{host}: {err!r} at {stage} after {spent:.2f} s")
                 continue
             if greeting:
                 answers.setdefault(host, []).append(greeting[1])
