@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from deploy.lab import e2e
+from cni.install import installed_version
+from deploy.lab import e2e, image
 from deploy.lab.lab import KUBECTL, PROXY_MODES, Lab
 from deploy.lab.netns import unique_name
-from deploy.lab.process import eventually, sh
+from deploy.lab.paths import IMAGES
+from deploy.lab.process import eventually
 
 # bringing a lab up takes a minute or two; the e2e selection tens of minutes
 pytestmark = pytest.mark.timeout(3600)
@@ -45,8 +47,8 @@ def test_every_network_conformance_spec_passes(lab: Lab) -> None:
 
 # ---------------------------------------------------------------- knit's own life on real nodes
 
-KNIT_IMAGE = "docker.io/library/knit:dev"
-NEXT_IMAGE = "docker.io/library/knit:next"
+NEXT_RELEASE = "next"
+BUNDLE_MANIFEST = "/opt/knit/cni-bundle/manifest.json"
 # a client that fetches until the file named by $STOP exists, then prints its counts
 LOOP = (
     'n=0; f=0; until [ -e "$STOP" ]; do n=$((n+1)); '
@@ -69,25 +71,80 @@ def _loop_outside(lab: Lab, url: str, stop: Path) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+# one connection held open across the update: a request before, one after $STOP exists
+HOLD = r"""
+exec 3<>"/dev/tcp/$HOST/$PORT"
+ask() {
+  printf 'GET /hostname HTTP/1.1\r\nHost: web\r\n\r\n' >&3
+  IFS= read -r -t 5 status <&3 || { echo "no answer"; return; }
+  length=0
+  while IFS= read -r -t 5 line <&3 && [ "$line" != $'\r' ]; do
+    case "$line" in [Cc]ontent-[Ll]ength:*) length=${line#*: }; length=${length%$'\r'} ;; esac
+  done
+  IFS= read -r -t 5 -N "$length" body <&3
+  echo "${status%$'\r'} $body"
+}
+ask
+until [ -e "$STOP" ]; do sleep 0.2; done
+ask
+"""
+
+
+def _hold_in_pod(lab: Lab, host: str, port: int, stop: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(KUBECTL), f"--kubeconfig={lab.kubeconfig}", "exec", "client", "--",
+         "env", f"HOST={host}", f"PORT={port}", f"STOP={stop}", "bash", "-c", HOLD],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _hold_outside(lab: Lab, host: str, port: int, stop: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", lab.outside,
+         "env", f"HOST={host}", f"PORT={port}", f"STOP={stop}", "bash", "-c", HOLD],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _held_answers(proc: subprocess.Popen[str]) -> list[str]:
+    return proc.communicate(timeout=60)[0].splitlines()
+
+
 def _counts(proc: subprocess.Popen[str]) -> tuple[int, int]:
     out, _ = proc.communicate(timeout=60)
     made, failed = out.split()
     return int(made), int(failed)
 
 
+def _knit_pods(lab: Lab, jsonpath: str) -> list[str]:
+    return lab.kubectl(
+        "-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=knit",
+        "-o", f"jsonpath={jsonpath}",
+    ).split()  # fmt: skip
+
+
+def _installed_versions(lab: Lab) -> set[str | None]:
+    return {installed_version(node.folder / "opt/cni/bin") for node in lab.nodes.values()}
+
+
 def test_a_rolling_update_of_knit_loses_no_connection(lab: Lab, tmp_path: Path) -> None:
     lab.deploy_demo()
-    node_port = json.loads(lab.kubectl("get", "service", "web", "-o", "json"))["spec"]["ports"][0][
-        "nodePort"
-    ]
+    web = json.loads(lab.kubectl("get", "service", "web", "-o", "json"))["spec"]
+    node_port, cluster_ip = web["ports"][0]["nodePort"], web["clusterIP"]
     node2 = lab.nodes["node2"].addresses[0]
-    # the new image: knit's archive under another tag, on every node, as a registry would serve
+    # the new release (other plugin bytes, so another bundle version) on every node, as a
+    # registry would serve it
+    archive = image.build_knit_release(IMAGES, NEXT_RELEASE)
+    next_image = image.image_names(archive)[0]
     for node in lab.nodes.values():
-        sh(*node.ctr("images", "tag", "--force", KNIT_IMAGE, NEXT_IMAGE))
+        image.import_images(node.ctr(), [archive])
+    before = _installed_versions(lab)
     stop = tmp_path / "stop"
+    held_inside = _hold_in_pod(lab, cluster_ip, 80, "/tmp/stop")
+    held_outside = _hold_outside(lab, node2, node_port, stop)
     inside = _loop_in_pod(lab, "http://web/hostname", "/tmp/stop")
     outside = _loop_outside(lab, f"http://{node2}:{node_port}/hostname", stop)
-    lab.kubectl("-n", "kube-system", "set", "image", "daemonset/knit", f"knit={NEXT_IMAGE}")
+    lab.kubectl("-n", "kube-system", "set", "image", "daemonset/knit", f"knit={next_image}")
     # a pod made while the update runs
     lab.kubectl(
         "run", "during", "--image=registry.k8s.io/e2e-test-images/agnhost:2.66.1",
@@ -101,11 +158,15 @@ def test_a_rolling_update_of_knit_loses_no_connection(lab: Lab, tmp_path: Path) 
     (made_inside, failed_inside), (made_outside, failed_outside) = _counts(inside), _counts(outside)
     assert (failed_inside, failed_outside) == (0, 0)
     assert made_inside > 10 and made_outside > 10
-    images = lab.kubectl(
-        "-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=knit",
-        "-o", "jsonpath={.items[*].spec.containers[0].image}",
-    ).split()  # fmt: skip
-    assert images == [NEXT_IMAGE] * len(lab.nodes)
+    for held in (_held_answers(held_inside), _held_answers(held_outside)):
+        # both requests answered on the one connection, so by the same pod
+        assert len(held) == 2 and held[0] == held[1] and held[0].startswith("HTTP/1.1 200 "), held
+    images = _knit_pods(lab, "{.items[*].spec.containers[0].image}")
+    assert images == [next_image] * len(lab.nodes)
+    knit_pod = _knit_pods(lab, "{.items[0].metadata.name}")[0]
+    manifest = lab.kubectl("-n", "kube-system", "exec", knit_pod, "--", "cat", BUNDLE_MANIFEST)
+    new_version = json.loads(manifest)["version"]
+    assert new_version not in before and _installed_versions(lab) == {new_version}
     lab.kubectl("wait", "--for=condition=Ready", "pod/during", "--timeout=120s", timeout=130)
     during = json.loads(lab.kubectl("get", "pod", "during", "-o", "json"))["status"]["podIP"]
     assert (

@@ -38,6 +38,7 @@ from deploy.lab.image.recipes import (
     PAUSE_BINARY,
     PAUSE_IMAGE,
     build,
+    build_knit_release,
     build_lab_images,
 )
 from deploy.lab.image.steps import BASE_ENV, chroot
@@ -55,6 +56,7 @@ __all__ = [
     "PORTMAP",
     "Dockerfile",
     "build",
+    "build_knit_release",
     "build_lab_images",
     "chroot",
     "image_names",

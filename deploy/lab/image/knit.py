@@ -36,7 +36,8 @@ from deploy.lab.image.steps import BASE_ENV, base_step, chroot, copy_tree, packa
 from deploy.lab.paths import REFERENCE_PLUGINS, ROOT
 
 PORTMAP = REFERENCE_PLUGINS / "portmap"
-KNIT_IMAGE = "docker.io/library/knit:dev"
+KNIT_REPOSITORY = "docker.io/library/knit"
+KNIT_IMAGE = f"{KNIT_REPOSITORY}:dev"
 # python:3.11-slim has python and venv built in; Debian splits venv (ensurepip) out.
 KNIT_BASE_PACKAGES = ("python3", "python3-venv")
 VENV = "/opt/knit/venv"
@@ -115,8 +116,12 @@ def _wheelhouse(python: str, glibc: tuple[int, int], log: Callable[[str], None])
     return directory
 
 
-def knit_image(log: Callable[[str], None]) -> ImageSpec:
-    """knit's image as the Dockerfile describes it, on a Debian rootfs."""
+def knit_image(log: Callable[[str], None], release: str = "") -> ImageSpec:
+    """knit's image as the Dockerfile describes it, on a Debian rootfs.
+
+    `release` names another release of the same sources (tagged knit:RELEASE): one more module,
+    cni/_release.py naming it, is built in, so its plugin bundle has another version, as a new
+    release's would; a rolling update to it must leave that bundle on every node."""
     dockerfile = read_dockerfile()
     final = dockerfile.final
     builder_names = {name for name, _, _ in final.copies() if name is not None}
@@ -142,6 +147,8 @@ def knit_image(log: Callable[[str], None]) -> ImageSpec:
         for path, target in context:
             (build_dir / "src" / target).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, build_dir / "src" / target)
+        if release:
+            (build_dir / "src" / "cni" / "_release.py").write_text(f"RELEASE = {release!r}\n")
         shutil.copytree(wheels, build_dir / "wheels")
         shutil.copy2(PORTMAP, build_dir / "portmap")
         inside = "/" + BUILD_DIR
@@ -173,8 +180,10 @@ def knit_image(log: Callable[[str], None]) -> ImageSpec:
                 raise ImageError(f"the Dockerfile copies {sources} to {destination}: not built")
         return [*system.layers, write_layer("knit: venv and cni-bundle", rootfs, lower)]
 
-    knit_key = key("knit", system.key, wheels.name, inputs, file_digest(PORTMAP), pip_env)
-    step = cached_step("knit", knit_key, build, keep_tree=False, log=log)
+    # a release is a step of its own: a step keeps one key, and each image must stay cached
+    name = f"knit-{release}" if release else "knit"
+    knit_key = key(name, system.key, wheels.name, inputs, file_digest(PORTMAP), pip_env)
+    step = cached_step(name, knit_key, build, keep_tree=False, log=log)
     config: dict[str, Any] = {
         "Env": config_env(final.env(BASE_ENV)),
         "Entrypoint": final.entrypoint(),
@@ -185,4 +194,4 @@ def knit_image(log: Callable[[str], None]) -> ImageSpec:
         config["User"] = final.user()
     if final.workdir():
         config["WorkingDir"] = final.workdir()
-    return ImageSpec(KNIT_IMAGE, step.layers, config)
+    return ImageSpec(f"{KNIT_REPOSITORY}:{release}" if release else KNIT_IMAGE, step.layers, config)

@@ -178,6 +178,17 @@ def build(
     return archives
 
 
+def build_knit_release(output: Path, release: str, log: Callable[[str], None] = print) -> Path:
+    """knit's image as another release (see knit_image) into output/knit-RELEASE.tar."""
+    if os.geteuid() != 0:
+        raise ImageError("building the images needs root (debootstrap, chroot)")
+    path = output / f"knit-{release}.tar"
+    with locked():
+        write_archive(knit_image(log, release), path)
+        prune_blobs()
+    return path
+
+
 def build_lab_images(output: Path) -> dict[str, Path]:
     """Every image the lab's cluster runs, from the binaries `make go-tools` built."""
     return build(output, PAUSE_BINARY, AGNHOST_BINARY, COREDNS_BINARY)
