@@ -109,7 +109,7 @@ def main() -> None:
     options = parser.parse_args()
     outcomes = {}
     for mode in options.modes.split(","):
-        lab = Lab("knit-e2e", options.folder.resolve(), mode)
+        lab = Lab("knit-e2e", options.folder.resolve(), mode, e2e_images=True)
         lab.down()
         try:
             print(f"\n{mode}: bringing the lab up ...", flush=True)

@@ -101,10 +101,14 @@ class Check:
 
 
 class Lab:
-    def __init__(self, prefix: str, folder: Path, mode: str = "iptables") -> None:
+    def __init__(
+        self, prefix: str, folder: Path, mode: str = "iptables", e2e_images: bool = False
+    ) -> None:
         self.prefix = prefix
         self.folder = folder
         self.mode = mode
+        self.e2e_images = e2e_images
+        """Also import the images only the wider e2e selection runs (image.build_e2e_images)."""
         self.cgroup = Cgroup(prefix)
         self.nodes: dict[str, KubeNode] = {}
         self.outside = ""
@@ -135,6 +139,8 @@ class Lab:
         self.server = plane.server
         print("building the images (knit, pause, agnhost, coredns) ...", flush=True)
         archives = list(image.build_lab_images(IMAGES).values())
+        if self.e2e_images:
+            archives += image.build_e2e_images(IMAGES).values()
         for name, (segment, index, containerd) in NODES.items():
             print(f"starting {name}: containerd ({containerd.name}) and kubelet ...", flush=True)
             ns = network.add_namespace(self.node_ns(name))

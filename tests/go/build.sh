@@ -24,6 +24,8 @@
 #   OUTDIR/e2e/e2e.test                             (`go test -c k8s.io/kubernetes/test/e2e`)
 #   OUTDIR/e2e/ginkgo                               (its runner, at the version kubernetes
 #                                                    requires; both pinned in controlplane/)
+#   OUTDIR/images/regression-issue-74839            (the Conntrack spec's raw-socket client,
+#                                                    a static binary, same pin)
 #
 # usage: tests/go/build.sh [--e2e] OUTDIR
 #
@@ -63,6 +65,7 @@ CTRD_PKG=github.com/containerd/containerd/v2
 LINT_TOOLS=(actionlint kindconfig dockerfilelint)
 if [ "$E2E" = 1 ]; then
     OUTPUTS=("$OUT_DIR/e2e/e2e.test" "$OUT_DIR/e2e/ginkgo")
+    OUTPUTS+=("$OUT_DIR/images/regression-issue-74839")
 else
     OUTPUTS=("$OUT_DIR/tools/cnidriver")
     for p in "${REF_PLUGINS[@]}"; do OUTPUTS+=("$OUT_DIR/refcni/${p##*/}"); done
@@ -235,6 +238,10 @@ if [ "$E2E" = 1 ]; then
     # Test files of a dependency: e2edeps/ keeps their modules in go.mod/go.sum.
     timed "e2e/e2e.test" "$GO" test -c -ldflags="$kube_ldflags" -o "$OUT_DIR/e2e/e2e.test" \
         k8s.io/kubernetes/test/e2e
+    mkdir -p "$OUT_DIR/images"
+    regression=regression-issue-74839
+    timed "images/$regression" env CGO_ENABLED=0 "$GO" build -ldflags='-s -w' \
+        -o "$OUT_DIR/images/$regression" "k8s.io/kubernetes/test/images/$regression"
     touch "${OUTPUTS[@]}"
     exit 0
 fi

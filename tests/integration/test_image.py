@@ -239,6 +239,27 @@ def test_the_agnhost_image_has_the_tools_and_the_binary(opened):
         assert files[name][1] == (AGNHOST.parent / name).read_bytes()
 
 
+def test_the_e2e_images_hold_what_the_specs_run(tmp_path):
+    assert image.REGRESSION_74839_BINARY.is_file(), "make e2e-tools builds it"
+    archives = image.build_e2e_images(tmp_path, log=lambda _: None)
+    opened = {name: Archive(path) for name, path in archives.items()}
+    try:
+        nginx = opened[image.NGINX_IMAGE]
+        assert nginx.config["config"]["Cmd"] == ["nginx", "-g", "daemon off;"]
+        assert "usr/sbin/nginx" in nginx.files()
+        for name in (image.BUSYBOX_IMAGE, image.DISTROLESS_IPTABLES_IMAGE):
+            files = opened[name].files()
+            for tool in ("bin/sh", "bin/nc", "bin/sleep", "sbin/iptables", "sbin/conntrack"):
+                assert tool in files or f"usr/{tool}" in files, (name, tool)
+        regression = opened[image.REGRESSION_74839_IMAGE]
+        assert regression.config["config"]["Entrypoint"] == ["/regression-issue-74839"]
+        (binary,) = regression.files().values()
+        assert binary[0].size == image.REGRESSION_74839_BINARY.stat().st_size
+    finally:
+        for archive in opened.values():
+            archive.tar.close()
+
+
 def test_a_rebuild_of_unchanged_inputs_leaves_the_archives(archives):
     output = next(iter(archives.values())).parent
     before = {path: path.stat().st_mtime_ns for path in archives.values()}

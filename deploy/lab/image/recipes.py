@@ -33,11 +33,17 @@ from deploy.lab.paths import IMAGES, NODE_BIN
 PAUSE_BINARY = IMAGES / "pause"
 AGNHOST_BINARY = IMAGES / "agnhost"
 COREDNS_BINARY = NODE_BIN / "coredns"
+REGRESSION_74839_BINARY = IMAGES / "regression-issue-74839"
 
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10.2"
 AGNHOST_IMAGE = "registry.k8s.io/e2e-test-images/agnhost:2.66.1"
 GLIBC_DNS_TESTING_IMAGE = "registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1"
 COREDNS_IMAGE = "registry.k8s.io/coredns/coredns:lab"
+# the images only the wider e2e selection (make e2e) runs, as v1.37.1's e2e.test names them
+NGINX_IMAGE = "registry.k8s.io/e2e-test-images/nginx:1.27.0-2"
+BUSYBOX_IMAGE = "registry.k8s.io/e2e-test-images/busybox:1.37.0-2"
+DISTROLESS_IPTABLES_IMAGE = "registry.k8s.io/build-image/distroless-iptables:v0.9.7"
+REGRESSION_74839_IMAGE = "registry.k8s.io/e2e-test-images/regression-issue-74839:1.5"
 # What agnhost's subcommands and the e2e network specs execute in its containers.
 AGNHOST_PACKAGES = (
     "curl",
@@ -146,6 +152,53 @@ def glibc_dns_testing_image(log: Callable[[str], None]) -> ImageSpec:
     resolver, which agnhost's Debian rootfs holds (dnsutils, libc-bin)."""
     config = {"Env": config_env(BASE_ENV), "Cmd": ["/bin/sh"]}
     return ImageSpec(GLIBC_DNS_TESTING_IMAGE, list(_agnhost_system(log).layers), config)
+
+
+def nginx_image(log: Callable[[str], None]) -> ImageSpec:
+    """nginx serving its default page on port 80 of both families, as upstream's image does:
+    Debian's nginx package in the foreground."""
+    system = packages_step("nginx-packages", base_step(log), ("nginx",), log)
+    config = {
+        "Env": config_env(BASE_ENV),
+        "Cmd": ["nginx", "-g", "daemon off;"],
+        "ExposedPorts": {"80/tcp": {}},
+    }
+    return ImageSpec(NGINX_IMAGE, list(system.layers), config)
+
+
+def shell_tools_image(name: str, log: Callable[[str], None]) -> ImageSpec:
+    """An image the specs only run shell tools in (busybox: sh, nc, sleep; distroless-iptables:
+    iptables, conntrack, sleep): agnhost's Debian rootfs, which holds them all. A busybox-static
+    build was tried first: its wget segfaulted where the specs run it."""
+    config = {"Env": config_env(BASE_ENV), "Cmd": ["sh"]}
+    return ImageSpec(name, list(_agnhost_system(log).layers), config)
+
+
+def build_e2e_images(output: Path, log: Callable[[str], None] = print) -> dict[str, Path]:
+    """The images only the wider e2e selection needs, into output/NAME.tar; returns image
+    name -> archive."""
+    if os.geteuid() != 0:
+        raise ImageError("building the images needs root (debootstrap, chroot)")
+    output.mkdir(parents=True, exist_ok=True)
+    with locked():
+        specs = [
+            ("nginx", nginx_image(log)),
+            ("busybox", shell_tools_image(BUSYBOX_IMAGE, log)),
+            ("distroless-iptables", shell_tools_image(DISTROLESS_IPTABLES_IMAGE, log)),
+            (
+                "regression-issue-74839",
+                _static_binary_image(
+                    "regression-issue-74839", REGRESSION_74839_IMAGE, REGRESSION_74839_BINARY
+                ),
+            ),
+        ]
+        archives = {}
+        for filename, spec in specs:
+            path = output / f"{filename}.tar"
+            write_archive(spec, path)
+            archives[spec.name] = path
+        prune_blobs()
+    return archives
 
 
 def build(
