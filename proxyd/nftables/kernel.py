@@ -2,7 +2,7 @@
 text language, and the names of what a table holds and a chain's listing (for full syncs),
 through one context of this process per family, kept open.
 
-Why text (see the README's "Why each library"): nft's parser and its compiler to netlink are
+Why text (see docs/dependencies.md): nft's parser and its compiler to netlink are
 the reference implementation of the rule language and a transaction is atomic. Why in this
 process rather than through `nft -f` processes: a partial sync is a few elements, which the
 context commits in ~0.5 ms, where an nft process costs ~3 ms to start and, after any
