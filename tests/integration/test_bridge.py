@@ -14,6 +14,7 @@ from cni import links
 from cni.firewall import detect_iptables_flavour
 from cni.links import addresses
 from deploy.lab.netns import Netns
+from deploy.lab.paths import PLUGIN_DIR, REFERENCE_PLUGINS
 from proxyd.addresses import RTM_NEWADDR
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, bridge_conf
 
@@ -435,11 +436,9 @@ def test_vlan_is_refused_cleanly_by_a_kernel_without_bridge_vlan_filtering(node)
 
 
 def test_other_ipam_types_are_delegated_through_cni_path(node, tmp_path):
-    from tests.conftest import PLUGIN_DIR, REFERENCE_DIR
-
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    (plugins / "ref-host-local").symlink_to(REFERENCE_DIR / "host-local")
+    (plugins / "ref-host-local").symlink_to(REFERENCE_PLUGINS / "host-local")
     env = {"CNI_PATH": f"{PLUGIN_DIR}:{plugins}"}
     conf = bridge_conf(node.data_dir)
     conf["ipam"]["type"] = "ref-host-local"
