@@ -57,6 +57,7 @@ e2e-tools:
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 unit: venv
 	$(PY) -m pytest -q tests/unit

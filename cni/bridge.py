@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import ipaddress
 from typing import NoReturn
@@ -50,8 +51,8 @@ def container_routes(conf: NetConf, ipam: Result) -> list[Route]:
     """IPAM's routes with gateways filled in per family, plus default routes if asked for;
     a family's gateway is its first address's, as in the reference plugin."""
     gateways: dict[int, IPAddress] = {}
-    for gateway in gateway_interfaces(ipam.ips):
-        gateways.setdefault(gateway.version, gateway.ip)
+    for interface in gateway_interfaces(ipam.ips):
+        gateways.setdefault(interface.version, interface.ip)
     filled = [Route(r.dst, r.gw or gateways.get(r.dst.version), r.extras) for r in ipam.routes]
     if conf.is_default_gateway:
         for version, gateway in gateways.items():
@@ -108,8 +109,12 @@ def ensure_gateway_addresses(
                 )
             ignoring(
                 errno.EEXIST,
-                lambda g=gateway: ipr.addr(
-                    "add", index=bridge.index, address=str(g.ip), prefixlen=g.network.prefixlen
+                functools.partial(
+                    ipr.addr,
+                    "add",
+                    index=bridge.index,
+                    address=str(gateway.ip),
+                    prefixlen=gateway.network.prefixlen,
                 ),
             )
 

@@ -70,7 +70,9 @@ def install(bundle: Path, bin_dir: Path, socket_path: str | None) -> Path:
     """Install the bundle; returns its version directory. Idempotent; concurrent installs into
     one directory take turns."""
     manifest = read_manifest(bundle)
-    version, interpreter, site = manifest["version"], manifest["interpreter"], manifest["site"]
+    version: str = manifest["version"]
+    interpreter: str = manifest["interpreter"]
+    site: str = manifest["site"]
     if not VERSION_NAME.match(version) or not INTERPRETER.match(interpreter):
         raise InstallError(f"{bundle / MANIFEST} is not a knit bundle's manifest")
     versions = bin_dir / VERSIONS

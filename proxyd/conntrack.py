@@ -58,7 +58,7 @@ FILTER_PROTO_NUM, FILTER_DST_PORT = 1 << 3, 1 << 5
 CTA_STATS_GLOBAL_ENTRIES = 1
 SOURCE, DESTINATION = 0, 1
 """A tuple's ends, indexing IP_ENDS' pairs and PORT_ENDS."""
-IP_ENDS = {socket.AF_INET: (1, 2), socket.AF_INET6: (3, 4)}
+IP_ENDS: dict[int, tuple[int, int]] = {socket.AF_INET: (1, 2), socket.AF_INET6: (3, 4)}
 """CTA_IP_V4_SRC and _DST, CTA_IP_V6_SRC and _DST."""
 PORT_ENDS = (CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT)
 IDENTITY = (CTA_TUPLE_ORIG, CTA_ID, CTA_ZONE)
@@ -107,13 +107,13 @@ class UdpFrontends:
     def address_family(self) -> int:
         return ADDRESS_FAMILIES[self.family]
 
-    def dump_ports(self, entries_in_table: Callable[[], int]) -> list[int | None]:
+    def dump_ports(self, entries_in_table: Callable[[], int]) -> list[int] | list[None]:
         """The destination ports the kernel is asked for UDP entries to, one dump each; [None]:
         one dump of the family's UDP entries (see the module's notes). The table's size is asked
         only when it decides: a single port's dump walks the table as the family's would, and
         sends less. Ports alone: a filter naming an IPv6 destination address, sent through
         pyroute2, matched no entry here (kernel 6.18), where the same filter on the port did."""
-        ports: list[int | None] = sorted({p for _, p in self.by_address} | self.by_node_port.keys())
+        ports = sorted({p for _, p in self.by_address} | self.by_node_port.keys())
         if len(ports) > FILTERED_DUMPS_UP_TO or not kernel_filters_dumps():
             return [None]
         if len(ports) > 1 and len(ports) * entries_in_table() > KERNEL_WALK_BUDGET:
@@ -190,6 +190,7 @@ def table_size(sock: NetlinkSocket) -> int:
     for _, payload in sock.request(MSG_GET_STATS, NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)):
         entries = attributes(payload[NFGENMSG.size :]).get(CTA_STATS_GLOBAL_ENTRIES)
         if entries is not None and len(entries) == 4:
+            count: int
             (count,) = struct.unpack(">I", entries)
             return count
     return 0

@@ -285,13 +285,13 @@ class Daemon:
             return None
         return server.serve(self.config.cni_socket)
 
-    def _replace_nodes(self, items: list[dict]) -> None:
+    def _replace_nodes(self, items: list[watch.Obj]) -> None:
         self.node_network.replace(items)
         own = [item for item in items if item["metadata"]["name"] == self.state.node.name]
         if own:
             self.state.node_event("ADDED", own[0])
 
-    def _node_event(self, kind: str, obj: dict) -> None:
+    def _node_event(self, kind: str, obj: watch.Obj) -> None:
         self.node_network.event(kind, obj)
         if obj["metadata"]["name"] == self.state.node.name:
             self.state.node_event(kind, obj)

@@ -37,11 +37,11 @@ class Range:
     gateway: IPAddress
 
     def contains(self, ip: IPAddress) -> bool:
-        return ip.version == self.subnet.version and self.start <= ip <= self.end
+        return ip.version == self.subnet.version and int(self.start) <= int(ip) <= int(self.end)
 
     def overlaps(self, other: Range) -> bool:
         return self.subnet.version == other.subnet.version and (
-            self.start <= other.end and other.start <= self.end
+            int(self.start) <= int(other.end) and int(other.start) <= int(self.end)
         )
 
     def size(self) -> int:
@@ -95,7 +95,7 @@ def parse_range(raw: Any) -> Range:
         bounds[key] = _address(raw[key], key) if raw.get(key) else default
         if bounds[key] not in subnet:
             raise _invalid(f"{key} {bounds[key]} is not in network {subnet}")
-    if bounds["rangeStart"] > bounds["rangeEnd"]:
+    if int(bounds["rangeStart"]) > int(bounds["rangeEnd"]):
         raise _invalid(f"rangeStart {bounds['rangeStart']} is after rangeEnd {bounds['rangeEnd']}")
     return Range(subnet, bounds["rangeStart"], bounds["rangeEnd"], bounds["gateway"])
 
@@ -185,7 +185,7 @@ def _candidates(range_set: RangeSet, last: IPAddress | None) -> Iterator[tuple[I
         return
     ordered = range_set[index:] + range_set[:index]
     head = ordered[0]
-    if last < head.end:
+    if int(last) < int(head.end):
         yield from _walk(head, last + 1, head.end)
     for r in ordered[1:]:
         yield from _walk(r, r.start, r.end)

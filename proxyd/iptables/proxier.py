@@ -63,9 +63,9 @@ class IptablesProxier(Proxier):
                     if before is not None:
                         for t in TABLES:
                             counts[t] -= _rule_count(before, t)
-                    plan = plans.get(name)
-                    if plan is not None:
-                        rendered = render_service(plan, ctx)
+                    wanted = plans.get(name)
+                    if wanted is not None:
+                        rendered = render_service(wanted, ctx)
                         new.services[name] = rendered
                         for t in TABLES:
                             counts[t] += _rule_count(rendered, t)

@@ -188,8 +188,8 @@ def full_scripts(
             "-D" + hook[2:] for hook in snapshot.owned_hooks if hook_target(hook) in stale
         )
     for table, chain, rule in reversed(ruleset.base.hooks):
-        snapshot = snapshots.get(table)
-        if snapshot is None or (chain, hook_target(rule)) not in snapshot.jumps:
+        present = snapshots.get(table)
+        if present is None or (chain, hook_target(rule)) not in present.jumps:
             scripts[-1].insert(table, chain, rule)
     return scripts
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxyd.model import PROTOCOLS
+from proxyd.model import PROTOCOLS as PROTOCOLS
 
 DUMMY = "knit-ipvs0"
 

@@ -55,7 +55,7 @@ class Context:
 
     def _outcome(self, failed: int) -> str:
         lib = _libnftables()
-        output = lib.nft_ctx_get_output_buffer(self._handle).decode(errors="replace")
+        output: str = lib.nft_ctx_get_output_buffer(self._handle).decode(errors="replace")
         errors = lib.nft_ctx_get_error_buffer(self._handle).decode(errors="replace")
         if failed:
             raise NftError(f"nft transaction failed: {errors.strip()[:2000]}")

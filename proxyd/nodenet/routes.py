@@ -88,8 +88,11 @@ class RouteTable:
             log.info("route to %s removed", cidr)
         for route in routes:
             have = current.get(route.cidr)
-            in_place = have is not None and have[0] == route.via
-            if in_place and (not route.overlay or have[1] == overlay_index):
+            if (
+                have is not None
+                and have[0] == route.via
+                and (not route.overlay or have[1] == overlay_index)
+            ):
                 continue
             spec: dict[str, object] = {"dst": route.cidr, "gateway": route.via}
             if route.overlay:
