@@ -174,26 +174,15 @@ def shell_tools_image(name: str, log: Callable[[str], None]) -> ImageSpec:
     return ImageSpec(name, list(_agnhost_system(log).layers), config)
 
 
-def build_e2e_images(output: Path, log: Callable[[str], None] = print) -> dict[str, Path]:
-    """The images only the wider e2e selection needs, into output/NAME.tar; returns image
-    name -> archive."""
+def _archives(output: Path, specs: Callable[[], list[tuple[str, ImageSpec]]]) -> dict[str, Path]:
+    """Build the images `specs` makes (under the cache's lock) into output/FILENAME.tar;
+    returns image name -> archive."""
     if os.geteuid() != 0:
         raise ImageError("building the images needs root (debootstrap, chroot)")
     output.mkdir(parents=True, exist_ok=True)
+    archives = {}
     with locked():
-        specs = [
-            ("nginx", nginx_image(log)),
-            ("busybox", shell_tools_image(BUSYBOX_IMAGE, log)),
-            ("distroless-iptables", shell_tools_image(DISTROLESS_IPTABLES_IMAGE, log)),
-            (
-                "regression-issue-74839",
-                _static_binary_image(
-                    "regression-issue-74839", REGRESSION_74839_IMAGE, REGRESSION_74839_BINARY
-                ),
-            ),
-        ]
-        archives = {}
-        for filename, spec in specs:
+        for filename, spec in specs():
             path = output / f"{filename}.tar"
             write_archive(spec, path)
             archives[spec.name] = path
@@ -210,36 +199,44 @@ def build(
 ) -> dict[str, Path]:
     """Build knit's image (and pause's, agnhost's with glibc-dns-testing's, and CoreDNS's when
     their binaries are given) into output/NAME.tar; returns image name -> archive."""
-    if os.geteuid() != 0:
-        raise ImageError("building the images needs root (debootstrap, chroot)")
-    output.mkdir(parents=True, exist_ok=True)
-    archives = {}
-    with locked():
-        specs = [("knit", knit_image(log))]
+
+    def specs() -> list[tuple[str, ImageSpec]]:
+        made = [("knit", knit_image(log))]
         if pause is not None:
-            specs.append(("pause", pause_image(pause)))
+            made.append(("pause", pause_image(pause)))
         if agnhost is not None:
-            specs.append(("agnhost", agnhost_image(agnhost, log)))
-            specs.append(("glibc-dns-testing", glibc_dns_testing_image(log)))
+            made.append(("agnhost", agnhost_image(agnhost, log)))
+            made.append(("glibc-dns-testing", glibc_dns_testing_image(log)))
         if coredns is not None:
-            specs.append(("coredns", coredns_image(coredns)))
-        for filename, spec in specs:
-            path = output / f"{filename}.tar"
-            write_archive(spec, path)
-            archives[spec.name] = path
-        prune_blobs()
-    return archives
+            made.append(("coredns", coredns_image(coredns)))
+        return made
+
+    return _archives(output, specs)
+
+
+def build_e2e_images(output: Path, log: Callable[[str], None] = print) -> dict[str, Path]:
+    """The images only the wider e2e selection needs, into output/NAME.tar; returns image
+    name -> archive."""
+    regression = "regression-issue-74839"
+    return _archives(
+        output,
+        lambda: [
+            ("nginx", nginx_image(log)),
+            ("busybox", shell_tools_image(BUSYBOX_IMAGE, log)),
+            ("distroless-iptables", shell_tools_image(DISTROLESS_IPTABLES_IMAGE, log)),
+            (
+                regression,
+                _static_binary_image(regression, REGRESSION_74839_IMAGE, REGRESSION_74839_BINARY),
+            ),
+        ],
+    )
 
 
 def build_knit_release(output: Path, release: str, log: Callable[[str], None] = print) -> Path:
     """knit's image as another release (see knit_image) into output/knit-RELEASE.tar."""
-    if os.geteuid() != 0:
-        raise ImageError("building the images needs root (debootstrap, chroot)")
-    path = output / f"knit-{release}.tar"
-    with locked():
-        write_archive(knit_image(log, release), path)
-        prune_blobs()
-    return path
+    archives = _archives(output, lambda: [(f"knit-{release}", knit_image(log, release))])
+    (archive,) = archives.values()
+    return archive
 
 
 def build_lab_images(output: Path) -> dict[str, Path]:
