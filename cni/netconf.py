@@ -8,6 +8,7 @@ from typing import Any
 
 from cni.errors import CniError, Code
 from cni.invocation import MAX_IFNAME_BYTES
+from cni.paths import check_network_name, check_plugin_name
 from cni.result import DNS
 from cni.version import require_supported
 
@@ -75,10 +76,7 @@ def parse_version_and_name(raw: dict[str, Any]) -> tuple[str, str]:
     if not isinstance(version, str):
         raise CniError(Code.INVALID_NETWORK_CONFIG, "network config needs a string cniVersion")
     require_supported(version)
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise CniError(Code.INVALID_NETWORK_CONFIG, "network config needs a non-empty name")
-    return version, name
+    return version, check_network_name(raw.get("name"))
 
 
 def parse(raw: dict[str, Any]) -> NetConf:
@@ -92,8 +90,12 @@ def parse(raw: dict[str, Any]) -> NetConf:
         if key in raw and type(raw[key]) is not kind:
             raise CniError(Code.INVALID_NETWORK_CONFIG, f"option {key} must be a {kind.__name__}")
     ipam = raw.get("ipam", {})
-    if not isinstance(ipam, dict) or not isinstance(ipam.get("type", ""), str):
-        raise CniError(Code.INVALID_NETWORK_CONFIG, "ipam must be an object with a string type")
+    if not isinstance(ipam, dict):
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "ipam must be an object")
+    if ipam.get("type"):
+        check_plugin_name(ipam["type"], "ipam.type")
+    elif ipam.get("type", "") != "":
+        raise CniError(Code.INVALID_NETWORK_CONFIG, "ipam.type must be a string")
     # Without IPAM there is no address to route, gateway or masquerade: the reference bridge
     # ignores those three options then, and so do we.
     layer3 = bool(ipam.get("type"))

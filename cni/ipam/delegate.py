@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cni.errors import CniError, Code
 from cni.invocation import CNI_PREFIX, Invocation
+from cni.paths import inside
 from cni.result import Result
 
 
@@ -29,7 +30,7 @@ class Delegate:
 
     def _executable(self) -> Path:
         for directory in self.invocation.cni_path:
-            candidate = Path(directory) / self.plugin_type
+            candidate = inside(directory, self.plugin_type)
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return candidate
         raise CniError(

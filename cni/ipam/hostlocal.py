@@ -11,6 +11,7 @@ from typing import Any
 
 from cni.errors import CniError, Code
 from cni.ipam.store import Store
+from cni.paths import check_directory
 from cni.result import DNS, IPAddress, IPConfig, IPNetwork, Result, Route, parse_route
 
 DEFAULT_DATA_DIR = "/var/lib/cni/networks"
@@ -136,8 +137,8 @@ def parse_conf(raw: dict[str, Any], network: str, cni_args: dict[str, str]) -> H
         network=network,
         range_sets=tuple(range_sets),
         routes=routes,
-        data_dir=ipam.get("dataDir") or DEFAULT_DATA_DIR,
-        resolv_conf=ipam.get("resolvConf") or "",
+        data_dir=check_directory(ipam.get("dataDir") or DEFAULT_DATA_DIR, "ipam.dataDir"),
+        resolv_conf=check_directory(ipam.get("resolvConf") or "", "ipam.resolvConf"),
         requested=_requested_ips(raw, cni_args),
     )
 

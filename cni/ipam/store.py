@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from cni.paths import inside
 from cni.result import IPAddress
 
 LINE_BREAK = "\r\n"
@@ -27,7 +28,7 @@ def attachment_key(container_id: str, ifname: str) -> str:
 
 class Store:
     def __init__(self, data_dir: str, network: str) -> None:
-        self.directory = Path(data_dir) / network
+        self.directory = inside(data_dir, network)
 
     @contextmanager
     def locked(self) -> Iterator[Store]:

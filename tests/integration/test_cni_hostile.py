@@ -1,0 +1,41 @@
+"""Hostile network configs given to the real plugin: each refused with the spec's code before
+it can write outside the IPAM data directory or run a program from outside CNI_PATH."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cni_env import Node, bridge_conf
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/escaped", "a/b", "..", ".hidden", "x\0y"])
+def test_a_network_name_that_is_a_path_is_refused_by_every_verb(node: Node, tmp_path, name):
+    conf = bridge_conf(node.data_dir, name=name)
+    pod_ns = node.make_netns("pod")
+    for verb in ("ADD", "CHECK", "DEL", "STATUS"):
+        answer = node.call(verb, conf, container_id="hostile", netns=pod_ns.path)
+        assert answer.error_code == 7, (verb, answer)
+        assert "name" in answer.output["msg"]
+    # nothing was written anywhere: not in the data directory, not beside or above it
+    assert files_under(tmp_path) == []
+    assert not Path("/tmp/escaped").exists()
+    assert node.leftovers() == {}
+
+
+@pytest.mark.parametrize("plugin", ["/bin/touch", "../../../bin/touch", "sub/dir", ".."])
+def test_an_ipam_type_that_is_a_path_is_refused_without_running_it(node: Node, tmp_path, plugin):
+    marker = tmp_path / "ran"
+    conf = bridge_conf(node.data_dir)
+    conf["ipam"] = {"type": plugin, "args": [str(marker)]}
+    pod_ns = node.make_netns("pod")
+    answer = node.call("ADD", conf, container_id="hostile", netns=pod_ns.path)
+    assert answer.error_code == 7, answer
+    assert "ipam.type" in answer.output["msg"]
+    assert not marker.exists()
+    assert node.leftovers() == {}

@@ -1,0 +1,56 @@
+"""The one layer that checks names and paths taken from a network config (cni.paths)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cni import netconf
+from cni.errors import CniError
+from cni.ipam.hostlocal import parse_conf
+from cni.paths import check_network_name, check_plugin_name, inside
+
+BASE = {"cniVersion": "1.1.0", "name": "net", "type": "knit"}
+
+
+@pytest.mark.parametrize("name", ["knit", "k8s-pod-network", "net_1.2", "0net"])
+def test_network_names_the_spec_allows(name):
+    assert check_network_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name", ["", "../x", "/abs", "a/b", ".", "..", "-x", "_x", "x\0", "x y", "é", "n" * 256, 7]
+)
+def test_network_names_the_spec_forbids_are_invalid_config(name):
+    with pytest.raises(CniError) as err:
+        netconf.parse({**BASE, "name": name})
+    assert err.value.code == 7
+
+
+@pytest.mark.parametrize("plugin", ["/bin/sh", "../sh", "a/b", ".", "..", "x\0", 3, ["x"]])
+def test_an_ipam_type_must_be_a_plugin_name(plugin):
+    with pytest.raises(CniError) as err:
+        netconf.parse({**BASE, "ipam": {"type": plugin}})
+    assert err.value.code == 7
+    assert "ipam.type" in err.value.msg
+
+
+def test_plugin_names_from_cni_path_are_taken():
+    assert check_plugin_name("host-local", "ipam.type") == "host-local"
+    assert netconf.parse({**BASE, "ipam": {"type": "dhcp"}}).ipam == {"type": "dhcp"}
+
+
+@pytest.mark.parametrize("component", ["", ".", "..", "a/b", "../x", "x\0"])
+def test_inside_refuses_anything_but_one_component(tmp_path, component):
+    with pytest.raises(CniError) as err:
+        inside(tmp_path, component)
+    assert err.value.code == 7
+
+
+@pytest.mark.parametrize("field", ["dataDir", "resolvConf"])
+@pytest.mark.parametrize("value", [5, ["/x"], {"a": 1}, "/tmp/x\0y"])
+def test_host_local_directories_must_be_path_strings(field, value):
+    ipam = {"type": "host-local", "subnet": "10.1.0.0/24", field: value}
+    with pytest.raises(CniError) as err:
+        parse_conf({**BASE, "ipam": ipam}, "net", {})
+    assert err.value.code == 7
+    assert f"ipam.{field}" in err.value.msg
