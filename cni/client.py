@@ -12,7 +12,9 @@ Wire format, one call per connection (lengths are 4-byte big-endian):
             the CNI_* variables), len + stdin
   response: version byte, exit code byte, len + stdout
 Each side checks the other's version byte first, so a plugin and a daemon of different
-protocol versions answer with a clear error instead of misreading each other.
+protocol versions answer with a clear error instead of misreading each other. The exit code
+DECLINED says the daemon did not run the call (over its limits, see cni.server): the plugin
+runs it in-process, as without a daemon; its stdout is an error JSON for plugins before it.
 
 The plugin opens CNI_NETNS itself because the daemon lives in mount and PID namespaces of its
 own, where the runtime's path (/proc/<pid>/ns/net, a bind mount under the runtime's state
@@ -29,6 +31,7 @@ FORWARDED = frozenset({b"ADD", b"CHECK", b"DEL"})
 ENV_PREFIX = b"CNI_"
 LENGTH_BYTES = 4
 HEADER_BYTES = 2 + LENGTH_BYTES
+DECLINED = 255  # never an exit code of cni.plugin.execute (0 or 1)
 
 
 def main(socket_path: str | None) -> None:
@@ -52,7 +55,8 @@ def open_netns() -> int | None:
 
 
 def _forward(socket_path: str, netns_fd: int | None) -> None:
-    """Print the daemon's answer and exit; return when no daemon listens."""
+    """Print the daemon's answer and exit; return when no daemon listens or it declines the
+    call, for the call to run here."""
     connection = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         connection.connect(socket_path)
@@ -65,7 +69,15 @@ def _forward(socket_path: str, netns_fd: int | None) -> None:
         connection.close()
         reason = f"cannot reach the knit daemon at {socket_path}: {err}"
         _finish(1, _error(reason, _read_all(0)))
-    _finish(*_exchange(connection, netns_fd))
+    stdin = _read_all(0)
+    code, output = _exchange(connection, netns_fd, stdin)
+    if code != DECLINED:
+        _finish(code, output)
+    if netns_fd is not None:
+        posix.close(netns_fd)
+    import io  # loaded at start-up: sys.stdin is one
+
+    sys.stdin = io.TextIOWrapper(io.BytesIO(stdin))  # what cni.plugin.main reads the call from
 
 
 def _drop_ld_library_path() -> None:
@@ -85,9 +97,9 @@ def encode_request(env: bytes, stdin: bytes) -> bytes:
     return b"".join((bytes((PROTOCOL,)), _length(env), env, _length(stdin), stdin))
 
 
-def _exchange(connection: _socket.socket, netns_fd: int | None) -> tuple[int, bytes]:
-    """Send the call and wait for its answer; never redo it here once the daemon has it."""
-    stdin = _read_all(0)
+def _exchange(connection: _socket.socket, netns_fd: int | None, stdin: bytes) -> tuple[int, bytes]:
+    """Send the call and wait for its answer; never redo it here once the daemon has it (a
+    DECLINED answer says it has not: the daemon declines only calls it has not read whole)."""
     send_request(connection, encode_request(forwarded_environment(), stdin), netns_fd)
     answer = _receive_all(connection)
     connection.close()

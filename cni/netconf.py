@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from cni import shapes
 from cni.errors import CniError, Code
 from cni.invocation import MAX_IFNAME_BYTES
 from cni.paths import check_network_name, check_plugin_name
@@ -89,8 +90,9 @@ def parse(raw: dict[str, Any]) -> NetConf:
     for key, kind in BRIDGE_OPTIONS.items():
         if key in raw and type(raw[key]) is not kind:
             raise CniError(Code.INVALID_NETWORK_CONFIG, f"option {key} must be a {kind.__name__}")
+    shapes.check(raw, shapes.RUNTIME_FIELDS)
     ipam = raw.get("ipam", {})
-    if not isinstance(ipam, dict):
+    if not isinstance(ipam, dict):  # a null ipam too: the field is optional, null is no object
         raise CniError(Code.INVALID_NETWORK_CONFIG, "ipam must be an object")
     if ipam.get("type"):
         check_plugin_name(ipam["type"], "ipam.type")

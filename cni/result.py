@@ -111,7 +111,7 @@ class Result:
                     options=list(dns.get("options") or []),
                 ),
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise CniError(Code.DECODE_FAILURE, f"cannot decode result: {err}") from err
 
 

@@ -4,6 +4,12 @@ Each connection carries one call (the wire format is in cni.client) and runs in 
 thread, through cni.plugin.execute: the same code as the in-process path, with the call's
 forwarded CNI_* variables in place of the process environment and the namespace the plugin
 opened in place of CNI_NETNS, which this daemon's mount and PID namespaces may not resolve.
+
+A stuck or slow plugin must never hold up a real call, so connections are bounded (Limits):
+at most `calls` are served at once, each must deliver its whole request within
+`request_deadline` of being accepted, and a request's fields have byte caps. A connection over
+the first two limits is declined (client.DECLINED): the plugin then runs the call in-process,
+as it would without a daemon. An oversize request is refused with an error.
 """
 
 from __future__ import annotations
@@ -24,10 +30,25 @@ from cni.plugin import error_output, execute
 
 log = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT = 10.0
+# Calls served at once, a thread each. Kubelet and containerd do not throttle CNI calls: at
+# worst every pod of a node (kubelet's default max-pods is 110) has its ADD in flight while its
+# previous sandbox's DEL runs, 220 calls. A call over the limit is declined, so runs in-process.
+MAX_CALLS = 256
+# From accept to the whole request read. The plugin sends its call at once, well under 10 ms
+# even for MAX_STDIN_BYTES; a plugin this late is declined, so runs in-process: the deadline
+# costs no call its success, and a stuck client holds a thread for 2 s at most.
+REQUEST_DEADLINE = 2.0
+# How long a connection that finds every slot taken waits for one before it is declined: a
+# call in the daemon takes 10 to 30 ms, and running in-process costs ~160 ms more than the
+# fast path (docs/benchmarks.md), so a longer wait could cost more than declining does.
+ADMISSION_WAIT = 0.1
+# For sending an answer; a few KB, which the socket's buffer takes at once.
+ANSWER_TIMEOUT = 2.0
 CLOSE_WAIT = 5.0
-MAX_ENV_BYTES = 1 << 20
-MAX_STDIN_BYTES = 1 << 26
+# A request's byte caps. The forwarded CNI_* variables are a few short strings (the kernel caps
+# one at 128 KiB); stdin is the network config with prevResult and runtimeConfig, a few KB.
+MAX_ENV_BYTES = 1 << 18
+MAX_STDIN_BYTES = 1 << 20
 BACKLOG = 128
 SERVED = frozenset(verb.decode() for verb in client.FORWARDED)
 LAZY_MODULES = ("cni.bridge", "cni.masq", "cni.spoofcheck", "cni.ipam.hostlocal")
@@ -35,6 +56,19 @@ LAZY_MODULES = ("cni.bridge", "cni.masq", "cni.spoofcheck", "cni.ipam.hostlocal"
 
 class ProtocolError(Exception):
     """A request this daemon cannot read; answered with an error, never executed."""
+
+
+class DeadlineExceeded(Exception):
+    """The plugin did not send its whole request in time; declined, never executed."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one daemon serves at once and waits for (see the constants for the choices)."""
+
+    calls: int = MAX_CALLS
+    request_deadline: float = REQUEST_DEADLINE
+    admission_wait: float = ADMISSION_WAIT
 
 
 @dataclass(frozen=True)
@@ -51,13 +85,17 @@ class Request:
 class CniServer:
     """Accepts calls on a listening unix socket until close()."""
 
-    def __init__(self, listener: socket.socket, path: str) -> None:
+    def __init__(self, listener: socket.socket, path: str, limits: Limits | None = None) -> None:
         self.path = path
+        self.limits = limits or Limits()
         self.calls = 0
+        self.declined = 0
         self._listener = listener
         self._inode = os.stat(path).st_ino
         self._lock = threading.Lock()
         self._in_flight: set[threading.Thread] = set()
+        self._slots = threading.BoundedSemaphore(self.limits.calls)
+        self._full = False  # the last connection found no slot free: the next waits for none
         self._closing = threading.Event()
         self._acceptor = threading.Thread(target=self._accept, name="cni-server", daemon=True)
         self._acceptor.start()
@@ -91,27 +129,78 @@ class CniServer:
                 log.warning("CNI server: accept failed: %s", err)
                 time.sleep(0.1)
                 continue
-            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
+            accepted = time.monotonic()
+            # Declining is safe: cni.client runs a declined call in-process, as without a
+            # daemon, so a connection over the limit costs its call ~160 ms, not its success.
+            # (A connection closed without an answer would be an error 199 instead: once
+            # connected, the client never redoes a call the daemon may have started.)
+            if not self._admit():
+                with connection:
+                    busy = f"the knit daemon is serving {self.limits.calls} calls, its limit"
+                    self._decline(connection, busy)
+                continue
+            thread = threading.Thread(target=self._serve, args=(connection, accepted), daemon=True)
             with self._lock:
                 self._in_flight.add(thread)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as err:  # no thread to be had: the call runs in-process
+                with self._lock:
+                    self._in_flight.discard(thread)
+                self._slots.release()
+                with connection:
+                    self._decline(connection, f"the knit daemon cannot start a thread: {err}")
 
-    def _serve(self, connection: socket.socket) -> None:
-        start = time.monotonic()
+    def _admit(self) -> bool:
+        """Take a slot for the connection just accepted. When none is free, the connection
+        waits admission_wait for one; until one frees, the connections after it are declined
+        at once, so that a flood costs the acceptor one wait, not one per connection (the
+        connections behind it in the backlog must not wait for each other's waits)."""
+        if self._slots.acquire(blocking=False):
+            self._full = False
+            return True
+        if self._full:
+            return False
+        self._full = not self._slots.acquire(timeout=self.limits.admission_wait)
+        if self._full:
+            log.warning(
+                "CNI server: %d calls in flight: declining new ones until one ends",
+                self.limits.calls,
+            )
+        return not self._full
+
+    def _decline(self, connection: socket.socket, reason: str) -> None:
+        """Answer that the call was not run, without waiting: the plugin runs it itself."""
+        with self._lock:
+            self.declined += 1
+        try:
+            connection.setblocking(False)  # a fresh socket's buffer takes the answer at once
+            connection.sendall(encode_response(client.DECLINED, error_json(reason, b"")))
+        except OSError as err:
+            log.warning("CNI server: could not decline a call (%s): %s", reason, err)
+
+    def _serve(self, connection: socket.socket, accepted: float) -> None:
+        deadline = accepted + self.limits.request_deadline
         try:
             with connection:
-                connection.settimeout(REQUEST_TIMEOUT)
                 try:
-                    request = read_request(connection)
+                    request = read_request(connection, deadline)
+                except DeadlineExceeded:
+                    late = f"the plugin sent no whole call in {self.limits.request_deadline:g} s"
+                    log.warning("CNI server: declined a call: %s", late)
+                    self._decline(connection, late)
+                    return
                 except ProtocolError as err:
                     log.warning("CNI server: refused a call: %s", err)
+                    connection.settimeout(ANSWER_TIMEOUT)
                     connection.sendall(encode_response(1, error_json(str(err), b"")))
-                    _drain(connection)
+                    _drain(connection, deadline)
                     return
                 try:
                     code, output = self._execute(request)
                 finally:
                     request.close()
+                connection.settimeout(ANSWER_TIMEOUT)
                 connection.sendall(encode_response(code, output))
             log.info(
                 "CNI %s %s/%s: exit %d in %.1f ms",
@@ -119,13 +208,14 @@ class CniServer:
                 request.environ.get("CNI_CONTAINERID"),
                 request.environ.get("CNI_IFNAME"),
                 code,
-                (time.monotonic() - start) * 1000,
+                (time.monotonic() - accepted) * 1000,
             )
         except OSError as err:
             log.warning("CNI server: call dropped: %s", err)
         finally:
             with self._lock:
                 self._in_flight.discard(threading.current_thread())
+            self._slots.release()
 
     def _execute(self, request: Request) -> tuple[int, bytes]:
         command = request.environ.get("CNI_COMMAND", "")
@@ -137,7 +227,7 @@ class CniServer:
         return execute(request.environ, request.stdin, request.netns_fd)
 
 
-def serve(socket_path: str) -> CniServer:
+def serve(socket_path: str, limits: Limits | None = None) -> CniServer:
     """Listen on socket_path (0600, in a directory made 0700 if new) and serve calls."""
     _warm_up()
     path = Path(socket_path)
@@ -161,7 +251,7 @@ def serve(socket_path: str) -> CniServer:
         listener.close()
         Path(staging).unlink(missing_ok=True)
         raise
-    return CniServer(listener, str(path))
+    return CniServer(listener, str(path), limits)
 
 
 def _warm_up() -> None:
@@ -170,13 +260,18 @@ def _warm_up() -> None:
         importlib.import_module(name)
 
 
-def read_request(connection: socket.socket) -> Request:
+def read_request(connection: socket.socket, deadline: float | None = None) -> Request:
     """The call, with the namespace descriptor that came with its version byte, if any; a
-    request refused here leaves no descriptor open."""
-    version, fds, _, _ = socket.recv_fds(connection, 1, 1, socket.MSG_CMSG_CLOEXEC)
+    request refused here leaves no descriptor open. With a deadline (time.monotonic()), the
+    whole request must have come by then, however it trickles in, else DeadlineExceeded."""
+    _arm(connection, deadline)
+    try:
+        version, fds, _, _ = socket.recv_fds(connection, 1, 1, socket.MSG_CMSG_CLOEXEC)
+    except TimeoutError as err:
+        raise DeadlineExceeded from err
     netns_fd = fds[0] if fds else None
     try:
-        environ, stdin = _read_call(connection, version)
+        environ, stdin = _read_call(connection, version, deadline)
         _check_netns(environ.get("CNI_NETNS", ""), netns_fd)
     except BaseException:
         if netns_fd is not None:
@@ -192,15 +287,19 @@ def _check_netns(path: str, netns_fd: int | None) -> None:
         raise ProtocolError("the plugin passed a namespace descriptor without CNI_NETNS")
 
 
-def _read_call(connection: socket.socket, version: bytes) -> tuple[dict[str, str], bytes]:
+def _read_call(
+    connection: socket.socket, version: bytes, deadline: float | None
+) -> tuple[dict[str, str], bytes]:
     if not version:
         raise ProtocolError("the plugin closed the connection before sending its call")
     if version[0] != client.PROTOCOL:
         raise ProtocolError(
             f"the plugin speaks protocol {version[0]}, this knit daemon speaks {client.PROTOCOL}"
         )
-    env = _receive_exactly(connection, _receive_length(connection, MAX_ENV_BYTES))
-    stdin = _receive_exactly(connection, _receive_length(connection, MAX_STDIN_BYTES))
+    env_size = _receive_length(connection, "environment", MAX_ENV_BYTES, deadline)
+    env = _receive_exactly(connection, env_size, deadline)
+    stdin_size = _receive_length(connection, "stdin", MAX_STDIN_BYTES, deadline)
+    stdin = _receive_exactly(connection, stdin_size, deadline)
     environ = {}
     for entry in filter(None, env.split(b"\0")):
         key, _, value = entry.partition(b"=")
@@ -219,26 +318,50 @@ def error_json(msg: str, stdin: bytes) -> bytes:
     return error_output(CniError(Code.UNEXPECTED, msg), stdin)
 
 
-def _receive_length(connection: socket.socket, limit: int) -> int:
-    size = int.from_bytes(_receive_exactly(connection, client.LENGTH_BYTES), "big")
+def _receive_length(
+    connection: socket.socket, field: str, limit: int, deadline: float | None
+) -> int:
+    size = int.from_bytes(_receive_exactly(connection, client.LENGTH_BYTES, deadline), "big")
     if size > limit:
-        raise ProtocolError(f"a request field of {size} bytes is over the limit of {limit}")
+        raise ProtocolError(f"the call's {field} of {size} bytes is over the limit of {limit}")
     return size
 
 
-def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+def _receive_exactly(connection: socket.socket, size: int, deadline: float | None) -> bytes:
     data = bytearray()
     while len(data) < size:
-        chunk = connection.recv(min(size - len(data), 1 << 16))
+        chunk = _receive(connection, min(size - len(data), 1 << 16), deadline)
         if not chunk:
             raise ProtocolError("the plugin closed the connection before sending its call")
         data += chunk
     return bytes(data)
 
 
-def _drain(connection: socket.socket) -> None:
-    """Read what the plugin still sends: closing on unread data would reset the connection
-    and lose the answer."""
+def _receive(connection: socket.socket, size: int, deadline: float | None) -> bytes:
+    _arm(connection, deadline)
+    try:
+        return connection.recv(size)
+    except TimeoutError as err:
+        raise DeadlineExceeded from err
+
+
+def _arm(connection: socket.socket, deadline: float | None) -> None:
+    """Make the next read on connection end by the deadline, if there is one."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded
+    connection.settimeout(left)
+
+
+def _drain(connection: socket.socket, deadline: float) -> None:
+    """Read what the plugin still sends, until the deadline: closing on unread data resets
+    the connection, which fails the plugin's next read after the answer (cni.client takes that
+    for the answer's end, other readers may not)."""
     connection.shutdown(socket.SHUT_WR)
-    while connection.recv(1 << 16):
+    try:
+        while _receive(connection, 1 << 16, deadline):
+            pass
+    except DeadlineExceeded:
         pass

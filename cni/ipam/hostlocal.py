@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cni import shapes
 from cni.errors import CniError, Code
 from cni.ipam.store import Store
 from cni.paths import check_directory
@@ -106,6 +107,7 @@ def parse_conf(raw: dict[str, Any], network: str, cni_args: dict[str, str]) -> H
     unknown = sorted(set(ipam) - IPAM_KEYS)
     if unknown:
         raise CniError.unsupported_fields("host-local option", ipam, unknown)
+    shapes.check(raw, {**shapes.RUNTIME_FIELDS, **shapes.HOST_LOCAL_FIELDS})
     raw_sets: list[Any] = list((raw.get("runtimeConfig") or {}).get("ipRanges") or [])
     if ipam.get("subnet"):
         raw_sets.append(

@@ -39,3 +39,21 @@ def test_an_ipam_type_that_is_a_path_is_refused_without_running_it(node: Node, t
     assert "ipam.type" in answer.output["msg"]
     assert not marker.exists()
     assert node.leftovers() == {}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"runtimeConfig": "x"},
+        {"args": {"cni": {"ips": "10.244.1.9"}}},
+        {"ipam": {"type": "host-local", "ranges": [{"subnet": "10.244.1.0/24"}]}},
+        {"ipam": {"type": "host-local", "subnet": "10.244.1.0/24", "dataDir": 5}},
+    ],
+)
+def test_a_field_of_the_wrong_type_is_code_7_not_a_traceback(node: Node, change):
+    conf = {**bridge_conf(node.data_dir), **change}
+    pod_ns = node.make_netns("pod")
+    answer = node.call("ADD", conf, container_id="hostile", netns=pod_ns.path)
+    assert answer.error_code == 7, answer
+    assert "details" not in answer.output
+    assert node.leftovers() == {}

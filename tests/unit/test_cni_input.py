@@ -54,3 +54,55 @@ def test_host_local_directories_must_be_path_strings(field, value):
         parse_conf({**BASE, "ipam": ipam}, "net", {})
     assert err.value.code == 7
     assert f"ipam.{field}" in err.value.msg
+
+
+HOST_LOCAL = {"type": "host-local", "subnet": "10.1.0.0/24"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("args", "x"),
+        ("args", {"cni": 5}),
+        ("args", {"cni": {"ips": "10.1.0.5"}}),
+        ("args", {"cni": {"ips": [5]}}),
+        ("args", {"cni": {"mac": 5}}),
+        ("runtimeConfig", "x"),
+        ("runtimeConfig", {"ips": 5}),
+        ("runtimeConfig", {"mac": ["x"]}),
+        ("runtimeConfig", {"ipRanges": [{"subnet": "10.2.0.0/24"}]}),
+        ("capabilities", []),
+        ("prevResult", "x"),
+    ],
+)
+def test_runtime_fields_of_the_wrong_shape_are_invalid_config_naming_the_field(field, value):
+    with pytest.raises(CniError) as err:
+        netconf.parse({**BASE, "ipam": HOST_LOCAL, field: value})
+    assert err.value.code == 7
+    assert err.value.msg.startswith(field)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("subnet", 5),
+        ("gateway", ["10.1.0.1"]),
+        ("rangeStart", {"a": 1}),
+        ("ranges", [{"subnet": "10.1.0.0/24"}]),
+        ("ranges", [[{"subnet": "10.1.0.0/24"}, "x"]]),
+        ("ranges", "10.1.0.0/24"),
+        ("routes", [["0.0.0.0/0"]]),
+        ("routes", {"dst": "0.0.0.0/0"}),
+    ],
+)
+def test_host_local_fields_of_the_wrong_shape_are_invalid_config(field, value):
+    raw = {**BASE, "ipam": {**HOST_LOCAL, field: value}}
+    with pytest.raises(CniError) as err:
+        parse_conf(raw, "net", {})
+    assert err.value.code == 7
+    assert err.value.msg.startswith(f"ipam.{field}")
+
+
+@pytest.mark.parametrize("field", ["args", "runtimeConfig", "capabilities", "prevResult"])
+def test_a_null_runtime_field_is_absent(field):
+    assert netconf.parse({**BASE, field: None}).name == "net"

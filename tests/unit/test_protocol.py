@@ -102,13 +102,20 @@ def conf(**options):
     }
 
 
-@pytest.mark.parametrize("mac", ["aa:bb:cc:dd:ee:ff\n", "aa:bb:cc:dd:ee", 5])
-def test_a_requested_mac_must_be_a_whole_mac_address(mac):
+@pytest.mark.parametrize(
+    ("mac", "message"),
+    [
+        ("aa:bb:cc:dd:ee:ff\n", "requested MAC 'aa:bb:cc:dd:ee:ff\\n' is not a MAC address"),
+        ("aa:bb:cc:dd:ee", "requested MAC 'aa:bb:cc:dd:ee' is not a MAC address"),
+        (5, "runtimeConfig.mac must be a string"),
+    ],
+)
+def test_a_requested_mac_must_be_a_whole_mac_address(mac, message):
     stdin = json.dumps(conf(runtimeConfig={"mac": mac})).encode()
     code, output = plugin.execute(BASE_ENV, stdin)
     answer = json.loads(output)
     assert code == 1 and answer["code"] == Code.INVALID_NETWORK_CONFIG
-    assert answer["msg"] == f"requested MAC {mac!r} is not a MAC address"
+    assert answer["msg"] == message
 
 
 def test_unknown_option_is_named_with_code_2():
