@@ -51,7 +51,9 @@ def main(socket_path: str | None) -> None:
 def open_netns() -> int | None:
     """A descriptor of CNI_NETNS for the daemon; None when the call names no namespace."""
     path = posix.environ.get(b"CNI_NETNS")
-    return posix.open(path, posix.O_RDONLY | posix.O_CLOEXEC) if path else None
+    # O_NONBLOCK: a FIFO placed at CNI_NETNS must not hold the call (see netns.open_netns)
+    flags = posix.O_RDONLY | posix.O_CLOEXEC | posix.O_NONBLOCK
+    return posix.open(path, flags) if path else None
 
 
 def _forward(socket_path: str, netns_fd: int | None) -> None:

@@ -119,6 +119,8 @@ def parse_stdin(raw: bytes) -> dict[str, Any]:
         conf = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise CniError(Code.DECODE_FAILURE, f"cannot decode network config: {err}") from err
+    except RecursionError as err:  # the decoder recurses once per level of nesting
+        raise CniError(Code.DECODE_FAILURE, "network config is nested too deeply") from err
     if not isinstance(conf, dict):
         raise CniError(Code.DECODE_FAILURE, "network config is not a JSON object")
     return conf

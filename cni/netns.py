@@ -27,7 +27,10 @@ def open_netns(path: str, opened: int | None = None) -> int:
     (the fast path's plugin opens CNI_NETNS); CniError 3 when the container's netns is gone or
     path is not a network namespace."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if opened is None else os.dup(opened)
+        # O_NONBLOCK: opening a FIFO placed at path would otherwise wait for a writer forever;
+        # an nsfs file ignores the flag
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(path, flags) if opened is None else os.dup(opened)
     except FileNotFoundError as err:
         raise CniError(Code.UNKNOWN_CONTAINER, f"network namespace {path} does not exist") from err
     except OSError as err:

@@ -295,7 +295,7 @@ def error_output(err: CniError, stdin: bytes) -> bytes:
     """The error JSON as printed, in the call's cniVersion when we speak it, else the latest."""
     try:
         asked = json.loads(stdin).get("cniVersion")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         asked = None
     return encode(err.to_json(asked if asked in version.SUPPORTED_VERSIONS else version.LATEST))
 

@@ -3,6 +3,7 @@ it can write outside the IPAM data directory or run a program from outside CNI_P
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -56,4 +57,21 @@ def test_a_field_of_the_wrong_type_is_code_7_not_a_traceback(node: Node, change)
     answer = node.call("ADD", conf, container_id="hostile", netns=pod_ns.path)
     assert answer.error_code == 7, answer
     assert "details" not in answer.output
+    assert node.leftovers() == {}
+
+
+def test_deeply_nested_json_is_a_decode_failure(node: Node):
+    nested = b'{"cniVersion": "1.1.0", "name": "n", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    answer = node.call("ADD", nested, container_id="hostile", netns="/nonexistent")
+    assert answer.error_code == 6, answer
+    assert "nested too deeply" in answer.output["msg"]
+
+
+def test_a_fifo_as_cni_netns_is_refused_at_once(node: Node, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    conf = bridge_conf(node.data_dir)
+    answer = node.call("ADD", conf, container_id="hostile", netns=str(fifo))
+    assert answer.error_code == 3, answer
+    assert "not a network namespace" in answer.output["msg"]
     assert node.leftovers() == {}

@@ -3,8 +3,11 @@ real interpreter against a stand-in daemon, and cni.server on a socket in a temp
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
+import posix
 import socket
 import stat
 import subprocess
@@ -422,3 +425,19 @@ def test_a_delegated_add_without_addresses_is_given_back(tmp_path):
     assert err.value.code == Code.DELEGATE_FAILURE
     assert err.value.msg == "IPAM plugin empty-ipam returned missing IP config"
     assert (tmp_path / "calls").read_text().split() == ["ADD", "DEL"]
+
+
+def test_a_fifo_as_cni_netns_does_not_hold_the_fast_path_client(tmp_path, monkeypatch):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setitem(posix.environ, b"CNI_NETNS", bytes(fifo))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        opened = pool.submit(client.open_netns)
+        try:
+            fd = opened.result(timeout=5)
+        finally:
+            # a blocked open() ends once a writer shows up
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert fd is not None
+    os.close(fd)
