@@ -22,7 +22,7 @@ from cni.links import (
     netlink_errors,
     routes,
 )
-from cni.netconf import NetConf
+from cni.netconf import IPV6_MIN_MTU, NetConf
 from cni.result import Interface, IPAddress, IPConfig, IPInterface, Result, Route
 
 HOST_VETH_PREFIX = "knit"
@@ -79,6 +79,14 @@ def ensure_bridge(ipr: IPRoute, conf: NetConf) -> Link:
             ipr.link("set", index=bridge.index, flags=IFF_PROMISC, mask=IFF_PROMISC)
         changes: dict[str, object] = {"state": "up"}
         if conf.mtu and bridge.mtu != conf.mtu:
+            # the bridge is every pod's: an MTU under IPv6's minimum would turn IPv6 off on it
+            global6 = [a for a in addresses(bridge.index) if a.version == 6 and not a.is_link_local]
+            if conf.mtu < IPV6_MIN_MTU and global6:
+                raise CniError(
+                    Code.INVALID_NETWORK_CONFIG,
+                    f"mtu {conf.mtu} would turn IPv6 off on bridge {conf.bridge}, which has "
+                    "IPv6 addresses",
+                )
             changes["mtu"] = conf.mtu
         ipr.link("set", index=bridge.index, **changes)
     return bridge

@@ -47,6 +47,9 @@ BRIDGE_OPTIONS = {
 MASQ_BACKENDS = ("iptables", "nftables")
 DEFAULT_BRIDGE = "cni0"
 MAX_VLAN = 4094
+MIN_MTU, IPV6_MIN_MTU, MAX_MTU = 68, 1280, 65535
+"""IPv4's minimum link MTU, IPv6's (below it the kernel turns IPv6 off on the link), and the
+largest an Ethernet link takes."""
 DNS_LISTS = ("nameservers", "search", "options")
 
 
@@ -152,6 +155,13 @@ def _check_dns(raw: Any) -> None:
         raise CniError(Code.INVALID_NETWORK_CONFIG, "dns.domain must be a string")
 
 
+def _has_ipv6_ranges(ipam: dict[str, Any]) -> bool:
+    """Whether host-local's subnet or ranges name an IPv6 network (shapes were checked)."""
+    subnets = [ipam.get("subnet")]
+    subnets += [r.get("subnet") for range_set in ipam.get("ranges") or [] for r in range_set]
+    return any(isinstance(s, str) and ":" in s for s in subnets)
+
+
 def _check_consistency(conf: NetConf) -> None:
     problems = []
     if not conf.bridge or len(os.fsencode(conf.bridge)) > MAX_IFNAME_BYTES or "/" in conf.bridge:
@@ -167,7 +177,11 @@ def _check_consistency(conf: NetConf) -> None:
             f"vlan {conf.vlan} cannot be used with isGateway or isDefaultGateway: the gateway "
             "address would be on the bridge's VLAN 1 only, out of the pods' reach"
         )
-    if conf.mtu < 0 or 0 < conf.mtu < 68:
+    if conf.mtu < 0 or 0 < conf.mtu < MIN_MTU:
         problems.append(f"mtu {conf.mtu} is too small")
+    elif conf.mtu > MAX_MTU:
+        problems.append(f"mtu {conf.mtu} is above {MAX_MTU}")
+    elif 0 < conf.mtu < IPV6_MIN_MTU and _has_ipv6_ranges(conf.ipam):
+        problems.append(f"mtu {conf.mtu} is below IPv6's minimum {IPV6_MIN_MTU}, and ipam has IPv6")
     if problems:
         raise CniError(Code.INVALID_NETWORK_CONFIG, "; ".join(problems))

@@ -75,3 +75,17 @@ def test_a_fifo_as_cni_netns_is_refused_at_once(node: Node, tmp_path):
     assert answer.error_code == 3, answer
     assert "not a network namespace" in answer.output["msg"]
     assert node.leftovers() == {}
+
+
+def test_a_small_mtu_cannot_turn_ipv6_off_on_the_shared_bridge(node: Node):
+    dual = bridge_conf(node.data_dir, dual_stack=True)
+    node.add_pod(dual, "first")
+    before = node.ns.ip("-o", "link", "show", "kbr0").split(" mtu ")[1].split()[0]
+    # another network on the same bridge, IPv4 only, asking for an MTU IPv6 cannot live with
+    small = bridge_conf(node.data_dir, name="other", mtu=1000)
+    small["ipam"]["ranges"] = [[{"subnet": "10.244.7.0/24"}]]
+    answer = node.call("ADD", small, container_id="small", netns=node.make_netns("pod").path)
+    assert answer.error_code == 7, answer
+    assert "IPv6" in answer.output["msg"]
+    assert node.ns.ip("-o", "link", "show", "kbr0").split(" mtu ")[1].split()[0] == before
+    node.add_pod(dual, "second")  # dual-stack ADDs still work on the node

@@ -106,3 +106,22 @@ def test_host_local_fields_of_the_wrong_shape_are_invalid_config(field, value):
 @pytest.mark.parametrize("field", ["args", "runtimeConfig", "capabilities", "prevResult"])
 def test_a_null_runtime_field_is_absent(field):
     assert netconf.parse({**BASE, field: None}).name == "net"
+
+
+@pytest.mark.parametrize(
+    ("mtu", "ipam", "problem"),
+    [
+        (70000, HOST_LOCAL, "above 65535"),
+        (1000, {"type": "host-local", "subnet": "fd00::/64"}, "below IPv6's minimum"),
+        (1279, {"type": "host-local", "ranges": [[{"subnet": "fd00::/64"}]]}, "IPv6"),
+    ],
+)
+def test_an_mtu_the_network_cannot_carry_is_refused(mtu, ipam, problem):
+    with pytest.raises(CniError) as err:
+        netconf.parse({**BASE, "ipam": ipam, "mtu": mtu})
+    assert err.value.code == 7
+    assert problem in err.value.msg
+
+
+def test_a_small_mtu_is_taken_for_an_ipv4_only_network():
+    assert netconf.parse({**BASE, "ipam": HOST_LOCAL, "mtu": 1000}).mtu == 1000
