@@ -86,12 +86,21 @@ def validate_container_id(container_id: str) -> None:
         )
 
 
+def valid_ifname(name: str) -> bool:
+    """The kernel's rule for a link's name (dev_valid_name)."""
+    return (
+        0 < len(os.fsencode(name)) <= MAX_IFNAME_BYTES
+        and name not in (".", "..")
+        and not any(c in "/:\0" or c.isspace() for c in name)
+    )
+
+
 def validate_ifname(ifname: str) -> None:
     if len(os.fsencode(ifname)) > MAX_IFNAME_BYTES:
         raise CniError(
             Code.INVALID_ENV, f"CNI_IFNAME {ifname!r} is longer than {MAX_IFNAME_BYTES} bytes"
         )
-    if ifname in (".", "..") or any(c in ifname for c in "/:") or any(c.isspace() for c in ifname):
+    if not valid_ifname(ifname):
         raise CniError(Code.INVALID_ENV, f"CNI_IFNAME {ifname!r} is not a valid interface name")
 
 

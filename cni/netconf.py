@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from cni import shapes
 from cni.errors import CniError, Code
-from cni.invocation import MAX_IFNAME_BYTES
+from cni.invocation import valid_ifname
 from cni.paths import check_network_name, check_plugin_name
 from cni.result import DNS
 from cni.version import require_supported
@@ -164,7 +163,7 @@ def _has_ipv6_ranges(ipam: dict[str, Any]) -> bool:
 
 def _check_consistency(conf: NetConf) -> None:
     problems = []
-    if not conf.bridge or len(os.fsencode(conf.bridge)) > MAX_IFNAME_BYTES or "/" in conf.bridge:
+    if not valid_ifname(conf.bridge):
         problems.append(f"bridge name {conf.bridge!r} is not a valid interface name")
     if conf.hairpin_mode and conf.promisc_mode:
         problems.append("hairpinMode and promiscMode cannot both be set")

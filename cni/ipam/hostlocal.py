@@ -81,6 +81,14 @@ def _address(value: Any, what: str) -> IPAddress:
         raise _invalid(f"{what} {value!r} is not an IP address") from err
 
 
+def _plain_address(value: str, what: str) -> IPAddress:
+    """An address written alone, as a range's bounds and gateway are (no prefix length)."""
+    try:
+        return ipaddress.ip_address(value)
+    except ValueError as err:
+        raise _invalid(f"{what} {value!r} is not an IP address") from err
+
+
 def parse_range(raw: Any) -> Range:
     if not isinstance(raw, dict) or "subnet" not in raw:
         raise _invalid(f"range {raw!r} needs a subnet")
@@ -94,9 +102,10 @@ def parse_range(raw: Any) -> Range:
     last = subnet.broadcast_address - (1 if subnet.version == 4 else 0)
     bounds = {}
     for key, default in (("rangeStart", first), ("rangeEnd", last), ("gateway", first)):
-        bounds[key] = _address(raw[key], key) if raw.get(key) else default
-        if bounds[key] not in subnet:
-            raise _invalid(f"{key} {bounds[key]} is not in network {subnet}")
+        bounds[key] = _plain_address(raw[key], key) if raw.get(key) else default
+        if not int(first) <= int(bounds[key]) <= int(last):
+            # the network's own address and IPv4's broadcast are no host's
+            raise _invalid(f"{key} {bounds[key]} is not a host address of network {subnet}")
     if int(bounds["rangeStart"]) > int(bounds["rangeEnd"]):
         raise _invalid(f"rangeStart {bounds['rangeStart']} is after rangeEnd {bounds['rangeEnd']}")
     return Range(subnet, bounds["rangeStart"], bounds["rangeEnd"], bounds["gateway"])

@@ -125,3 +125,11 @@ def test_an_mtu_the_network_cannot_carry_is_refused(mtu, ipam, problem):
 
 def test_a_small_mtu_is_taken_for_an_ipv4_only_network():
     assert netconf.parse({**BASE, "ipam": HOST_LOCAL, "mtu": 1000}).mtu == 1000
+
+
+@pytest.mark.parametrize("bridge", ["", "br 0", "br:0", "br\t0", ".", "..", "a/b", "b" * 16, "x\0"])
+def test_a_bridge_name_the_kernel_would_refuse_is_invalid_config(bridge):
+    with pytest.raises(CniError) as err:
+        netconf.parse({**BASE, "bridge": bridge})
+    assert err.value.code == 7
+    assert "bridge name" in err.value.msg

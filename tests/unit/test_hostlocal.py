@@ -130,7 +130,12 @@ def test_duplicate_allocation_refused(tmp_path):
         ([[{"subnet": "10.1.0.0/33"}]], "invalid subnet"),
         ([[{"subnet": "10.1.0.1/24"}]], "invalid subnet"),
         ([[{"subnet": "10.1.0.0/31"}]], "too small"),
-        ([[{"subnet": "10.1.0.0/24", "rangeStart": "10.2.0.1"}]], "not in network"),
+        ([[{"subnet": "10.1.0.0/24", "rangeStart": "10.2.0.1"}]], "not a host address of"),
+        ([[{"subnet": "10.1.0.0/24", "rangeStart": "10.1.0.0"}]], "not a host address of"),
+        ([[{"subnet": "10.1.0.0/24", "rangeEnd": "10.1.0.255"}]], "not a host address of"),
+        ([[{"subnet": "10.1.0.0/24", "gateway": "10.1.0.0"}]], "not a host address of"),
+        ([[{"subnet": "10.1.0.0/24", "rangeStart": "10.1.0.5/24"}]], "not an IP address"),
+        ([[{"subnet": "10.1.0.0/24", "gateway": "10.1.0.1/24"}]], "not an IP address"),
         (
             [[{"subnet": "10.1.0.0/24", "rangeStart": "10.1.0.9", "rangeEnd": "10.1.0.3"}]],
             "is after rangeEnd",
