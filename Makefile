@@ -12,7 +12,7 @@ APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-
 	python3 python3-venv curl ca-certificates unzip git openssl \
 	shellcheck debootstrap containerd runc
 
-.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit bench-cni bench-proxy bench-netlink lab lab-down \
+.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit fuzz bench-cni bench-proxy bench-netlink lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
 
 setup: system-deps venv
@@ -61,6 +61,11 @@ lint: venv
 
 unit: venv
 	$(PY) -m pytest -q tests/unit
+
+# The plugin's generated-input run, longer than make test's (FUZZ_EXAMPLES configs and stdins)
+FUZZ_EXAMPLES ?= 20000
+fuzz: venv
+	KNIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/unit/test_cni_fuzz.py
 
 test: setup cni go-tools e2e-tools lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
