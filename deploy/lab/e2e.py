@@ -65,8 +65,9 @@ def read_junit(report: Path) -> Outcome:
     return outcome
 
 
-def run(kubeconfig: Path, report_dir: Path, focus: str, procs: int = PROCS) -> Outcome:
-    """The selected specs against the cluster of kubeconfig; the log and JUnit in report_dir."""
+def run(kubeconfig: Path, report_dir: Path, focus: str, nodes: int, procs: int = PROCS) -> Outcome:
+    """The selected specs against the cluster of kubeconfig, which has `nodes` schedulable
+    nodes; the log and JUnit in report_dir."""
     report_dir.mkdir(parents=True, exist_ok=True)
     for old in report_dir.glob("junit*.xml"):
         old.unlink()
@@ -77,7 +78,8 @@ def run(kubeconfig: Path, report_dir: Path, focus: str, procs: int = PROCS) -> O
                 f"--procs={procs}", "--timeout=120m", "--no-color", "--silence-skips",
                 f"--focus={focus}", f"--skip={SKIP}",
                 str(E2E / "e2e.test"), "--",
-                f"--kubeconfig={kubeconfig}", "--provider=skeleton",
+                # without --num-nodes the specs that need two or more nodes skip themselves
+                f"--kubeconfig={kubeconfig}", "--provider=skeleton", f"--num-nodes={nodes}",
                 f"--report-dir={report_dir}", "--disable-log-dump=true",
             ],
             stdout=log,
@@ -115,7 +117,8 @@ def main() -> None:
             print(f"\n{mode}: bringing the lab up ...", flush=True)
             lab.up()
             print(f"{mode}: running the {options.selection} specs ...", flush=True)
-            outcomes[mode] = run(lab.kubeconfig, E2E / mode, SELECTIONS[options.selection])
+            selection = SELECTIONS[options.selection]
+            outcomes[mode] = run(lab.kubeconfig, E2E / mode, selection, len(lab.nodes))
         finally:
             lab.down()
     print(table(outcomes))

@@ -40,7 +40,8 @@ def test_traffic_flows_between_real_pods(lab: Lab) -> None:
 
 
 def test_every_network_conformance_spec_passes(lab: Lab) -> None:
-    outcome = e2e.run(lab.kubeconfig, e2e.E2E / lab.mode, e2e.SELECTIONS["conformance"])
+    conformance = e2e.SELECTIONS["conformance"]
+    outcome = e2e.run(lab.kubeconfig, e2e.E2E / lab.mode, conformance, len(lab.nodes))
     assert outcome.failed == []
     assert outcome.passed
 
