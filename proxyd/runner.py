@@ -68,6 +68,29 @@ class BoundedFrequencyRunner:
         allowed = now if self._tokens >= 1 else now + (1 - self._tokens) * self._min
         return max(due, allowed)
 
+    def _take_if_due(self) -> float | None:
+        """Under the lock: None when a sync is due now (its token taken, the requests it
+        answers cleared), else the seconds until the next reason to look again."""
+        now = self._clock()
+        self._refill(now)
+        deadline = self._next_deadline(now)
+        if deadline > now:
+            return deadline - now
+        self._tokens = max(0.0, self._tokens - 1)
+        self._requested = False
+        self._retry_at = None
+        self._last_run = now
+        return None
+
+    def poll(self) -> bool:
+        """Sync now if a sync is due by the clock; whether it did. loop() is this, waiting in
+        between; tests drive it with their own clock."""
+        with self._cond:
+            if self._stopped or self._take_if_due() is not None:
+                return False
+        self._fn()
+        return True
+
     def loop(self) -> None:
         """Run until stop(); call from the thread that should do the syncs."""
         while True:
@@ -75,14 +98,8 @@ class BoundedFrequencyRunner:
                 while True:
                     if self._stopped:
                         return
-                    now = self._clock()
-                    self._refill(now)
-                    deadline = self._next_deadline(now)
-                    if deadline <= now:
+                    wait = self._take_if_due()
+                    if wait is None:
                         break
-                    self._cond.wait(deadline - now)
-                self._tokens = max(0.0, self._tokens - 1)
-                self._requested = False
-                self._retry_at = None
-                self._last_run = now
+                    self._cond.wait(wait)
             self._fn()

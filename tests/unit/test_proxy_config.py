@@ -1,12 +1,7 @@
-"""The bounded-frequency runner and the daemon's options (pure)."""
+"""The daemon's options: flags, the config file, durations, node port addresses (pure)."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,42 +9,6 @@ import pytest
 from proxyd.addresses import nodeport_addresses
 from proxyd.config import ConfigError, conntrack_sysctls, load, parse_duration
 from proxyd.model import NodeInfo, parse_node
-from proxyd.runner import BoundedFrequencyRunner
-
-
-@contextlib.contextmanager
-def running(
-    min_interval: float, max_interval: float, burst: int = 2
-) -> Iterator[tuple[BoundedFrequencyRunner, list[float]]]:
-    """A runner looping in a thread, and the times it ran; stopped on leaving."""
-    runs: list[float] = []
-    runner = BoundedFrequencyRunner(
-        lambda: runs.append(time.monotonic()), min_interval, max_interval, burst=burst
-    )
-    thread = threading.Thread(target=runner.loop)
-    thread.start()
-    try:
-        yield runner, runs
-    finally:
-        runner.stop()
-        thread.join()
-
-
-def test_runner_coalesces_a_storm_and_respects_the_minimum_interval() -> None:
-    with running(0.2, 60, burst=1) as (runner, runs):
-        for _ in range(50):
-            runner.run()
-            time.sleep(0.01)
-        time.sleep(0.5)
-    assert 2 <= len(runs) <= 5, runs
-    gaps = [b - a for a, b in itertools.pairwise(runs)]
-    assert all(gap >= 0.18 for gap in gaps), gaps
-
-
-def test_runner_runs_at_the_maximum_interval_without_requests() -> None:
-    with running(0, 0.1) as (_, runs):
-        time.sleep(0.35)
-    assert len(runs) >= 2
 
 
 def test_durations_as_kube_proxy_takes_them() -> None:
@@ -110,18 +69,6 @@ def test_nodeport_addresses_primary_is_the_first_node_ip_of_the_family() -> None
     )
     assert nodeport_addresses(("primary",), 4, external_only_v4, unasked) == ("203.0.113.9",)
     assert nodeport_addresses(("primary",), 6, external_only_v4, unasked) == ("fd00::9",)
-
-
-def test_runner_retries_wait_for_the_rate_limit() -> None:
-    with running(0.3, 60, burst=1) as (runner, runs):
-        runner.run()
-        deadline = time.monotonic() + 5
-        while not runs and time.monotonic() < deadline:
-            time.sleep(0.005)
-        runner.retry_after(0)
-        time.sleep(0.6)
-    assert len(runs) == 2, runs
-    assert runs[1] - runs[0] >= 0.28, runs
 
 
 def test_conntrack_options_as_kube_proxy_takes_them(tmp_path: Path) -> None:
