@@ -86,6 +86,7 @@ from typing import Any, TypeVar
 
 from kubernetes import client, config
 
+from cni.families import IP_FAMILIES
 from cni.firewall import detect_iptables_flavour
 from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent, start
 from deploy.lab.kube import (
@@ -110,14 +111,7 @@ from proxyd.iptables.kernel import Iptables as IptablesKernel
 from proxyd.iptables.proxier import NFT_CHAINS_PER_RESTORE
 from proxyd.iptables.restore import RuleSet, Script, partial_script
 from proxyd.metrics import Metrics
-from proxyd.model import (
-    IP_FAMILIES,
-    ZONE_LABEL,
-    Endpoint,
-    ServicePort,
-    ServicePortName,
-    parse_node,
-)
+from proxyd.model import ZONE_LABEL, Endpoint, ServicePort, ServicePortName, parse_node
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.kernel import CHAIN_LINE, Nft
 from proxyd.nftables.transaction import GENERATION_SUFFIXES, TableState, partial_transaction

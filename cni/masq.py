@@ -25,7 +25,6 @@ CHAIN_PREFIX = "KNIT-MASQ-"
 NFT_TABLE = "knit_masq"
 NFT_CHAIN = "postrouting"
 MULTICAST = {4: "224.0.0.0/4", 6: "ff00::/8"}
-FAMILIES = (4, 6)
 
 
 def chain_name(tag: Tag) -> str:

@@ -149,12 +149,12 @@ def _families(result: Result) -> set[int]:
 def _attachment_families(raw: dict[str, Any]) -> Collection[int]:
     """The address families the attachment has rules in: those of prevResult's addresses, or
     every family when the runtime passed no prevResult (or one that cannot be read)."""
-    from cni import masq
+    from cni.families import IP_FAMILIES
 
     try:
         return _families(Result.from_json(raw.get("prevResult")))
     except CniError:
-        return masq.FAMILIES
+        return IP_FAMILIES
 
 
 def _delete_attachment_links(conf: NetConf, invocation: Invocation, netns_fd: int | None) -> None:
@@ -249,6 +249,7 @@ def valid_attachments(raw: dict[str, Any]) -> set[tuple[str, str]]:
 
 def cmd_gc(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
     from cni import masq, spoofcheck
+    from cni.families import IP_FAMILIES
 
     conf = netconf.parse(raw)
     if not version.at_least(conf.cni_version, "1.1.0"):
@@ -259,7 +260,7 @@ def cmd_gc(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
         [
             lambda: ipam.gc(valid),
             lambda: masq.teardown(
-                netconf.MASQ_BACKENDS, stale_selector(masq.KIND, conf.name, valid), masq.FAMILIES
+                netconf.MASQ_BACKENDS, stale_selector(masq.KIND, conf.name, valid), IP_FAMILIES
             ),
             lambda: spoofcheck.teardown(stale_selector(spoofcheck.KIND, conf.name, valid)),
         ]

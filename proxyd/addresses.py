@@ -8,10 +8,10 @@ import socket
 import struct
 from collections.abc import Callable, Iterable
 
+from cni.families import ADDRESS_FAMILIES
 from proxyd.model import NodeInfo, family_of
 from proxyd.rawnetlink import NetlinkSocket, attributes
 
-ADDRESS_FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
 RTM_NEWADDR, RTM_GETADDR = 20, 22
 IFADDRMSG = struct.Struct("=BBBBI")
 """ifaddrmsg: family, prefix length, flags, scope, link index."""

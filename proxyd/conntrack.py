@@ -28,7 +28,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proxyd.addresses import ADDRESS_FAMILIES
+from cni.families import ADDRESS_FAMILIES
 from proxyd.rawnetlink import (
     NETLINK_NETFILTER,
     NetlinkSocket,

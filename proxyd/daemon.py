@@ -17,6 +17,7 @@ from kubernetes import config as kubeconfig
 
 from cni import install, server, sysctl
 from cni.errors import CniError
+from cni.families import IP_FAMILIES
 from proxyd import collector, watch
 from proxyd.config import MODES, Config, ConfigError, conntrack_sysctls, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
@@ -26,7 +27,6 @@ from proxyd.iptables.proxier import IptablesProxier
 from proxyd.ipvs import netlink as ipvs_netlink
 from proxyd.ipvs.proxier import IpvsProxier
 from proxyd.metrics import Metrics
-from proxyd.model import IP_FAMILIES
 from proxyd.nftables.kernel import Nft
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc

@@ -21,7 +21,6 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 ZONE_LABEL = "topology.kubernetes.io/zone"
 DEFAULT_AFFINITY_TIMEOUT = 10800
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
-IP_FAMILIES = (4, 6)
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from cni.families import IP_FAMILIES
 from proxyd.model import (
-    IP_FAMILIES,
     Endpoint,
     EndpointSlice,
     InvalidObject,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from proxyd.addresses import ADDRESS_FAMILIES, link_addresses, link_index
+from cni.families import ADDRESS_FAMILIES
+from proxyd.addresses import link_addresses, link_index
 from proxyd.model import family_of
 from proxyd.nodenet.plan import NodeNet, OverlayPeer, PodRoute, RoutePlan, vtep_address, vtep_mac
 
