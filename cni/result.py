@@ -14,6 +14,14 @@ IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 ROUTE_EXTRAS_1_1 = ("mtu", "advmss", "priority", "table", "scope")
+ROUTE_EXTRA_LIMITS = {
+    "mtu": 2**32,
+    "advmss": 2**32,
+    "priority": 2**32,
+    "table": 2**32,
+    "scope": 256,
+}
+"""Each extra's kernel field: a u32, and scope a u8."""
 
 
 @dataclass
@@ -122,8 +130,14 @@ def parse_route(data: Any) -> Route:
     return Route(
         dst=ipaddress.ip_network(data["dst"], strict=False),
         gw=ipaddress.ip_address(data["gw"]) if data.get("gw") else None,
-        extras={k: int(data[k]) for k in ROUTE_EXTRAS_1_1 if k in data},
+        extras={k: _route_extra(k, data[k]) for k in ROUTE_EXTRAS_1_1 if k in data},
     )
+
+
+def _route_extra(key: str, value: Any) -> int:
+    if type(value) is not int or not 0 <= value < ROUTE_EXTRA_LIMITS[key]:
+        raise ValueError(f"route {key} {value!r} is not an integer 0-{ROUTE_EXTRA_LIMITS[key] - 1}")
+    return value
 
 
 def _interface_json(iface: Interface, with_mtu: bool) -> dict[str, Any]:

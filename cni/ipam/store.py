@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from cni.errors import CniError, Code
 from cni.paths import inside
 from cni.result import IPAddress
 
@@ -32,8 +33,13 @@ class Store:
 
     @contextmanager
     def locked(self) -> Iterator[Store]:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # dataDir a file, read-only, full: no store to lock
+            raise CniError(
+                Code.IO_FAILURE, f"IPAM dataDir {self.directory} is unusable: {err}"
+            ) from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield self

@@ -89,3 +89,34 @@ def test_a_small_mtu_cannot_turn_ipv6_off_on_the_shared_bridge(node: Node):
     assert "IPv6" in answer.output["msg"]
     assert node.ns.ip("-o", "link", "show", "kbr0").split(" mtu ")[1].split()[0] == before
     node.add_pod(dual, "second")  # dual-stack ADDs still work on the node
+
+
+def test_a_data_dir_that_is_a_file_is_an_io_failure(node: Node, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    conf = bridge_conf(a_file)
+    pod_ns = node.make_netns("pod")
+    for verb in ("ADD", "DEL"):
+        answer = node.call(verb, conf, container_id="hostile", netns=pod_ns.path)
+        assert answer.error_code == 5, (verb, answer)
+        assert "dataDir" in answer.output["msg"]
+    assert node.leftovers() == {}
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        {"dst": "10.5.0.0/16", "priority": 2**70},
+        {"dst": "10.5.0.0/16", "mtu": -5},
+        {"dst": "10.5.0.0/16", "scope": 256},
+        {"dst": "10.5.0.0/16", "table": 1.5},
+        {"dst": "10.5.0.0/16", "advmss": "9"},
+    ],
+)
+def test_a_route_number_the_kernel_cannot_hold_is_code_7(node: Node, route):
+    conf = bridge_conf(node.data_dir)
+    conf["ipam"]["routes"] = [route]
+    answer = node.call("ADD", conf, container_id="hostile", netns=node.make_netns("pod").path)
+    assert answer.error_code == 7, answer
+    assert "route" in answer.output["msg"]
+    assert node.leftovers() == {}
