@@ -81,8 +81,10 @@ def _address(value: Any, what: str) -> IPAddress:
         raise _invalid(f"{what} {value!r} is not an IP address") from err
 
 
-def _plain_address(value: str, what: str) -> IPAddress:
+def _plain_address(value: object, what: str) -> IPAddress:
     """An address written alone, as a range's bounds and gateway are (no prefix length)."""
+    if not isinstance(value, str):  # ipaddress takes integers, booleans among them
+        raise _invalid(f"{what} {value!r} is not an IP address")
     try:
         return ipaddress.ip_address(value)
     except ValueError as err:
@@ -90,8 +92,8 @@ def _plain_address(value: str, what: str) -> IPAddress:
 
 
 def parse_range(raw: Any) -> Range:
-    if not isinstance(raw, dict) or "subnet" not in raw:
-        raise _invalid(f"range {raw!r} needs a subnet")
+    if not isinstance(raw, dict) or not isinstance(raw.get("subnet"), str):
+        raise _invalid(f"range {raw!r} needs a subnet string")
     try:
         subnet = ipaddress.ip_network(raw["subnet"], strict=True)
     except ValueError as err:
