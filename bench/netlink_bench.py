@@ -40,7 +40,7 @@ from deploy.lab.netns import Netns, namespaces
 from proxyd.addresses import link_addresses
 from proxyd.conntrack import UdpFrontends, clear_stale
 from proxyd.ipvs import dummy, names
-from proxyd.nodenet.plan import NodeNet, plan_routes
+from proxyd.nodenet.route_plan import NodeNet, plan_routes
 from proxyd.nodenet.routes import NTF_SELF, VXLAN_DEVICE, RouteTable
 
 OTHER_LINKS = 20

@@ -115,7 +115,7 @@ from proxyd.model import ZONE_LABEL, Endpoint, ServicePort, ServicePortName, par
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.kernel import CHAIN_LINE, Nft
 from proxyd.nftables.transaction import GENERATION_SUFFIXES, TableState, partial_transaction
-from proxyd.plan import FamilyContext, PortPlan, plan_port
+from proxyd.port_plan import FamilyContext, PortPlan, plan_port
 
 NODE = "bench-node"
 NODE_ADDRESS = "198.18.0.1"

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from proxyd.nodenet.plan import ROUTING_MODES
+from proxyd.nodenet.route_plan import ROUTING_MODES
 
 MODES = ("iptables", "nftables", "ipvs")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh")

@@ -18,7 +18,7 @@ from kubernetes import config as kubeconfig
 from cni import install, server, sysctl
 from cni.errors import CniError
 from cni.families import IP_FAMILIES
-from proxyd import collector, watch
+from proxyd import gc_pause, watch
 from proxyd.config import MODES, Config, ConfigError, conntrack_sysctls, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
 from proxyd.iptables.chains import owned_by_kube_proxy
@@ -166,10 +166,10 @@ class Daemon:
         if not self.state.ready():
             log.debug("waiting for the first lists of Services and EndpointSlices")
             return
-        with collector.paused():
+        with gc_pause.paused():
             full = self._sync_changes()
         if full:
-            collector.collect_deferred()
+            gc_pause.collect_deferred()
 
     def _sync_changes(self) -> bool:
         """Program what changed and record it; returns whether the sync was full."""

@@ -17,7 +17,7 @@ from proxyd import conntrack
 from proxyd.addresses import link_addresses, nodeport_addresses
 from proxyd.metrics import FamilyMetrics, Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName, family_of
-from proxyd.plan import FamilyContext, PortPlan, plan_port
+from proxyd.port_plan import FamilyContext, PortPlan, plan_port
 from proxyd.tracker import Changes, ServiceKey, ServiceView
 
 log = logging.getLogger(__name__)

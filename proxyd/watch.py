@@ -19,7 +19,7 @@ from typing import Any
 
 from kubernetes.client import ApiClient
 
-from proxyd import collector
+from proxyd import gc_pause
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Reflector:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                with collector.paused():
+                with gc_pause.paused():
                     items, resource_version = self.list()
                     self._on_replace(items)
                 backoff = 0.5

@@ -9,7 +9,7 @@ from proxyd.iptables.render import TABLES, ServiceRules, render_base, render_ser
 from proxyd.iptables.restore import RuleSet, partial_script
 from proxyd.metrics import Metrics, family_label
 from proxyd.model import ServicePortName
-from proxyd.plan import FamilyContext
+from proxyd.port_plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
 
 NFT_CHAINS_PER_RESTORE = 1000

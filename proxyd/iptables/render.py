@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from proxyd.iptables import chains as ch
 from proxyd.model import Endpoint, ServicePort
-from proxyd.plan import FamilyContext, PortPlan
+from proxyd.port_plan import FamilyContext, PortPlan
 
 NAT = "nat"
 FILTER = "filter"

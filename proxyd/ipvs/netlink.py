@@ -19,7 +19,7 @@ from pyroute2 import IPVS, IPVSDest, IPVSService
 from pyroute2.netlink.exceptions import NetlinkError
 
 from cni.families import ADDRESS_FAMILIES
-from proxyd.ipvs.plan import Frontend, RealServer, VirtualServer
+from proxyd.ipvs.desired import Frontend, RealServer, VirtualServer
 from proxyd.model import family_of
 
 PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}

@@ -22,14 +22,14 @@ from proxyd.iptables.kernel import Iptables, RestoreError
 from proxyd.iptables.render import TABLES
 from proxyd.iptables.restore import RuleSet
 from proxyd.ipvs import dummy, names
+from proxyd.ipvs.desired import Desired, Frontend, dummy_addresses, nodeport_addresses, port_state
 from proxyd.ipvs.ipsets import Ipsets, destroy_owned
 from proxyd.ipvs.netlink import IpvsKernel, IpvsUnavailable, ipvs_loaded, open_socket
-from proxyd.ipvs.plan import Desired, Frontend, dummy_addresses, nodeport_addresses, port_state
 from proxyd.ipvs.rules import render
 from proxyd.ipvs.servers import ServerSync
 from proxyd.metrics import Metrics, family_label
 from proxyd.model import ServicePortName
-from proxyd.plan import FamilyContext
+from proxyd.port_plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
 
 KERNEL_ERRORS = (NetlinkError, IPSetError, RestoreError, OSError)

@@ -26,7 +26,7 @@ from proxyd.iptables.render import (
     postrouting_rules,
 )
 from proxyd.ipvs import names as n
-from proxyd.plan import FamilyContext
+from proxyd.port_plan import FamilyContext
 
 
 def match(key: str, family: int, flags: str) -> str:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from proxyd.ipvs.desired import Frontend, RealServer, VirtualServer
 from proxyd.ipvs.netlink import DestInfo, IpvsKernel, ServiceInfo
-from proxyd.ipvs.plan import Frontend, RealServer, VirtualServer
 
 WEIGHT = 1
 IMMEDIATE_REMOVAL = frozenset({"UDP", "SCTP"})

@@ -18,7 +18,7 @@ from proxyd.nftables.transaction import (
     live_generation,
     partial_transaction,
 )
-from proxyd.plan import FamilyContext
+from proxyd.port_plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
 
 FIRST_CHUNK = 100

@@ -26,7 +26,7 @@ from functools import cached_property
 from proxyd.model import PROTOCOLS as SERVICE_PROTOCOLS
 from proxyd.model import Endpoint, ServicePortName
 from proxyd.naming import short_hash
-from proxyd.plan import FamilyContext, PortPlan
+from proxyd.port_plan import FamilyContext, PortPlan
 
 TABLE = "knit"
 

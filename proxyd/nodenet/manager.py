@@ -19,7 +19,7 @@ from proxyd.iptables.kernel import Iptables
 from proxyd.model import InvalidObject
 from proxyd.nodenet import conflist
 from proxyd.nodenet.egress import Egress
-from proxyd.nodenet.plan import NodeNet, parse_node_net, plan_routes, pod_mtu
+from proxyd.nodenet.route_plan import NodeNet, parse_node_net, plan_routes, pod_mtu
 from proxyd.nodenet.routes import RouteTable, on_link, uplink_mtu
 
 log = logging.getLogger(__name__)

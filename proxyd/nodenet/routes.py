@@ -17,7 +17,14 @@ from pyroute2.netlink.exceptions import NetlinkError
 from cni.families import ADDRESS_FAMILIES
 from proxyd.addresses import link_addresses, link_index
 from proxyd.model import family_of
-from proxyd.nodenet.plan import NodeNet, OverlayPeer, PodRoute, RoutePlan, vtep_address, vtep_mac
+from proxyd.nodenet.route_plan import (
+    NodeNet,
+    OverlayPeer,
+    PodRoute,
+    RoutePlan,
+    vtep_address,
+    vtep_mac,
+)
 
 log = logging.getLogger(__name__)
 

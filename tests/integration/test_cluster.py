@@ -25,7 +25,7 @@ from deploy.lab.kube import NODES
 from deploy.lab.netns import unique_name
 from deploy.lab.process import eventually, in_ns
 from proxyd.nodenet.egress import EGRESS_CHAIN
-from proxyd.nodenet.plan import vtep_address
+from proxyd.nodenet.route_plan import vtep_address
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE
 
 APPLIED = "node networking in place for"

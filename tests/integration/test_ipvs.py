@@ -24,14 +24,14 @@ from proxyd.iptables.kernel import Iptables
 from proxyd.iptables.restore import RuleSet
 from proxyd.ipvs import dummy, names
 from proxyd.ipvs import proxier as ipvs_proxier
+from proxyd.ipvs.desired import Frontend, RealServer
 from proxyd.ipvs.ipsets import Ipsets
 from proxyd.ipvs.netlink import IpvsKernel, IpvsUnavailable, open_socket
-from proxyd.ipvs.plan import Frontend, RealServer
 from proxyd.ipvs.proxier import IpvsProxier
 from proxyd.ipvs.rules import render
 from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
-from proxyd.plan import FamilyContext, plan_port
+from proxyd.port_plan import FamilyContext, plan_port
 from proxyd.proxier import ProgramError, ProxyOptions
 from tests.unit.test_ipvs_netlink import FakeIpvs
 from tests.unit.test_proxier import changes

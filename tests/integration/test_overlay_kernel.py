@@ -13,7 +13,7 @@ from typing import Any
 from pyroute2 import IPRoute
 
 from deploy.lab.netns import Netns
-from proxyd.nodenet.plan import NodeNet, plan_routes, vtep_address, vtep_mac
+from proxyd.nodenet.route_plan import NodeNet, plan_routes, vtep_address, vtep_mac
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE, RouteTable
 
 LOCAL = NodeNet("a", ("10.244.1.0/24",), ("10.77.1.11",))

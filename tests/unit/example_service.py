@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
-from proxyd.plan import FamilyContext, PortPlan, plan_port
+from proxyd.port_plan import FamilyContext, PortPlan, plan_port
 
 NODE = NodeInfo("node-a", addresses=("192.0.2.10",))
 CTX = FamilyContext(family=4, node=NODE, cluster_cidr="10.244.0.0/16")

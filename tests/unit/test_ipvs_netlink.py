@@ -14,8 +14,8 @@ import pytest
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.generic import ipvs as genl
 
+from proxyd.ipvs.desired import Frontend, RealServer, VirtualServer
 from proxyd.ipvs.netlink import IpvsKernel, dest_request, service_request
-from proxyd.ipvs.plan import Frontend, RealServer, VirtualServer
 from proxyd.ipvs.servers import ServerSync
 
 COMMANDS = {

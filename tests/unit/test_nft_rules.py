@@ -22,7 +22,7 @@ from proxyd.nftables.transaction import (
     live_generation,
     partial_transaction,
 )
-from proxyd.plan import FamilyContext, PortPlan
+from proxyd.port_plan import FamilyContext, PortPlan
 from tests.unit.example_service import CTX, CTX6, NAME, PORT, READY, planned
 
 

@@ -11,7 +11,7 @@ from proxyd.model import InvalidObject
 from proxyd.nodenet import conflist
 from proxyd.nodenet.egress import EGRESS_CHAIN, render, restore_script
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
-from proxyd.nodenet.plan import NodeNet, parse_node_net, plan_routes, pod_mtu, vtep_mac
+from proxyd.nodenet.route_plan import NodeNet, parse_node_net, plan_routes, pod_mtu, vtep_mac
 
 A = NodeNet("a", ("10.244.1.0/24", "fd10:244:0:1::/64"), ("10.77.1.11", "fd77:1::b"))
 B = NodeNet("b", ("10.244.2.0/24", "fd10:244:0:2::/64"), ("10.77.1.12", "fd77:1::c"))

@@ -12,7 +12,7 @@ from proxyd import proxier as proxier_module
 from proxyd.conntrack import UdpFrontends
 from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, ServicePort, ServicePortName
-from proxyd.plan import FamilyContext
+from proxyd.port_plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
 from proxyd.tracker import Changes, ServiceView
 from tests.unit.example_service import NAME, NODE, PORT, READY

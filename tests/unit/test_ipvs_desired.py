@@ -9,7 +9,7 @@ from proxyd.iptables.chains import owned_by_knit
 from proxyd.iptables.render import render_base
 from proxyd.iptables.restore import RuleSet, TableSnapshot, full_scripts
 from proxyd.ipvs import names
-from proxyd.ipvs.plan import (
+from proxyd.ipvs.desired import (
     Desired,
     Frontend,
     PortState,
@@ -20,7 +20,7 @@ from proxyd.ipvs.plan import (
 )
 from proxyd.ipvs.rules import render
 from proxyd.model import Endpoint, ServicePort, ServicePortName
-from proxyd.plan import FamilyContext
+from proxyd.port_plan import FamilyContext
 from tests.unit.example_service import CTX, CTX6, NAME, PORT, planned
 
 LOCAL = Endpoint("10.244.1.5", 8080, node_name="node-a")

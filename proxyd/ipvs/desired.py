@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from proxyd.ipvs import names
 from proxyd.model import Endpoint, ServicePortName
-from proxyd.plan import FamilyContext, PortPlan
+from proxyd.port_plan import FamilyContext, PortPlan
 
 Member = tuple[str, str]
 """(set key, entry)."""

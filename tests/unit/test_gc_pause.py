@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import gc
 
-from proxyd import collector
+from proxyd import gc_pause
 
 
 def test_the_collector_is_held_off_and_left_as_it_was() -> None:
     assert gc.isenabled()
-    with collector.paused():
+    with gc_pause.paused():
         assert not gc.isenabled()
     assert gc.isenabled()
     gc.disable()
     try:
-        with collector.paused():
+        with gc_pause.paused():
             assert not gc.isenabled()
         assert not gc.isenabled(), "a collector turned off stays off"
     finally:
@@ -22,7 +22,7 @@ def test_the_collector_is_held_off_and_left_as_it_was() -> None:
 
 
 def test_overlapping_pauses_hold_it_off_until_the_last_ends() -> None:
-    listing, sync = collector.paused(), collector.paused()
+    listing, sync = gc_pause.paused(), gc_pause.paused()
     listing.__enter__()
     try:
         sync.__enter__()
