@@ -1,0 +1,1 @@
+"""NetworkPolicy enforcement for the pods of this node, in nftables whatever the proxy mode."""

@@ -1,0 +1,340 @@
+"""The policy's view of the cluster: NetworkPolicies, Pods and Namespaces parsed from API
+objects into what enforcement depends on.
+
+A policy that cannot be understood must never allow more than its owner meant, so parsing
+narrows rather than skips: a rule with a peer, port or selector it cannot read is left out
+whole (dropping only the bad peer or port would leave an empty list, which means "any"), and
+a policy whose pod selector or policy types cannot be read isolates every pod of its
+namespace in both directions with no rule of its own. Each such narrowing is listed in the
+policy's `problems`, which the caller logs with the policy's namespace and name.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxyd.model import PROTOCOLS, InvalidObject, Obj, family_of
+
+INGRESS = "Ingress"
+EGRESS = "Egress"
+DIRECTIONS = (INGRESS, EGRESS)
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+Labels = Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    key: str
+    operator: str
+    values: frozenset[str] = frozenset()
+
+    def matches(self, labels: Labels) -> bool:
+        if self.operator == "In":
+            return labels.get(self.key) in self.values
+        if self.operator == "NotIn":
+            return labels.get(self.key) not in self.values
+        if self.operator == "Exists":
+            return self.key in labels
+        return self.key not in labels
+
+
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """A label selector; no requirement selects everything."""
+
+    requirements: tuple[Requirement, ...] = ()
+
+    def matches(self, labels: Labels) -> bool:
+        return all(requirement.matches(labels) for requirement in self.requirements)
+
+
+EVERYTHING = Selector()
+
+
+@dataclass(frozen=True, slots=True)
+class IpBlock:
+    cidr: str
+    excepted: tuple[str, ...] = ()
+
+    @property
+    def family(self) -> int:
+        return family_of(self.cidr)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Pods (by namespace and pod selectors) or an address block. A pod peer without a
+    namespace selector means the policy's own namespace."""
+
+    pods: Selector | None = None
+    namespaces: Selector | None = None
+    block: IpBlock | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PortMatch:
+    """A port by number (a range up to `end`), by name, or every port of the protocol."""
+
+    protocol: str
+    number: int | None = None
+    end: int | None = None
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One ingress or egress rule: peers None means any peer, ports None any port."""
+
+    peers: tuple[Peer, ...] | None
+    ports: tuple[PortMatch, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkPolicy:
+    namespace: str
+    name: str
+    pods: Selector
+    directions: frozenset[str]
+    """The directions it isolates the pods it selects in."""
+    ingress: tuple[Rule, ...] = ()
+    egress: tuple[Rule, ...] = ()
+    problems: tuple[str, ...] = field(default=(), compare=False)
+
+    def rules(self, direction: str) -> tuple[Rule, ...]:
+        return self.ingress if direction == INGRESS else self.egress
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    namespace: str
+    name: str
+    labels: Labels
+    node: str
+    addresses: tuple[str, ...]
+    named_ports: Mapping[tuple[str, str], int]
+    """(name, protocol) -> container port."""
+
+    def port_named(self, name: str, protocol: str) -> int | None:
+        return self.named_ports.get((name, protocol))
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    name: str
+    labels: Labels
+
+
+def _mapping(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidObject(f"{what} is not an object")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidObject(f"{what} is not a list")
+    return value
+
+
+def _labels(value: Any, what: str) -> dict[str, str]:
+    labels = _mapping(value, what)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise InvalidObject(f"{what} holds a key or value that is not a string")
+    return labels
+
+
+def parse_selector(value: Any, what: str) -> Selector:
+    spec = _mapping(value, what)
+    requirements = [
+        Requirement(key, "In", frozenset((label,)))
+        for key, label in _labels(spec.get("matchLabels"), f"{what}.matchLabels").items()
+    ]
+    for expression in _list(spec.get("matchExpressions"), f"{what}.matchExpressions"):
+        expression = _mapping(expression, f"{what}.matchExpressions[]")
+        key, operator = expression.get("key"), expression.get("operator")
+        values = _list(expression.get("values"), f"{what} values")
+        if not isinstance(key, str) or not key:
+            raise InvalidObject(f"{what} has an expression without a key")
+        if operator not in OPERATORS:
+            raise InvalidObject(f"{what} operator {operator!r} is not one of {OPERATORS}")
+        if not all(isinstance(v, str) for v in values):
+            raise InvalidObject(f"{what} values for {key!r} are not all strings")
+        if (operator in ("In", "NotIn")) != bool(values):
+            raise InvalidObject(f"{what} operator {operator} for {key!r} has wrong values")
+        requirements.append(Requirement(key, operator, frozenset(values)))
+    return Selector(tuple(requirements))
+
+
+def _network(text: Any, what: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except (ValueError, TypeError) as err:
+        raise InvalidObject(f"{what} {text!r} is not a CIDR") from err
+
+
+def _block(value: Any) -> IpBlock:
+    spec = _mapping(value, "ipBlock")
+    cidr = _network(spec.get("cidr"), "ipBlock cidr")
+    excepted = []
+    for text in _list(spec.get("except"), "ipBlock except"):
+        carved = _network(text, "ipBlock except")
+        if carved.version != cidr.version or not carved.subnet_of(cidr):  # type: ignore[arg-type]
+            raise InvalidObject(f"ipBlock except {text} is not inside {cidr}")
+        excepted.append(str(carved))
+    return IpBlock(str(cidr), tuple(excepted))
+
+
+def _peer(value: Any) -> Peer:
+    spec = _mapping(value, "peer")
+    if "ipBlock" in spec:
+        if "podSelector" in spec or "namespaceSelector" in spec:
+            raise InvalidObject("a peer holds an ipBlock and a selector")
+        return Peer(block=_block(spec["ipBlock"]))
+    if "podSelector" not in spec and "namespaceSelector" not in spec:
+        raise InvalidObject("a peer names neither pods, namespaces nor an ipBlock")
+    pods = parse_selector(spec.get("podSelector"), "podSelector")
+    namespaces = (
+        parse_selector(spec["namespaceSelector"], "namespaceSelector")
+        if spec.get("namespaceSelector") is not None
+        else None
+    )
+    return Peer(pods=pods, namespaces=namespaces)
+
+
+def _port(value: Any) -> PortMatch:
+    spec = _mapping(value, "port")
+    protocol = spec.get("protocol") or "TCP"
+    if protocol not in PROTOCOLS:
+        raise InvalidObject(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+    port, end = spec.get("port"), spec.get("endPort")
+    if port is None:
+        if end is not None:
+            raise InvalidObject("endPort without a port")
+        return PortMatch(protocol)
+    if isinstance(port, str) and not port.isdigit():
+        if end is not None:
+            raise InvalidObject(f"endPort with the named port {port!r}")
+        if not port:
+            raise InvalidObject("an empty port name")
+        return PortMatch(protocol, name=port)
+    number = int(port) if isinstance(port, str) else port
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= 65535:
+        raise InvalidObject(f"port {port!r} is not a port number")
+    if end is not None and (
+        isinstance(end, bool) or not isinstance(end, int) or not number <= end <= 65535
+    ):
+        raise InvalidObject(f"endPort {end!r} is not a port from {number} to 65535")
+    return PortMatch(protocol, number, end)
+
+
+def _rule(value: Any, peers_key: str) -> Rule:
+    spec = _mapping(value, "rule")
+    peers = _list(spec.get(peers_key), peers_key)
+    ports = _list(spec.get("ports"), "ports")
+    return Rule(
+        tuple(_peer(peer) for peer in peers) if peers else None,
+        tuple(_port(port) for port in ports) if ports else None,
+    )
+
+
+def _directions(spec: dict[str, Any]) -> frozenset[str]:
+    types = spec.get("policyTypes")
+    if types is None:
+        return frozenset((INGRESS, EGRESS) if "egress" in spec else (INGRESS,))
+    if not isinstance(types, list) or not all(t in DIRECTIONS for t in types):
+        raise InvalidObject(f"policyTypes {types!r} are not among {DIRECTIONS}")
+    # an empty list is the same as none given (the API server defaults it so)
+    return frozenset(types) or frozenset((INGRESS, EGRESS) if "egress" in spec else (INGRESS,))
+
+
+def parse_policy(obj: Obj) -> NetworkPolicy:
+    meta = _mapping(obj.get("metadata"), "metadata")
+    namespace, name = meta.get("namespace"), meta.get("name")
+    if not isinstance(namespace, str) or not isinstance(name, str):
+        raise InvalidObject("metadata has no namespace or name")
+    spec = obj.get("spec")
+    try:
+        if not isinstance(spec, dict):
+            raise InvalidObject("spec is not an object")
+        pods = parse_selector(spec.get("podSelector"), "spec.podSelector")
+        directions = _directions(spec)
+    except InvalidObject as err:
+        return NetworkPolicy(
+            namespace,
+            name,
+            EVERYTHING,
+            frozenset(DIRECTIONS),
+            problems=(f"{err}: isolating every pod of the namespace",),
+        )
+    problems: list[str] = []
+    rules: dict[str, list[Rule]] = {INGRESS: [], EGRESS: []}
+    for direction, key, peers_key in ((INGRESS, "ingress", "from"), (EGRESS, "egress", "to")):
+        try:
+            entries = _list(spec.get(key), key)
+        except InvalidObject as err:
+            problems.append(f"{err}: no {key} rule applies")
+            continue
+        for index, entry in enumerate(entries):
+            try:
+                rules[direction].append(_rule(entry, peers_key))
+            except InvalidObject as err:
+                problems.append(f"{key}[{index}] left out: {err}")
+    return NetworkPolicy(
+        namespace, name, pods, directions, tuple(rules[INGRESS]), tuple(rules[EGRESS]),
+        tuple(problems),
+    )  # fmt: skip
+
+
+def _named_ports(spec: dict[str, Any]) -> dict[tuple[str, str], int]:
+    ports: dict[tuple[str, str], int] = {}
+    containers = _list(spec.get("containers"), "containers")
+    containers += _list(spec.get("initContainers"), "initContainers")
+    for container in containers:
+        for port in _list(_mapping(container, "container").get("ports"), "ports"):
+            port = _mapping(port, "port")
+            name, number = port.get("name"), port.get("containerPort")
+            if isinstance(name, str) and name and isinstance(number, int):
+                ports.setdefault((name, port.get("protocol") or "TCP"), number)
+    return ports
+
+
+def parse_pod(obj: Obj) -> Pod | None:
+    """The pod as policies see it; None for pods that take no part (host network, finished,
+    without an address yet)."""
+    meta = _mapping(obj.get("metadata"), "metadata")
+    spec = _mapping(obj.get("spec"), "spec")
+    status = _mapping(obj.get("status"), "status")
+    if spec.get("hostNetwork") or status.get("phase") in TERMINAL_PHASES:
+        return None
+    addresses = []
+    for entry in _list(status.get("podIPs"), "status.podIPs"):
+        text = _mapping(entry, "podIPs[]").get("ip")
+        try:
+            addresses.append(str(ipaddress.ip_address(str(text))))
+        except (ValueError, TypeError) as err:
+            raise InvalidObject(f"pod IP {text!r} is not an address") from err
+    if not addresses:
+        return None
+    return Pod(
+        meta.get("namespace") or "",
+        meta.get("name") or "",
+        _labels(meta.get("labels"), "labels"),
+        spec.get("nodeName") or "",
+        tuple(addresses),
+        _named_ports(spec),
+    )
+
+
+def parse_namespace(obj: Obj) -> Namespace:
+    meta = _mapping(obj.get("metadata"), "metadata")
+    return Namespace(meta.get("name") or "", _labels(meta.get("labels"), "labels"))

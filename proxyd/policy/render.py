@@ -1,0 +1,177 @@
+"""Pure: a family's policy (compile.FamilyPolicy) -> nft transactions, the whole table for a
+full sync, or from what was written to what is wanted for a partial one.
+
+The table (`ip knit-policy`, `ip6 knit-policy`) has one base chain on the forward hook, which
+is where bridged pod-to-pod packets (br_netfilter), routed ones and DNATed Service traffic all
+pass, after the proxy chose the backend. Its order: packets of connections already allowed
+(conntrack), a pod's traffic to itself, then the sender's egress chain if it is isolated for
+egress (which returns when a rule allows), then the receiver's ingress chain if it is isolated
+for ingress (which accepts when a rule allows); whatever a pod chain does not allow it
+counts and drops. The node's own traffic to and from its pods passes the output and input
+hooks, not forward, so it is always allowed.
+
+A partial transaction orders its commands so that nothing is referenced before it exists or
+after it is gone: new sets, set elements (deleted before added, since intervals must not
+overlap), new and rewritten chains, map elements, then removed chains and sets.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Iterator
+
+from proxyd.nftables.render import family_name
+from proxyd.policy.compile import Allow, FamilyPolicy, Interval
+
+TABLE = "knit-policy"
+FORWARD = "forward"
+INGRESS_MAP = "ingress-pods"
+EGRESS_MAP = "egress-pods"
+SELF = "self"
+FORWARD_HOOK = "type filter hook forward priority filter; policy accept;"
+ELEMENTS_PER_COMMAND = 1000
+
+
+def _words(family: int) -> tuple[str, str]:
+    """(the l3 match keyword, the address type)."""
+    return ("ip", "ipv4_addr") if family == 4 else ("ip6", "ipv6_addr")
+
+
+def _address(family: int, value: int) -> str:
+    return str(ipaddress.IPv4Address(value) if family == 4 else ipaddress.IPv6Address(value))
+
+
+def _interval(family: int, interval: Interval) -> str:
+    first, last = interval
+    if first == last:
+        return _address(family, first)
+    return f"{_address(family, first)}-{_address(family, last)}"
+
+
+class Renderer:
+    def __init__(self, family: int) -> None:
+        self.family = family
+        self.table = f"{family_name(family)} {TABLE}"
+        self.l3, self.addr = _words(family)
+
+    # ------------------------------------------------------------ pieces
+    def rule(self, allow: Allow, direction_verdict: str, peer_field: str) -> str:
+        if allow.peer_ports is not None:
+            return (
+                f"{self.l3} daddr . meta l4proto . th dport @{allow.peer_ports} {direction_verdict}"
+            )
+        words = []
+        if allow.peers is not None:
+            words.append(f"{self.l3} {peer_field} @{allow.peers}")
+        if allow.protocol is not None:
+            words.append(f"meta l4proto {allow.protocol}")
+        if allow.first is not None:
+            ports = str(allow.first) if allow.first == allow.last else f"{allow.first}-{allow.last}"
+            words.append(f"th dport {ports}")
+        words.append(direction_verdict)
+        return " ".join(words)
+
+    def chain_rules(self, chain: str, allows: tuple[Allow, ...]) -> list[str]:
+        # egress chains return to the base chain, where the receiver's ingress is judged next
+        verdict, peer_field = (
+            ("accept", "saddr") if chain.startswith("ingress") else ("return", "daddr")
+        )
+        return [self.rule(allow, verdict, peer_field) for allow in allows] + ["counter drop"]
+
+    def _peer_set_decl(self, name: str) -> str:
+        return f"add set {self.table} {name} {{ type {self.addr}; flags interval; }}"
+
+    def _peer_port_set_decl(self, name: str) -> str:
+        return f"add set {self.table} {name} {{ type {self.addr} . inet_proto . inet_service; }}"
+
+    def _elements(self, verb: str, name: str, elements: Iterable[str]) -> Iterator[str]:
+        listed = sorted(elements)
+        for start in range(0, len(listed), ELEMENTS_PER_COMMAND):
+            chunk = ", ".join(listed[start : start + ELEMENTS_PER_COMMAND])
+            yield f"{verb} element {self.table} {name} {{ {chunk} }}"
+
+    def _peer_elements(self, intervals: Iterable[Interval]) -> set[str]:
+        return {_interval(self.family, interval) for interval in intervals}
+
+    def _peer_port_elements(self, elements: Iterable[tuple[str, str, int]]) -> set[str]:
+        return {f"{address} . {protocol} . {port}" for address, protocol, port in elements}
+
+    def _map_elements(self, entries: dict[str, str]) -> set[str]:
+        return {f"{address} : jump {chain}" for address, chain in entries.items()}
+
+    def _self_elements(self, local: Iterable[str]) -> set[str]:
+        return {f"{address} . {address}" for address in local}
+
+    def _chain(self, chain: str, policy: FamilyPolicy) -> list[str]:
+        owner = policy.owners.get(chain, "")
+        lines = [f'add chain {self.table} {chain} {{ comment "{owner}"; }}']
+        lines += [
+            f"add rule {self.table} {chain} {rule}"
+            for rule in self.chain_rules(chain, policy.chains[chain])
+        ]
+        return lines
+
+    # ------------------------------------------------------------ transactions
+    def base(self) -> list[str]:
+        t = self.table
+        return [
+            f"add table {t}",
+            f"delete table {t}",
+            f'add table {t} {{ comment "knit NetworkPolicy"; }}',
+            f"add map {t} {INGRESS_MAP} {{ type {self.addr} : verdict; }}",
+            f"add map {t} {EGRESS_MAP} {{ type {self.addr} : verdict; }}",
+            f"add set {t} {SELF} {{ type {self.addr} . {self.addr}; }}",
+            f"add chain {t} {FORWARD} {{ {FORWARD_HOOK} }}",
+            f"add rule {t} {FORWARD} ct state established,related accept",
+            f"add rule {t} {FORWARD} {self.l3} saddr . {self.l3} daddr @{SELF} accept",
+            f"add rule {t} {FORWARD} {self.l3} saddr vmap @{EGRESS_MAP}",
+            f"add rule {t} {FORWARD} {self.l3} daddr vmap @{INGRESS_MAP}",
+        ]
+
+    def full(self, policy: FamilyPolicy) -> str:
+        return self.partial(None, policy)
+
+    def partial(self, old: FamilyPolicy | None, new: FamilyPolicy) -> str:
+        """The transaction from `old` (None: a table to create from scratch) to `new`."""
+        lines = self.base() if old is None else []
+        before = old or FamilyPolicy()
+        t = self.table
+        lines += [self._peer_set_decl(n) for n in new.peers.keys() - before.peers.keys()]
+        lines += [
+            self._peer_port_set_decl(n) for n in new.peer_ports.keys() - before.peer_ports.keys()
+        ]
+        additions: list[str] = []
+        for name in new.peers:
+            was = self._peer_elements(before.peers.get(name, ()))
+            now = self._peer_elements(new.peers[name])
+            lines += self._elements("delete", name, was - now)
+            additions += self._elements("add", name, now - was)
+        for name in new.peer_ports:
+            was = self._peer_port_elements(before.peer_ports.get(name, ()))
+            now = self._peer_port_elements(new.peer_ports[name])
+            lines += self._elements("delete", name, was - now)
+            additions += self._elements("add", name, now - was)
+        lines += additions
+        for chain in new.chains:
+            if chain not in before.chains:
+                lines += self._chain(chain, new)
+            elif before.chains[chain] != new.chains[chain]:
+                lines.append(f"flush chain {t} {chain}")
+                lines += [
+                    f"add rule {t} {chain} {rule}"
+                    for rule in self.chain_rules(chain, new.chains[chain])
+                ]
+        for name, was_map, now_map in (
+            (INGRESS_MAP, before.ingress, new.ingress),
+            (EGRESS_MAP, before.egress, new.egress),
+        ):
+            was, now = self._map_elements(was_map), self._map_elements(now_map)
+            lines += self._elements("delete", name, was - now)
+            lines += self._elements("add", name, now - was)
+        was, now = self._self_elements(before.local), self._self_elements(new.local)
+        lines += self._elements("delete", SELF, was - now)
+        lines += self._elements("add", SELF, now - was)
+        lines += [f"delete chain {t} {c}" for c in before.chains.keys() - new.chains.keys()]
+        lines += [f"delete set {t} {n}" for n in before.peers.keys() - new.peers.keys()]
+        lines += [f"delete set {t} {n}" for n in before.peer_ports.keys() - new.peer_ports.keys()]
+        return "\n".join(lines) + "\n" if lines else ""

@@ -1,0 +1,121 @@
+"""The NetworkPolicies, Pods and Namespaces as the watches delivered them, parsed.
+
+Watch threads feed it; the policy's sync thread takes a consistent snapshot. A change that
+does not alter what policies depend on (a pod's status conditions, say) queues no sync. An
+object that cannot be parsed is logged with its namespace and name; a pod or namespace so
+broken is left out (a pod that is in no peer set is denied by every isolating policy, so
+leaving it out never widens), and a policy's problems narrow it (see model).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from proxyd.model import InvalidObject, Obj, key_of
+from proxyd.policy.compile import Cluster, PodKey
+from proxyd.policy.model import (
+    Namespace,
+    NetworkPolicy,
+    Pod,
+    parse_namespace,
+    parse_pod,
+    parse_policy,
+)
+
+log = logging.getLogger(__name__)
+
+Parsed = TypeVar("Parsed", Pod, Namespace, NetworkPolicy)
+
+
+class _Store(Generic[Parsed]):
+    """One kind of object by (namespace, name)."""
+
+    def __init__(self, kind: str, parse: Callable[[Obj], Parsed | None]) -> None:
+        self.kind = kind
+        self._parse: Callable[[Obj], Parsed | None] = parse
+        self.items: dict[PodKey, Parsed] = {}
+        self.listed = False
+
+    def set(self, key: PodKey, obj: Obj | None) -> bool:
+        """Whether what is stored changed."""
+        parsed: Parsed | None = None
+        if obj is not None:
+            try:
+                parsed = self._parse(obj)
+            except InvalidObject as err:
+                log.warning("skipping %s %s: %s", self.kind, "/".join(filter(None, key)), err)
+        old = self.items.get(key)
+        if parsed == old:
+            return False
+        if isinstance(parsed, NetworkPolicy):
+            for problem in parsed.problems:
+                log.warning("NetworkPolicy %s/%s: %s", key[0], key[1], problem)
+        if parsed is None:
+            del self.items[key]
+        else:
+            self.items[key] = parsed
+        return True
+
+    def replace(self, objs: list[Obj]) -> bool:
+        present = {key_of(obj): obj for obj in objs}
+        changed = [self.set(key, None) for key in list(self.items.keys() - present.keys())]
+        changed += [self.set(key, obj) for key, obj in present.items()]
+        self.listed = True
+        return any(changed)
+
+
+class PolicyState:
+    """`on_change` is called after each change that matters, and after every fresh list."""
+
+    def __init__(self, node_name: str, on_change: Callable[[], None] = lambda: None) -> None:
+        self.node_name = node_name
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._pods = _Store[Pod]("Pod", parse_pod)
+        self._namespaces = _Store[Namespace]("Namespace", parse_namespace)
+        self._policies = _Store[NetworkPolicy]("NetworkPolicy", parse_policy)
+
+    def ready(self) -> bool:
+        with self._lock:
+            return all(store.listed for store in (self._pods, self._namespaces, self._policies))
+
+    def snapshot(self) -> Cluster:
+        with self._lock:
+            return Cluster(
+                self.node_name,
+                dict(self._pods.items),
+                {name: ns for (_, name), ns in self._namespaces.items.items()},
+                tuple(self._policies.items.values()),
+            )
+
+    def _event(self, store: _Store[Parsed], kind: str, obj: Obj) -> None:
+        with self._lock:
+            changed = store.set(key_of(obj), None if kind == "DELETED" else obj)
+        if changed:
+            self._on_change()
+
+    def _replace(self, store: _Store[Parsed], objs: list[Obj]) -> None:
+        with self._lock:
+            store.replace(objs)
+        self._on_change()
+
+    def pod_event(self, kind: str, obj: Obj) -> None:
+        self._event(self._pods, kind, obj)
+
+    def namespace_event(self, kind: str, obj: Obj) -> None:
+        self._event(self._namespaces, kind, obj)
+
+    def policy_event(self, kind: str, obj: Obj) -> None:
+        self._event(self._policies, kind, obj)
+
+    def replace_pods(self, objs: list[Obj]) -> None:
+        self._replace(self._pods, objs)
+
+    def replace_namespaces(self, objs: list[Obj]) -> None:
+        self._replace(self._namespaces, objs)
+
+    def replace_policies(self, objs: list[Obj]) -> None:
+        self._replace(self._policies, objs)

@@ -1,0 +1,130 @@
+"""From policies, pods and namespaces to a family's sets, chains and maps, and the nft
+transactions between two such states."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from proxyd.policy.compile import Allow, Cluster, compile_family, merged
+from proxyd.policy.model import Namespace, NetworkPolicy, Pod, parse_policy
+from proxyd.policy.render import Renderer
+
+
+def pod(ns: str, name: str, ip: str, node: str = "n1", **ports: int) -> Pod:
+    return Pod(ns, name, {"app": name}, node, (ip,), {(k, "TCP"): v for k, v in ports.items()})
+
+
+def policy(ns: str, spec: dict[str, Any]) -> NetworkPolicy:
+    return parse_policy({"metadata": {"namespace": ns, "name": "p"}, "spec": spec})
+
+
+PODS = [
+    pod("x", "web", "10.0.0.1", web=8080),
+    pod("x", "other", "10.0.0.2"),
+    pod("y", "client", "10.0.1.1", node="n2", web=9090),
+]
+NAMESPACES = {n: Namespace(n, {"kubernetes.io/metadata.name": n}) for n in ("x", "y")}
+
+
+def cluster(*policies: NetworkPolicy, pods: list[Pod] = PODS) -> Cluster:
+    return Cluster("n1", {(p.namespace, p.name): p for p in pods}, NAMESPACES, policies)
+
+
+def value(ip: str) -> int:
+    return int(ipaddress.ip_address(ip))
+
+
+def test_only_local_selected_pods_get_chains() -> None:
+    out = compile_family(cluster(policy("x", {"podSelector": {}})), 4)
+    assert set(out.ingress) == {"10.0.0.1", "10.0.0.2"}
+    assert not out.egress
+    assert all(rules == () for rules in out.chains.values())
+    assert out.local == {"10.0.0.1", "10.0.0.2"}
+
+
+def test_ingress_named_port_resolves_on_the_selected_pod() -> None:
+    spec = {"podSelector": {}, "ingress": [{"ports": [{"port": "web"}]}]}
+    out = compile_family(cluster(policy("x", spec)), 4)
+    assert out.chains[out.ingress["10.0.0.1"]] == (Allow(None, "tcp", 8080, 8080),)
+    # a pod without the name matches nothing
+    assert out.chains[out.ingress["10.0.0.2"]] == ()
+
+
+def test_egress_named_port_resolves_on_each_peer() -> None:
+    spec = {
+        "podSelector": {"matchLabels": {"app": "web"}},
+        "policyTypes": ["Egress"],
+        "egress": [{"to": [{"namespaceSelector": {}}], "ports": [{"port": "web"}]}],
+    }
+    out = compile_family(cluster(policy("x", spec)), 4)
+    (allow,) = out.chains[out.egress["10.0.0.1"]]
+    assert allow.peer_ports is not None
+    assert out.peer_ports[allow.peer_ports] == {
+        ("10.0.0.1", "tcp", 8080),
+        ("10.0.1.1", "tcp", 9090),
+    }
+
+
+def test_ip_block_except_and_selected_pods_merge_into_intervals() -> None:
+    spec = {
+        "podSelector": {"matchLabels": {"app": "web"}},
+        "ingress": [
+            {
+                "from": [
+                    {"ipBlock": {"cidr": "192.168.0.0/16", "except": ["192.168.1.0/24"]}},
+                    {"podSelector": {"matchLabels": {"app": "other"}}},
+                ]
+            }
+        ],
+    }
+    out = compile_family(cluster(policy("x", spec)), 4)
+    (allow,) = out.chains[out.ingress["10.0.0.1"]]
+    assert allow.peers is not None
+    assert out.peers[allow.peers] == {
+        (value("10.0.0.2"), value("10.0.0.2")),
+        (value("192.168.0.0"), value("192.168.0.255")),
+        (value("192.168.2.0"), value("192.168.255.255")),
+    }
+    assert compile_family(cluster(policy("x", spec)), 6).ingress == {}
+
+
+def test_merged_joins_overlapping_and_adjacent_intervals() -> None:
+    assert merged([(5, 9), (1, 3), (4, 4), (20, 30), (25, 26)]) == {(1, 9), (20, 30)}
+
+
+def test_a_peer_namespace_selector_without_match_allows_nothing() -> None:
+    spec = {
+        "podSelector": {},
+        "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"team": "none"}}}]}],
+    }
+    out = compile_family(cluster(policy("x", spec)), 4)
+    (allow,) = out.chains[out.ingress["10.0.0.1"]]
+    assert allow.peers is not None and out.peers[allow.peers] == set()
+
+
+def test_a_label_change_changes_set_elements_only() -> None:
+    spec = {
+        "podSelector": {"matchLabels": {"app": "web"}},
+        "ingress": [
+            {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "client"}}}]}
+        ],
+    }
+    before = compile_family(cluster(policy("x", spec)), 4)
+    moved = [*PODS[:2], pod("y", "client", "10.0.1.7", node="n2")]
+    after = compile_family(cluster(policy("x", spec), pods=moved), 4)
+    text = Renderer(4).partial(before, after)
+    lines = text.splitlines()
+    assert all(" element " in line for line in lines), text
+    assert lines[0].startswith("delete element") and lines[-1].startswith("add element")
+    assert Renderer(4).partial(after, after) == ""
+
+
+def test_removing_the_last_policy_removes_its_chains_after_their_map_elements() -> None:
+    spec = {"podSelector": {}, "ingress": [{"from": [{"podSelector": {}}]}]}
+    before = compile_family(cluster(policy("x", spec)), 4)
+    lines = Renderer(4).partial(before, compile_family(cluster(), 4)).splitlines()
+    first_chain_delete = min(i for i, line in enumerate(lines) if line.startswith("delete chain"))
+    map_deletes = [i for i, line in enumerate(lines) if "ingress-pods" in line]
+    assert map_deletes and max(map_deletes) < first_chain_delete
+    assert lines[-1].startswith("delete set")

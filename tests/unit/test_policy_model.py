@@ -1,0 +1,136 @@
+"""NetworkPolicy parsing: the API reference's defaults, and narrowing what cannot be read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxyd.model import InvalidObject
+from proxyd.policy.model import (
+    EGRESS,
+    EVERYTHING,
+    INGRESS,
+    IpBlock,
+    PortMatch,
+    parse_pod,
+    parse_policy,
+    parse_selector,
+)
+
+
+def policy(spec: Any) -> dict[str, Any]:
+    return {"metadata": {"namespace": "ns", "name": "p"}, "spec": spec}
+
+
+@pytest.mark.parametrize(
+    ("spec", "directions"),
+    [
+        ({"podSelector": {}}, {INGRESS}),
+        ({"podSelector": {}, "egress": []}, {INGRESS, EGRESS}),
+        ({"podSelector": {}, "policyTypes": ["Egress"]}, {EGRESS}),
+        ({"podSelector": {}, "policyTypes": []}, {INGRESS}),
+    ],
+)
+def test_policy_types_default_as_the_api_says(spec: dict[str, Any], directions: set[str]) -> None:
+    assert parse_policy(policy(spec)).directions == directions
+
+
+def test_empty_rule_lists_allow_nothing_and_empty_rules_anything() -> None:
+    parsed = parse_policy(policy({"podSelector": {}, "ingress": [{}], "policyTypes": ["Ingress"]}))
+    assert [(r.peers, r.ports) for r in parsed.ingress] == [(None, None)]
+    assert parse_policy(policy({"podSelector": {}, "ingress": []})).ingress == ()
+
+
+def test_selectors_match_labels_and_expressions() -> None:
+    selector = parse_selector(
+        {
+            "matchLabels": {"app": "web"},
+            "matchExpressions": [
+                {"key": "tier", "operator": "NotIn", "values": ["db"]},
+                {"key": "team", "operator": "Exists"},
+                {"key": "legacy", "operator": "DoesNotExist"},
+            ],
+        },
+        "s",
+    )
+    assert selector.matches({"app": "web", "team": "a"})
+    assert not selector.matches({"app": "web", "team": "a", "tier": "db"})
+    assert not selector.matches({"app": "web"})
+    assert not selector.matches({"app": "web", "team": "a", "legacy": ""})
+    assert EVERYTHING.matches({})
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"from": [{"ipBlock": {"cidr": "not-a-cidr"}}]},
+        {"from": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["192.168.0.0/16"]}}]},
+        {"from": [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]},
+        {"from": [{}]},
+        {"ports": [{"port": 70000}]},
+        {"ports": [{"port": "web", "endPort": 90}]},
+        {"ports": [{"port": 90, "endPort": 80}]},
+        {"ports": [{"port": 80, "protocol": "ICMP"}]},
+    ],
+)
+def test_a_rule_that_cannot_be_read_is_left_out_whole(rule: dict[str, Any]) -> None:
+    """Dropping only the bad peer or port would leave an empty list, which means any."""
+    parsed = parse_policy(
+        policy({"podSelector": {}, "ingress": [rule, {"ports": [{"port": 53, "protocol": "UDP"}]}]})
+    )
+    assert INGRESS in parsed.directions
+    assert [r.ports for r in parsed.ingress] == [(PortMatch("UDP", 53, None),)]
+    assert parsed.problems and parsed.problems[0].startswith("ingress[0] left out")
+
+
+def test_a_policy_whose_selector_cannot_be_read_isolates_its_whole_namespace() -> None:
+    parsed = parse_policy(
+        policy({"podSelector": {"matchLabels": {"a": 1}}, "ingress": [{}], "egress": [{}]})
+    )
+    assert parsed.pods == EVERYTHING
+    assert parsed.directions == {INGRESS, EGRESS}
+    assert parsed.ingress == parsed.egress == ()
+
+
+def test_ip_block_and_port_range() -> None:
+    parsed = parse_policy(
+        policy(
+            {
+                "podSelector": {},
+                "egress": [
+                    {
+                        "to": [{"ipBlock": {"cidr": "10.1.2.3/16", "except": ["10.1.9.0/24"]}}],
+                        "ports": [{"port": 8000, "endPort": 8100}],
+                    }
+                ],
+            }
+        )
+    )
+    (rule,) = parsed.egress
+    assert rule.peers is not None and rule.peers[0].block == IpBlock(
+        "10.1.0.0/16", ("10.1.9.0/24",)
+    )
+    assert rule.ports == (PortMatch("TCP", 8000, 8100),)
+
+
+def test_pods_outside_policy_scope_are_left_out() -> None:
+    base = {
+        "metadata": {"namespace": "ns", "name": "p", "labels": {"a": "b"}},
+        "spec": {
+            "nodeName": "n",
+            "containers": [{"ports": [{"name": "web", "containerPort": 8080}]}],
+        },
+        "status": {"podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]},
+    }
+    pod = parse_pod(base)
+    assert pod is not None and pod.addresses == ("10.0.0.1", "fd00::1")
+    assert pod.port_named("web", "TCP") == 8080 and pod.port_named("web", "UDP") is None
+    assert parse_pod({**base, "spec": {"hostNetwork": True}}) is None
+    assert (
+        parse_pod({**base, "status": {"phase": "Succeeded", "podIPs": [{"ip": "10.0.0.1"}]}})
+        is None
+    )
+    assert parse_pod({**base, "status": {}}) is None
+    with pytest.raises(InvalidObject):
+        parse_pod({**base, "status": {"podIPs": [{"ip": "nope"}]}})
