@@ -54,6 +54,7 @@ class Config:
     cni_socket: str = "/run/knit/cni.sock"
     cni_bundle: str = "/opt/knit/cni-bundle"
     routing: str = "auto"
+    network_policy: bool = True
     ipvs_scheduler: str = "rr"
     conntrack_tcp_timeout_established: float = 86400.0
     conntrack_tcp_timeout_close_wait: float = 3600.0
@@ -228,6 +229,11 @@ def parser() -> argparse.ArgumentParser:
         choices=ROUTING_MODES,
         help="routes to other nodes' pods: direct via their InternalIP, vxlan, auto "
         "(direct to neighbours on the same segment, vxlan to the rest; default) or none",
+    )
+    node.add_argument(
+        "--network-policy",
+        type=lambda v: v.lower() in ("1", "true", "yes"),
+        help="enforce NetworkPolicies for this node's pods (default true)",
     )
     return p
 

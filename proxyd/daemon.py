@@ -32,6 +32,7 @@ from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
+from proxyd.policy.enforcer import PolicyEnforcer
 from proxyd.proxier import ProgramError, Proxier, ProxyOptions
 from proxyd.runner import BoundedFrequencyRunner
 from proxyd.tracker import ClusterState
@@ -130,10 +131,17 @@ def cleanup(config: Config) -> None:
     from pyroute2 import IPRoute
 
     chains = sum(make_proxier(mode, config, Metrics()).cleanup() for mode in MODES)
+    chains += _policy_enforcer(config).cleanup()
     chains += sum(egress.remove() for egress in _node_network(config).egress)
     with IPRoute() as ipr:
         RouteTable(ipr).remove_all()
     log.info("cleanup: removed %d chains/tables and knit's routes", chains)
+
+
+def _policy_enforcer(config: Config) -> PolicyEnforcer:
+    return PolicyEnforcer(
+        _node_name(config), IP_FAMILIES, config.min_sync_period, config.sync_period
+    )
 
 
 class Daemon:
@@ -145,6 +153,7 @@ class Daemon:
         self.health_servers = ServiceHealthServers(self.health)
         self.state = ClusterState(_node_name(config), on_change=self._queued)
         self.node_network = _node_network(config)
+        self.policy = _policy_enforcer(config)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
         self.stop = threading.Event()
         self._conntrack_tuned = False
@@ -225,6 +234,11 @@ class Daemon:
             ),
             watch.Reflector(api, watch.nodes(), self._replace_nodes, self._node_event, self.stop),
         ]
+        if self.config.network_policy:
+            reflectors += self._policy_reflectors(api)
+            self.policy.start()
+        elif self.policy.cleanup():
+            log.info("NetworkPolicy enforcement is off: removed the policy tables")
         for reflector in reflectors:
             reflector.start()
         self.node_network.start(self.stop)
@@ -235,6 +249,26 @@ class Daemon:
         self.health_servers.close()
         if cni_server is not None:
             cni_server.close()
+
+    def _policy_reflectors(self, api: client.ApiClient) -> list[watch.Reflector]:
+        state = self.policy.state
+        return [
+            watch.Reflector(api, watch.pods(), state.replace_pods, state.pod_event, self.stop),
+            watch.Reflector(
+                api,
+                watch.namespaces(),
+                state.replace_namespaces,
+                state.namespace_event,
+                self.stop,
+            ),
+            watch.Reflector(
+                api,
+                watch.network_policies(),
+                state.replace_policies,
+                state.policy_event,
+                self.stop,
+            ),
+        ]
 
     def _remove_other_modes(self) -> None:
         """What another --proxy-mode left on this node would shadow or fight ours."""
@@ -299,6 +333,7 @@ class Daemon:
     def shutdown(self, signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: stopping (rules stay in place)", signum)
         self.stop.set()
+        self.policy.stop()
         self.runner.stop()
 
 

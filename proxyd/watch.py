@@ -54,6 +54,18 @@ def nodes() -> Resource:
     return Resource("Node", "/api/v1/nodes")
 
 
+def pods() -> Resource:
+    return Resource("Pod", "/api/v1/pods")
+
+
+def namespaces() -> Resource:
+    return Resource("Namespace", "/api/v1/namespaces")
+
+
+def network_policies() -> Resource:
+    return Resource("NetworkPolicy", "/apis/networking.k8s.io/v1/networkpolicies")
+
+
 class Gone(Exception):
     """The watch's resourceVersion is too old: relist."""
 

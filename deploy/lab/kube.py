@@ -121,3 +121,41 @@ def node_object(
     if pod_cidrs:
         node["spec"] = {"podCIDR": pod_cidrs[0], "podCIDRs": list(pod_cidrs)}
     return node
+
+
+def pod_object(
+    name: str,
+    node: str,
+    labels: dict[str, str],
+    ports: Sequence[tuple[str, int, str]] = (),
+) -> dict[str, Any]:
+    """A Pod bound to node, with named container ports (name, number, protocol)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "ports": [
+                        {"name": n, "containerPort": number, "protocol": protocol}
+                        for n, number, protocol in ports
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def pod_status(addresses: Sequence[str]) -> dict[str, Any]:
+    """The status kubelet writes once the pod's sandbox has its addresses."""
+    return {
+        "status": {
+            "phase": "Running",
+            "podIP": addresses[0],
+            "podIPs": [{"ip": address} for address in addresses],
+        }
+    }

@@ -27,6 +27,7 @@ from deploy.lab.process import eventually, in_ns
 from proxyd.nodenet.egress import EGRESS_CHAIN
 from proxyd.nodenet.route_plan import vtep_address
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE
+from proxyd.policy.render import TABLE as POLICY_TABLE
 
 APPLIED = "node networking in place for"
 POD_CIDRS = {
@@ -191,12 +192,17 @@ def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
     eventually(what="c's node networking", check=lambda: APPLIED in c.log.read_text())
     assert len(knit_routes(c)) == 2
     assert f"-j {EGRESS_CHAIN}" in in_ns(c.ns, "iptables-save", "-t", "nat")
+    eventually(
+        what="c's policy table",
+        check=lambda: f"table ip {POLICY_TABLE}" in in_ns(c.ns, "nft", "list", "tables"),
+    )
     cluster.stop_daemon(c)
     try:
         in_ns(c.ns, sys.executable, "-m", "proxyd", "--cleanup", "--cluster-cidr", "10.0.0.0/8")
         assert knit_routes(c) == {} and knit_routes(c, 6) == {}
         assert VXLAN_DEVICE not in in_ns(c.ns, "ip", "link")
         assert EGRESS_CHAIN not in in_ns(c.ns, "iptables-save", "-t", "nat")
+        assert POLICY_TABLE not in in_ns(c.ns, "nft", "list", "tables")
     finally:
         cluster.start_daemon(c)
     eventually(what="c's routes back", check=lambda: len(knit_routes(c)) == 2)
