@@ -5,8 +5,9 @@ Each isolated direction of a pod on this node gets a chain holding one allowing 
 (policy rule, port) that selects it; the packet reaches that chain through a verdict map
 keyed by the pod's address, so the cost of the first packet does not grow with the number of
 pods. A rule's peers are a named interval set of addresses (pods by selector and ipBlocks,
-with `except` carved out), shared by every pod chain the rule is in, so a pod's label change
-adds or removes elements and leaves the chains as they are.
+with `except` carved out), named after what the peers say, so every rule of every policy
+with the same peers shares one set (computed once), and a pod's label change adds or removes
+elements and leaves the chains as they are.
 
 Named ports resolve against the pod that receives the traffic: for ingress that is the
 chain's own pod, so they become numbers in its chain; for egress it is the peer, so they
@@ -81,8 +82,11 @@ def chain_name(direction: str, pod: PodKey) -> str:
     return f"{prefix}-{short_hash('/'.join(pod))}"
 
 
-def _rule_key(policy: NetworkPolicy, direction: str, index: int) -> str:
-    return f"{policy.namespace}/{policy.name}/{direction}/{index}"
+def _peers_key(policy: NetworkPolicy, peers: tuple[Peer, ...]) -> str:
+    """What the peers select, in words that differ when the selection may: a pod peer without
+    a namespace selector means the policy's own namespace."""
+    own = any(peer.block is None and peer.namespaces is None for peer in peers)
+    return repr((policy.namespace if own else "", peers))
 
 
 def _intervals(block: IpBlock, family: int) -> list[Interval]:
@@ -149,9 +153,9 @@ class _Compiler:
             if peer.pods.matches(pod.labels)
         ]
 
-    def peer_set(self, key: str, policy: NetworkPolicy, peers: tuple[Peer, ...]) -> str:
-        """The name of the rule's peer set, made on first use; remembers the peer pods."""
-        name = f"peers-{short_hash(key)}"
+    def peer_set(self, policy: NetworkPolicy, peers: tuple[Peer, ...]) -> str:
+        """The name of the peers' set, made on first use; remembers the peer pods."""
+        name = f"peers-{short_hash(_peers_key(policy, peers))}"
         if name not in self.out.peers:
             intervals: list[Interval] = []
             pods: list[Pod] = []
@@ -174,8 +178,12 @@ class _Compiler:
             self._peer_pods[name] = pods
         return name
 
-    def peer_port_set(self, key: str, port: PortMatch, pods: Iterable[Pod]) -> str:
-        name = f"peer-ports-{short_hash(f'{key}/{port.protocol}/{port.name}')}"
+    def peer_port_set(self, peers: str | None, port: PortMatch, pods: Iterable[Pod]) -> str:
+        """The name of the set of (address . protocol . port) of the named port on each peer
+        pod (`peers` the peer set's name; None any pod)."""
+        name = f"peer-ports-{short_hash(f'{peers}/{port.protocol}/{port.name}')}"
+        if name in self.out.peer_ports:
+            return name
         elements = set()
         for pod in pods:
             number = pod.port_named(port.name, port.protocol)
@@ -185,11 +193,8 @@ class _Compiler:
         self.out.peer_ports[name] = frozenset(elements)
         return name
 
-    def allows(
-        self, policy: NetworkPolicy, direction: str, index: int, rule: Rule, pod: Pod
-    ) -> list[Allow]:
-        key = _rule_key(policy, direction, index)
-        peers = self.peer_set(key, policy, rule.peers) if rule.peers is not None else None
+    def allows(self, policy: NetworkPolicy, direction: str, rule: Rule, pod: Pod) -> list[Allow]:
+        peers = self.peer_set(policy, rule.peers) if rule.peers is not None else None
         if rule.ports is None:
             return [Allow(peers)]
         allows = []
@@ -204,7 +209,7 @@ class _Compiler:
                 candidates = (
                     self._peer_pods[peers] if peers is not None else self.cluster.pods.values()
                 )
-                allows.append(Allow(peer_ports=self.peer_port_set(key, port, candidates)))
+                allows.append(Allow(peer_ports=self.peer_port_set(peers, port, candidates)))
             elif port.number is not None:
                 allows.append(Allow(peers, protocol, port.number, port.end or port.number))
             else:
@@ -233,10 +238,8 @@ class _Compiler:
                     self.out.owners[chain] = f"{pod.namespace}/{pod.name}"
                     target = self.out.ingress if direction == INGRESS else self.out.egress
                     target[address] = chain
-                    for index, rule in enumerate(policy.rules(direction)):
-                        allowed.update(
-                            dict.fromkeys(self.allows(policy, direction, index, rule, pod))
-                        )
+                    for rule in policy.rules(direction):
+                        allowed.update(dict.fromkeys(self.allows(policy, direction, rule, pod)))
         self.out.chains = {chain: tuple(allowed) for chain, allowed in chains.items()}
         return self.out
 

@@ -32,7 +32,8 @@ Labels = Mapping[str, str]
 class Requirement:
     key: str
     operator: str
-    values: frozenset[str] = frozenset()
+    values: tuple[str, ...] = ()
+    """Sorted, so that equal selectors read the same (peer sets are named after them)."""
 
     def matches(self, labels: Labels) -> bool:
         if self.operator == "In":
@@ -156,7 +157,7 @@ def _labels(value: Any, what: str) -> dict[str, str]:
 def parse_selector(value: Any, what: str) -> Selector:
     spec = _mapping(value, what)
     requirements = [
-        Requirement(key, "In", frozenset((label,)))
+        Requirement(key, "In", (label,))
         for key, label in _labels(spec.get("matchLabels"), f"{what}.matchLabels").items()
     ]
     for expression in _list(spec.get("matchExpressions"), f"{what}.matchExpressions"):
@@ -171,7 +172,7 @@ def parse_selector(value: Any, what: str) -> Selector:
             raise InvalidObject(f"{what} values for {key!r} are not all strings")
         if (operator in ("In", "NotIn")) != bool(values):
             raise InvalidObject(f"{what} operator {operator} for {key!r} has wrong values")
-        requirements.append(Requirement(key, operator, frozenset(values)))
+        requirements.append(Requirement(key, operator, tuple(sorted(set(values)))))
     return Selector(tuple(requirements))
 
 
