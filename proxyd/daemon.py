@@ -131,16 +131,16 @@ def cleanup(config: Config) -> None:
     from pyroute2 import IPRoute
 
     chains = sum(make_proxier(mode, config, Metrics()).cleanup() for mode in MODES)
-    chains += _policy_enforcer(config).cleanup()
+    chains += _policy_enforcer(config, Metrics()).cleanup()
     chains += sum(egress.remove() for egress in _node_network(config).egress)
     with IPRoute() as ipr:
         RouteTable(ipr).remove_all()
     log.info("cleanup: removed %d chains/tables and knit's routes", chains)
 
 
-def _policy_enforcer(config: Config) -> PolicyEnforcer:
+def _policy_enforcer(config: Config, metrics: Metrics) -> PolicyEnforcer:
     return PolicyEnforcer(
-        _node_name(config), IP_FAMILIES, config.min_sync_period, config.sync_period
+        _node_name(config), IP_FAMILIES, config.min_sync_period, config.sync_period, metrics
     )
 
 
@@ -153,7 +153,7 @@ class Daemon:
         self.health_servers = ServiceHealthServers(self.health)
         self.state = ClusterState(_node_name(config), on_change=self._queued)
         self.node_network = _node_network(config)
-        self.policy = _policy_enforcer(config)
+        self.policy = _policy_enforcer(config, self.metrics)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
         self.stop = threading.Event()
         self._conntrack_tuned = False

@@ -1,12 +1,16 @@
 """Metrics under kube-proxy's own names and labels (the `ip_family` label of kube-proxy 1.33 and
-later on what one family's proxier records), so dashboards built for kube-proxy keep working."""
+later on what one family's proxier records), so dashboards built for kube-proxy keep working;
+knit's own (NetworkPolicy, which kube-proxy does not do) under `knit_`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
 PROGRAMMING_BUCKETS = (
@@ -19,6 +23,25 @@ PROGRAMMING_BUCKETS = (
 
 
 FAMILY = ("ip_family",)
+DENIED_LABELS = ("direction", "namespace", "policies")
+
+
+class DeniedPackets(Collector):
+    """Packets NetworkPolicy denied, read from the kernel's counters at each scrape."""
+
+    def __init__(self, read: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "knit_network_policy_denied_packets",
+            "Packets dropped because no NetworkPolicy isolating the pod allowed them, by "
+            "direction, the pod's namespace and the policies isolating it",
+            labels=DENIED_LABELS,
+        )
+        for labels, packets in sorted(self._read().items()):
+            family.add_metric(labels, packets)
+        yield family
 
 
 def family_label(family: int) -> str:
@@ -165,7 +188,16 @@ class Metrics:
         self.livez = Counter(
             "kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", ["code"], registry=r
         )
+        self.policy_sync_duration = Histogram(
+            "knit_network_policy_sync_duration_seconds",
+            "Time to compile the policies and write the changes to the kernel",
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
         self._families: dict[int, FamilyMetrics] = {}
+
+    def count_denied(self, read: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
+        self.registry.register(DeniedPackets(read))
 
     def for_family(self, family: int) -> FamilyMetrics:
         """One family's series; the first ask creates them, so they read 0 before the first

@@ -119,6 +119,10 @@ class Nft:
             self._list("maps", SET_OR_MAP_LINE) or set()
         )
 
+    def counters(self) -> str:
+        """The listing of the table's named counters."""
+        return self._context.run(f"list counters table {self.table}")
+
     def chain(self, name: str) -> str:
         """One chain's listing (its rules)."""
         return self._context.run(f"list chain {self.table} {name}")

@@ -63,8 +63,10 @@ class FamilyPolicy:
     """Peer set name -> its address intervals (inclusive, as integers)."""
     peer_ports: dict[str, frozenset[tuple[str, str, int]]] = field(default_factory=dict)
     """Peer-port set name -> (address, protocol, port) elements."""
-    owners: dict[str, str] = field(default_factory=dict)
-    """Pod chain name -> "namespace/name" of its pod, for comments and metrics."""
+    owners: dict[str, PodKey] = field(default_factory=dict)
+    """Pod chain name -> its pod, for comments."""
+    isolating: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Pod chain name -> the policies isolating its pod in its direction, for metrics."""
     local: frozenset[str] = frozenset()
     """Addresses of this node's pods: a pod's traffic to itself always passes."""
 
@@ -235,7 +237,9 @@ class _Compiler:
                 for direction in sorted(policy.directions):
                     chain = chain_name(direction, (pod.namespace, pod.name))
                     allowed = chains.setdefault(chain, {})
-                    self.out.owners[chain] = f"{pod.namespace}/{pod.name}"
+                    self.out.owners[chain] = (pod.namespace, pod.name)
+                    isolating = self.out.isolating.get(chain, ())
+                    self.out.isolating[chain] = (*isolating, policy.name)
                     target = self.out.ingress if direction == INGRESS else self.out.egress
                     target[address] = chain
                     for rule in policy.rules(direction):

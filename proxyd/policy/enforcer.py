@@ -10,10 +10,13 @@ so a policy change never waits for a proxy sync, nor the reverse.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 
+from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft
 from proxyd.policy.compile import FamilyPolicy, compile_family
 from proxyd.policy.render import TABLE, Renderer
@@ -22,12 +25,22 @@ from proxyd.runner import BoundedFrequencyRunner
 
 log = logging.getLogger(__name__)
 
+COUNTER = re.compile(r"counter (\S+) \{\s*packets (\d+) bytes \d+")
+DeniedKey = tuple[str, str, str]
+"""(direction, namespace, the isolating policies' names joined by commas)."""
+
 
 class PolicyEnforcer:
     def __init__(
-        self, node_name: str, families: Iterable[int], min_sync_period: float, sync_period: float
+        self,
+        node_name: str,
+        families: Iterable[int],
+        min_sync_period: float,
+        sync_period: float,
+        metrics: Metrics,
     ) -> None:
         self.families = tuple(families)
+        self.metrics = metrics
         self.runner = BoundedFrequencyRunner(self.sync, min_sync_period, sync_period)
         self.state = PolicyState(node_name, on_change=self.runner.run)
         self._nft = {family: Nft(family, TABLE) for family in self.families}
@@ -51,6 +64,7 @@ class PolicyEnforcer:
                 self.runner.retry_after(1.0)
                 continue
             self._written[family] = wanted
+        self.metrics.policy_sync_duration.observe(time.monotonic() - start)
         log.info(
             "policy sync: %d policies, %d pods in %.1f ms",
             len(cluster.policies),
@@ -58,7 +72,25 @@ class PolicyEnforcer:
             (time.monotonic() - start) * 1000,
         )
 
+    def denied(self) -> Counter[DeniedKey]:
+        """Packets the pod chains dropped, by what denied them, read from the kernel's
+        counters through a context of the calling thread (the sync thread has its own)."""
+        totals: Counter[DeniedKey] = Counter()
+        for family in self.families:
+            written = self._written[family]
+            if written is None:
+                continue
+            listing = Nft(family, TABLE).counters()
+            for chain, packets in COUNTER.findall(listing):
+                owner = written.owners.get(chain)
+                if owner is not None:
+                    direction = "ingress" if chain.startswith("ingress") else "egress"
+                    policies = ",".join(sorted(written.isolating[chain]))
+                    totals[direction, owner[0], policies] += int(packets)
+        return totals
+
     def start(self) -> threading.Thread:
+        self.metrics.count_denied(self.denied)
         thread = threading.Thread(target=self.runner.loop, name="policy-sync", daemon=True)
         thread.start()
         return thread

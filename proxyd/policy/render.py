@@ -7,8 +7,8 @@ pass, after the proxy chose the backend. Its order: packets of connections alrea
 (conntrack), a pod's traffic to itself, then the sender's egress chain if it is isolated for
 egress (which returns when a rule allows), then the receiver's ingress chain if it is isolated
 for ingress (which accepts when a rule allows); whatever a pod chain does not allow it
-counts and drops. The node's own traffic to and from its pods passes the output and input
-hooks, not forward, so it is always allowed.
+counts (in a named counter of the chain's name) and drops. The node's own traffic to and
+from its pods passes the output and input hooks, not forward, so it is always allowed.
 
 A partial transaction orders its commands so that nothing is referenced before it exists or
 after it is gone: new sets, set elements (deleted before added, since intervals must not
@@ -76,7 +76,9 @@ class Renderer:
         verdict, peer_field = (
             ("accept", "saddr") if chain.startswith("ingress") else ("return", "daddr")
         )
-        return [self.rule(allow, verdict, peer_field) for allow in allows] + ["counter drop"]
+        return [self.rule(allow, verdict, peer_field) for allow in allows] + [
+            f"counter name {chain} drop"
+        ]
 
     def _peer_set_decl(self, name: str) -> str:
         return f"add set {self.table} {name} {{ type {self.addr}; flags interval; }}"
@@ -103,8 +105,11 @@ class Renderer:
         return {f"{address} . {address}" for address in local}
 
     def _chain(self, chain: str, policy: FamilyPolicy) -> list[str]:
-        owner = policy.owners.get(chain, "")
-        lines = [f'add chain {self.table} {chain} {{ comment "{owner}"; }}']
+        owner = "/".join(policy.owners[chain])
+        lines = [
+            f"add counter {self.table} {chain}",
+            f'add chain {self.table} {chain} {{ comment "{owner}"; }}',
+        ]
         lines += [
             f"add rule {self.table} {chain} {rule}"
             for rule in self.chain_rules(chain, policy.chains[chain])
@@ -171,7 +176,8 @@ class Renderer:
         was, now = self._self_elements(before.local), self._self_elements(new.local)
         lines += self._elements("delete", SELF, was - now)
         lines += self._elements("add", SELF, now - was)
-        lines += [f"delete chain {t} {c}" for c in before.chains.keys() - new.chains.keys()]
+        for chain in before.chains.keys() - new.chains.keys():
+            lines += [f"delete chain {t} {chain}", f"delete counter {t} {chain}"]
         lines += [f"delete set {t} {n}" for n in before.peers.keys() - new.peers.keys()]
         lines += [f"delete set {t} {n}" for n in before.peer_ports.keys() - new.peer_ports.keys()]
         return "\n".join(lines) + "\n" if lines else ""
