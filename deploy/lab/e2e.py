@@ -24,16 +24,32 @@ from deploy.lab.lab import PROXY_MODES, Lab
 from deploy.lab.paths import E2E, ROOT
 
 # E2E holds e2e.test and ginkgo (make e2e-tools), and one folder of reports per proxy mode
-SELECTIONS = {
-    "conformance": r"\[sig-network\].*\[Conformance\]",
-    "network": r"\[sig-network\].*(Services|Networking|KubeProxy|Conntrack|\[Conformance\])",
-}
+
+
+@dataclass(frozen=True)
+class Selection:
+    focus: str
+    skip: str
+
+
 # as the kind workflow: serial, disruptive, slow and flaky specs; optional features; what the
 # lab does not provide (load balancers; SCTP, which this kernel cannot open sockets of)
 SKIP = (
     r"\[Serial\]|\[Disruptive\]|\[Slow\]|\[Flaky\]|\[Feature:[^\]]+\]|LoadBalancer|load.balancer"
     r"|SCTP"
 )
+SELECTIONS = {
+    "conformance": Selection(r"\[sig-network\].*\[Conformance\]", SKIP),
+    "network": Selection(
+        r"\[sig-network\].*(Services|Networking|KubeProxy|Conntrack|\[Conformance\])", SKIP
+    ),
+    # the NetworkPolicy specs are [Feature:NetworkPolicy]; those that probe over SCTP cannot
+    # run here, those that only name SCTP in a policy (and probe over TCP) can
+    "netpol": Selection(
+        r"\[sig-network\] Netpol",
+        r"\[Serial\]|\[Disruptive\]|\[Slow\]|\[Flaky\]|\[Feature:SCTPConnectivity\]",
+    ),
+}
 PROCS = 3
 
 
@@ -65,7 +81,9 @@ def read_junit(report: Path) -> Outcome:
     return outcome
 
 
-def run(kubeconfig: Path, report_dir: Path, focus: str, nodes: int, procs: int = PROCS) -> Outcome:
+def run(
+    kubeconfig: Path, report_dir: Path, selection: Selection, nodes: int, procs: int = PROCS
+) -> Outcome:
     """The selected specs against the cluster of kubeconfig, which has `nodes` schedulable
     nodes; the log and JUnit in report_dir."""
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +94,7 @@ def run(kubeconfig: Path, report_dir: Path, focus: str, nodes: int, procs: int =
             [
                 str(E2E / "ginkgo"),
                 f"--procs={procs}", "--timeout=120m", "--no-color", "--silence-skips",
-                f"--focus={focus}", f"--skip={SKIP}",
+                f"--focus={selection.focus}", f"--skip={selection.skip}",
                 str(E2E / "e2e.test"), "--",
                 # without --num-nodes the specs that need two or more nodes skip themselves
                 f"--kubeconfig={kubeconfig}", "--provider=skeleton", f"--num-nodes={nodes}",

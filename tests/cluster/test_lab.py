@@ -46,6 +46,14 @@ def test_every_network_conformance_spec_passes(lab: Lab) -> None:
     assert outcome.passed
 
 
+def test_every_network_policy_spec_passes(lab: Lab) -> None:
+    """The upstream Netpol specs (48; those probing over SCTP skip), about 4 minutes."""
+    netpol = e2e.SELECTIONS["netpol"]
+    outcome = e2e.run(lab.kubeconfig, e2e.E2E / lab.mode / "netpol", netpol, len(lab.nodes))
+    assert outcome.failed == []
+    assert len(outcome.passed) >= 48
+
+
 # ---------------------------------------------------------------- knit's own life on real nodes
 
 NEXT_RELEASE = "next"
