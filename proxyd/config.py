@@ -55,6 +55,7 @@ class Config:
     cni_bundle: str = "/opt/knit/cni-bundle"
     routing: str = "auto"
     network_policy: bool = True
+    network_policy_log_rate: int = 0
     ipvs_scheduler: str = "rr"
     conntrack_tcp_timeout_established: float = 86400.0
     conntrack_tcp_timeout_close_wait: float = 3600.0
@@ -235,6 +236,11 @@ def parser() -> argparse.ArgumentParser:
         type=lambda v: v.lower() in ("1", "true", "yes"),
         help="enforce NetworkPolicies for this node's pods (default true)",
     )
+    node.add_argument(
+        "--network-policy-log-rate",
+        type=int,
+        help="log at most this many denied packets a second per IP family (default 0: none)",
+    )
     return p
 
 
@@ -267,6 +273,8 @@ def load(argv: list[str] | None = None) -> Config:
         raise ConfigError("--iptables-masquerade-bit must be within 0..31")
     if config.sync_period <= 0 or config.min_sync_period < 0:
         raise ConfigError("sync periods must be positive")
+    if config.network_policy_log_rate < 0:
+        raise ConfigError("--network-policy-log-rate must not be negative")
     if any(getattr(config, name) < 0 for name in CONNTRACK_TIMEOUTS):
         raise ConfigError("conntrack timeouts must not be negative")
     return config

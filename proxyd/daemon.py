@@ -140,7 +140,12 @@ def cleanup(config: Config) -> None:
 
 def _policy_enforcer(config: Config, metrics: Metrics) -> PolicyEnforcer:
     return PolicyEnforcer(
-        _node_name(config), IP_FAMILIES, config.min_sync_period, config.sync_period, metrics
+        _node_name(config),
+        IP_FAMILIES,
+        config.min_sync_period,
+        config.sync_period,
+        metrics,
+        config.network_policy_log_rate,
     )
 
 

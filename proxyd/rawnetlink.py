@@ -138,6 +138,18 @@ class NetlinkSocket:
             return kept
         raise DumpInterrupted(errno.EINTR, "netlink: every dump was interrupted by changes")
 
+    def messages(self) -> Iterator[tuple[int, memoryview]]:
+        """(type, payload) of every message the kernel sends, as it comes (a subscription's)."""
+        while True:
+            data = memoryview(self._socket.recv(RECEIVE_BYTES))
+            offset = 0
+            while offset + HEADER.size <= len(data):
+                length, kind, _, _, _ = HEADER.unpack_from(data, offset)
+                if length < HEADER.size or offset + length > len(data):
+                    break
+                yield kind, data[offset + HEADER.size : offset + length]
+                offset += align(length)
+
     def request(self, kind: int, body: bytes) -> list[tuple[int, memoryview]]:
         """(type, payload) of the messages one acknowledged request returns (often none)."""
         return list(self._replies(self._send(kind, ACK, body)))

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft
 from proxyd.policy.compile import FamilyPolicy, compile_family
+from proxyd.policy.denials import DenialLog
 from proxyd.policy.render import TABLE, Renderer
 from proxyd.policy.state import PolicyState
 from proxyd.runner import BoundedFrequencyRunner
@@ -38,13 +39,16 @@ class PolicyEnforcer:
         min_sync_period: float,
         sync_period: float,
         metrics: Metrics,
+        log_rate: int = 0,
     ) -> None:
+        """`log_rate`: denied packets logged per second and family (0: none)."""
         self.families = tuple(families)
         self.metrics = metrics
+        self.denial_log = DenialLog(self.describe) if log_rate else None
         self.runner = BoundedFrequencyRunner(self.sync, min_sync_period, sync_period)
         self.state = PolicyState(node_name, on_change=self.runner.run)
         self._nft = {family: Nft(family, TABLE) for family in self.families}
-        self._renderers = {family: Renderer(family) for family in self.families}
+        self._renderers = {family: Renderer(family, log_rate) for family in self.families}
         self._written: dict[int, FamilyPolicy | None] = dict.fromkeys(self.families)
 
     def sync(self) -> None:
@@ -89,8 +93,20 @@ class PolicyEnforcer:
                     totals[direction, owner[0], policies] += int(packets)
         return totals
 
+    def describe(self, chain: str) -> str | None:
+        """The pod a pod chain is for and the policies isolating it, in words; None when no
+        family's table has that chain now."""
+        for written in self._written.values():
+            if written is not None and chain in written.owners:
+                namespace, name = written.owners[chain]
+                policies = ", ".join(sorted(written.isolating[chain]))
+                return f"{namespace}/{name} (isolated by {policies})"
+        return None
+
     def start(self) -> threading.Thread:
         self.metrics.count_denied(self.denied)
+        if self.denial_log is not None:
+            self.denial_log.start()
         thread = threading.Thread(target=self.runner.loop, name="policy-sync", daemon=True)
         thread.start()
         return thread

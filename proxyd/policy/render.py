@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 
 from proxyd.nftables.render import family_name
 from proxyd.policy.compile import Allow, FamilyPolicy, Interval
+from proxyd.policy.denials import GROUP, LIMIT
 
 TABLE = "knit-policy"
 FORWARD = "forward"
@@ -49,8 +50,11 @@ def _interval(family: int, interval: Interval) -> str:
 
 
 class Renderer:
-    def __init__(self, family: int) -> None:
+    """`log_rate`: denied packets handed to NFLOG per second (0: none)."""
+
+    def __init__(self, family: int, log_rate: int = 0) -> None:
         self.family = family
+        self.log_rate = log_rate
         self.table = f"{family_name(family)} {TABLE}"
         self.l3, self.addr = _words(family)
 
@@ -76,9 +80,10 @@ class Renderer:
         verdict, peer_field = (
             ("accept", "saddr") if chain.startswith("ingress") else ("return", "daddr")
         )
-        return [self.rule(allow, verdict, peer_field) for allow in allows] + [
-            f"counter name {chain} drop"
-        ]
+        rules = [self.rule(allow, verdict, peer_field) for allow in allows]
+        if self.log_rate:
+            rules.append(f'limit name {LIMIT} log prefix "{chain}" group {GROUP}')
+        return [*rules, f"counter name {chain} drop"]
 
     def _peer_set_decl(self, name: str) -> str:
         return f"add set {self.table} {name} {{ type {self.addr}; flags interval; }}"
@@ -119,10 +124,12 @@ class Renderer:
     # ------------------------------------------------------------ transactions
     def base(self) -> list[str]:
         t = self.table
+        limit = f"rate {self.log_rate}/second burst {self.log_rate} packets"
         return [
             f"add table {t}",
             f"delete table {t}",
             f'add table {t} {{ comment "knit NetworkPolicy"; }}',
+            *([f"add limit {t} {LIMIT} {{ {limit}; }}"] if self.log_rate else []),
             f"add map {t} {INGRESS_MAP} {{ type {self.addr} : verdict; }}",
             f"add map {t} {EGRESS_MAP} {{ type {self.addr} : verdict; }}",
             f"add set {t} {SELF} {{ type {self.addr} . {self.addr}; }}",

@@ -312,3 +312,20 @@ def test_switched_off_the_daemon_removes_its_policy_tables(
         world.cluster.stop_daemon(node)
         world.cluster.start_daemon(node)
     settles(world.near, world.server.address(4), 80, allowed=False)
+
+
+def test_denied_connections_are_logged_with_their_pod(world: World, policies: list[str]) -> None:
+    node = world.cluster.nodes["a"]
+    world.cluster.stop_daemon(node)
+    try:
+        world.cluster.start_daemon(node, "--network-policy-log-rate=5")
+        name = apply(world, policies, world.x, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+        settles(world.far, world.server.address(4), 80, allowed=False)
+        line = (
+            f"NetworkPolicy denied ingress to {world.x}/{world.server.name} (isolated by {name}): "
+            f"tcp {world.far.address(4)} -> {world.server.address(4)}:80"
+        )
+        eventually(lambda: line in node.log.read_text(), 10, what="the denial logged")
+    finally:
+        world.cluster.stop_daemon(node)
+        world.cluster.start_daemon(node)
