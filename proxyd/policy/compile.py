@@ -16,7 +16,10 @@ become a set of (peer address . protocol . port) elements.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import ipaddress
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -79,16 +82,17 @@ class Cluster:
     policies: tuple[NetworkPolicy, ...]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def chain_name(direction: str, pod: PodKey) -> str:
     prefix = "ingress" if direction == INGRESS else "egress"
     return f"{prefix}-{short_hash('/'.join(pod))}"
 
 
-def _peers_key(policy: NetworkPolicy, peers: tuple[Peer, ...]) -> str:
-    """What the peers select, in words that differ when the selection may: a pod peer without
-    a namespace selector means the policy's own namespace."""
+def _peers_key(policy: NetworkPolicy, peers: tuple[Peer, ...]) -> tuple[str, tuple[Peer, ...]]:
+    """What the peers select, equal for equal selections: a pod peer without a namespace
+    selector means the policy's own namespace."""
     own = any(peer.block is None and peer.namespaces is None for peer in peers)
-    return repr((policy.namespace if own else "", peers))
+    return (policy.namespace if own else "", peers)
 
 
 def _intervals(block: IpBlock, family: int) -> list[Interval]:
@@ -119,84 +123,230 @@ def merged(intervals: Iterable[Interval]) -> frozenset[Interval]:
     return frozenset((first, last) for first, last in out)
 
 
-def _inside(address: str, intervals: Iterable[Interval]) -> bool:
-    value = int(ipaddress.ip_address(address))
+def _address(pod: Pod, family: int) -> tuple[str, int] | None:
+    """The pod's address of the family, as text and as a number."""
+    for text, number in zip(pod.addresses, pod.numbers, strict=True):
+        if family_of(text) == family:
+            return text, number
+    return None
+
+
+def _inside(value: int, intervals: Iterable[Interval]) -> bool:
     return any(first <= value <= last for first, last in intervals)
 
 
-class _Compiler:
-    def __init__(self, cluster: Cluster, family: int) -> None:
-        self.cluster = cluster
+@dataclass
+class _PeerSet:
+    """One peer selection's set, kept from compile to compile so that a change re-examines
+    only the pods it touched, and changes its elements without going over the others."""
+
+    name: str
+    namespace: str
+    """The namespace a pod peer without a namespace selector means."""
+    peers: tuple[Peer, ...]
+    blocks: frozenset[Interval]
+    """The ipBlocks of the family, `except`s carved out, merged."""
+    members: dict[PodKey, tuple[Pod, int]] = field(default_factory=dict)
+    """Member pods and their address of the family."""
+    intervals: frozenset[Interval] = frozenset()
+    """The blocks, and each member address outside them (nft refuses overlapping elements;
+    adjacent ones are fine)."""
+    holders: Counter[int] = field(default_factory=Counter)
+    """Member addresses outside the blocks, by how many members hold each (a stale pod may
+    share its address with a new one)."""
+    named_ports: dict[tuple[str, str], frozenset[tuple[str, str, int]]] = field(
+        default_factory=dict
+    )
+    """(port name, protocol) -> (address, protocol, port) of that port on each member."""
+
+    def __post_init__(self) -> None:
+        self.intervals = self.blocks
+
+    def selects(self, pod: Pod, value: int, namespaces: Mapping[str, Namespace]) -> bool:
+        if _inside(value, self.blocks):
+            return True
+        for peer in self.peers:
+            if peer.pods is None or not peer.pods.matches(pod.labels):
+                continue
+            if peer.namespaces is None:
+                if pod.namespace == self.namespace:
+                    return True
+            elif (ns := namespaces.get(pod.namespace)) and peer.namespaces.matches(ns.labels):
+                return True
+        return False
+
+    def candidates(self, cluster: Cluster, by_namespace: Mapping[str, list[Pod]]) -> list[Pod]:
+        """The pods that may be members: those of the namespaces the peers may select, or
+        every pod when a block may hold any."""
+        if self.blocks:
+            return list(cluster.pods.values())
+        names: set[str] = set()
+        for peer in self.peers:
+            if peer.namespaces is None:
+                names.add(self.namespace)
+            else:
+                selector = peer.namespaces
+                names.update(
+                    n for n, ns in cluster.namespaces.items() if selector.matches(ns.labels)
+                )
+        return [pod for name in sorted(names) for pod in by_namespace.get(name, [])]
+
+    def add(self, key: PodKey, pod: Pod, value: int) -> None:
+        self.members[key] = (pod, value)
+        self.named_ports.clear()
+        if not _inside(value, self.blocks):
+            self.holders[value] += 1
+            if self.holders[value] == 1:
+                self.intervals = self.intervals | {(value, value)}
+
+    def remove(self, key: PodKey) -> None:
+        _, value = self.members.pop(key)
+        self.named_ports.clear()
+        if value in self.holders:
+            self.holders[value] -= 1
+            if not self.holders[value]:
+                del self.holders[value]
+                self.intervals = self.intervals - {(value, value)}
+
+    def port_elements(self, port: PortMatch, family: int) -> frozenset[tuple[str, str, int]]:
+        key = (port.name, port.protocol)
+        if key not in self.named_ports:
+            elements = set()
+            for pod, _ in self.members.values():
+                number = pod.port_named(port.name, port.protocol)
+                address = _address(pod, family)
+                if number is not None and address is not None:
+                    elements.add((address[0], port.protocol.lower(), number))
+            self.named_ports[key] = frozenset(elements)
+        return self.named_ports[key]
+
+
+class FamilyCompiler:
+    """Compiles one family's policy. The peer sets of one compile are kept for the next,
+    which re-examines only the pods that changed (`changed_pods`; None: everything may have,
+    as after a namespace's labels changed); when no policy and no pod of this node changed,
+    the pod chains and maps are kept too and only the sets are refreshed. So a change to
+    another node's pod costs the same with 1,000 pods as with 10,000. The result is what a
+    fresh compile of the same cluster gives."""
+
+    def __init__(self, family: int) -> None:
         self.family = family
-        self.by_namespace: dict[str, list[Pod]] = {}
-        for pod in cluster.pods.values():
-            self.by_namespace.setdefault(pod.namespace, []).append(pod)
+        self._peer_sets: dict[tuple[str, tuple[Peer, ...]], _PeerSet] = {}
+        self.port_sets: dict[str, tuple[_PeerSet | None, PortMatch]] = {}
+        """The last compile's peer-port sets: what each was made from."""
+        self.local: set[PodKey] = set()
+        """The last compile's pods of this node."""
+        self._last: FamilyPolicy | None = None
+        self._last_policies: tuple[NetworkPolicy, ...] = ()
+
+    def compile(self, cluster: Cluster, changed_pods: Iterable[PodKey] | None) -> FamilyPolicy:
+        if changed_pods is None:
+            self._peer_sets.clear()
+            self._last = None
+        else:
+            changed = set(changed_pods)
+            self._update(cluster, changed)
+            if self._last is not None and self._chains_hold(cluster, changed):
+                self._last = self._refreshed(self._last, cluster, bool(changed))
+                return self._last
+        self._last = _Run(self, cluster).result()
+        self._last_policies = cluster.policies
+        return self._last
+
+    def _chains_hold(self, cluster: Cluster, changed: set[PodKey]) -> bool:
+        """Whether the last compile's chains and maps still hold: the same policies (the
+        same objects: the state replaces a policy's object when it changes) and no change to
+        a pod of this node."""
+        policies = cluster.policies
+        if len(policies) != len(self._last_policies) or any(
+            now is not was for now, was in zip(policies, self._last_policies, strict=True)
+        ):
+            return False
+        for key in changed:
+            pod = cluster.pods.get(key)
+            if key in self.local or (pod is not None and pod.node == cluster.node):
+                return False
+        return True
+
+    def _refreshed(self, last: FamilyPolicy, cluster: Cluster, changed: bool) -> FamilyPolicy:
+        """The last compile with its sets' elements as they are now."""
+        peer_ports = {}
+        for name, (entry, port) in self.port_sets.items():
+            if entry is not None:
+                peer_ports[name] = entry.port_elements(port, self.family)
+            elif changed:
+                peer_ports[name] = _everyone(cluster, port, self.family)
+            else:
+                peer_ports[name] = last.peer_ports[name]
+        peers = {entry.name: entry.intervals for entry in self._peer_sets.values()}
+        return dataclasses.replace(last, peers=peers, peer_ports=peer_ports)
+
+    def _update(self, cluster: Cluster, changed: set[PodKey]) -> None:
+        for entry in self._peer_sets.values():
+            for key in changed:
+                pod = cluster.pods.get(key)
+                address = _address(pod, self.family) if pod is not None else None
+                wanted = (
+                    pod is not None
+                    and address is not None
+                    and entry.selects(pod, address[1], cluster.namespaces)
+                )
+                held = entry.members.get(key)
+                if held is not None and (not wanted or held[0] != pod):
+                    entry.remove(key)
+                if wanted and pod is not None and address is not None and held != (pod, address[1]):
+                    entry.add(key, pod, address[1])
+
+    def peer_set(
+        self, cluster: Cluster, policy: NetworkPolicy, peers: tuple[Peer, ...], run: _Run
+    ) -> _PeerSet:
+        key = _peers_key(policy, peers)
+        entry = self._peer_sets.get(key)
+        if entry is None:
+            blocks = merged(
+                interval
+                for peer in peers
+                if peer.block is not None
+                for interval in _intervals(peer.block, self.family)
+            )
+            entry = _PeerSet(f"peers-{short_hash(repr(key))}", key[0], peers, blocks)
+            for pod in entry.candidates(cluster, run.by_namespace()):
+                address = _address(pod, self.family)
+                if address is not None and entry.selects(pod, address[1], cluster.namespaces):
+                    entry.add((pod.namespace, pod.name), pod, address[1])
+            self._peer_sets[key] = entry
+        run.used.add(key)
+        return entry
+
+    def forget_unused(self, used: set[tuple[str, tuple[Peer, ...]]]) -> None:
+        for key in self._peer_sets.keys() - used:
+            del self._peer_sets[key]
+
+
+class _Run:
+    """One compile: the pod chains of this node's pods, and the sets they name."""
+
+    def __init__(self, compiler: FamilyCompiler, cluster: Cluster) -> None:
+        self.compiler = compiler
+        self.cluster = cluster
+        self.family = compiler.family
         self.out = FamilyPolicy()
-        self._peer_pods: dict[str, list[Pod]] = {}
+        self.used: set[tuple[str, tuple[Peer, ...]]] = set()
+        self._by_namespace: dict[str, list[Pod]] | None = None
 
-    def address(self, pod: Pod) -> str | None:
-        return next((a for a in pod.addresses if family_of(a) == self.family), None)
-
-    def _namespaces(self, policy: NetworkPolicy, peer: Peer) -> list[str]:
-        if peer.namespaces is None:
-            return [policy.namespace]
-        return [
-            name
-            for name, namespace in self.cluster.namespaces.items()
-            if peer.namespaces.matches(namespace.labels)
-        ]
-
-    def _pods_of(self, policy: NetworkPolicy, peer: Peer) -> list[Pod]:
-        assert peer.pods is not None
-        return [
-            pod
-            for namespace in self._namespaces(policy, peer)
-            for pod in self.by_namespace.get(namespace, [])
-            if peer.pods.matches(pod.labels)
-        ]
-
-    def peer_set(self, policy: NetworkPolicy, peers: tuple[Peer, ...]) -> str:
-        """The name of the peers' set, made on first use; remembers the peer pods."""
-        name = f"peers-{short_hash(_peers_key(policy, peers))}"
-        if name not in self.out.peers:
-            intervals: list[Interval] = []
-            pods: list[Pod] = []
-            for peer in peers:
-                if peer.block is not None:
-                    block = _intervals(peer.block, self.family)
-                    intervals += block
-                    pods += [
-                        pod
-                        for pod in self.cluster.pods.values()
-                        if (a := self.address(pod)) is not None and _inside(a, block)
-                    ]
-                else:
-                    pods += self._pods_of(policy, peer)
-            for pod in pods:
-                if (address := self.address(pod)) is not None:
-                    value = int(ipaddress.ip_address(address))
-                    intervals.append((value, value))
-            self.out.peers[name] = merged(intervals)
-            self._peer_pods[name] = pods
-        return name
-
-    def peer_port_set(self, peers: str | None, port: PortMatch, pods: Iterable[Pod]) -> str:
-        """The name of the set of (address . protocol . port) of the named port on each peer
-        pod (`peers` the peer set's name; None any pod)."""
-        name = f"peer-ports-{short_hash(f'{peers}/{port.protocol}/{port.name}')}"
-        if name in self.out.peer_ports:
-            return name
-        elements = set()
-        for pod in pods:
-            number = pod.port_named(port.name, port.protocol)
-            address = self.address(pod)
-            if number is not None and address is not None:
-                elements.add((address, port.protocol.lower(), number))
-        self.out.peer_ports[name] = frozenset(elements)
-        return name
+    def by_namespace(self) -> dict[str, list[Pod]]:
+        if self._by_namespace is None:
+            self._by_namespace = {}
+            for pod in self.cluster.pods.values():
+                self._by_namespace.setdefault(pod.namespace, []).append(pod)
+        return self._by_namespace
 
     def allows(self, policy: NetworkPolicy, direction: str, rule: Rule, pod: Pod) -> list[Allow]:
-        peers = self.peer_set(policy, rule.peers) if rule.peers is not None else None
+        entry = None
+        if rule.peers is not None:
+            entry = self.compiler.peer_set(self.cluster, policy, rule.peers, self)
+            self.out.peers[entry.name] = entry.intervals
+        peers = entry.name if entry is not None else None
         if rule.ports is None:
             return [Allow(peers)]
         allows = []
@@ -208,45 +358,61 @@ class _Compiler:
                     allows.append(Allow(peers, protocol, number, number))
             elif port.name:
                 # egress: the name resolves on each destination pod among the peers
-                candidates = (
-                    self._peer_pods[peers] if peers is not None else self.cluster.pods.values()
-                )
-                allows.append(Allow(peer_ports=self.peer_port_set(peers, port, candidates)))
+                allows.append(Allow(peer_ports=self.peer_ports(entry, port)))
             elif port.number is not None:
                 allows.append(Allow(peers, protocol, port.number, port.end or port.number))
             else:
                 allows.append(Allow(peers, protocol))
         return allows
 
-    def run(self) -> FamilyPolicy:
-        local = [
-            pod
-            for pod in self.cluster.pods.values()
-            if pod.node == self.cluster.node and self.address(pod) is not None
-        ]
-        self.out.local = frozenset(a for pod in local if (a := self.address(pod)) is not None)
+    def peer_ports(self, entry: _PeerSet | None, port: PortMatch) -> str:
+        """The name of the set of (address . protocol . port) of the named port on each peer
+        pod (entry None: any pod)."""
+        name = f"peer-ports-{short_hash(f'{entry and entry.name}/{port.protocol}/{port.name}')}"
+        if entry is not None:
+            self.out.peer_ports[name] = entry.port_elements(port, self.family)
+        elif name not in self.out.peer_ports:
+            self.out.peer_ports[name] = _everyone(self.cluster, port, self.family)
+        self.compiler.port_sets[name] = (entry, port)
+        return name
+
+    def result(self) -> FamilyPolicy:
+        local: dict[str, list[tuple[Pod, str]]] = {}
+        self.compiler.local = set()
+        self.compiler.port_sets = {}
+        for key, pod in self.cluster.pods.items():
+            if pod.node == self.cluster.node:
+                self.compiler.local.add(key)
+                if found := _address(pod, self.family):
+                    local.setdefault(pod.namespace, []).append((pod, found[0]))
+        self.out.local = frozenset(a for pods in local.values() for _, a in pods)
         chains: dict[str, dict[Allow, None]] = {}
-        policies = sorted(self.cluster.policies, key=lambda p: (p.namespace, p.name))
-        for policy in policies:
-            for pod in self.by_namespace.get(policy.namespace, []):
-                if pod.node != self.cluster.node or not policy.pods.matches(pod.labels):
-                    continue
-                address = self.address(pod)
-                if address is None:
+        for policy in sorted(self.cluster.policies, key=lambda p: (p.namespace, p.name)):
+            for pod, address in local.get(policy.namespace, []):
+                if not policy.pods.matches(pod.labels):
                     continue
                 for direction in sorted(policy.directions):
                     chain = chain_name(direction, (pod.namespace, pod.name))
                     allowed = chains.setdefault(chain, {})
                     self.out.owners[chain] = (pod.namespace, pod.name)
-                    isolating = self.out.isolating.get(chain, ())
-                    self.out.isolating[chain] = (*isolating, policy.name)
+                    self.out.isolating[chain] = (*self.out.isolating.get(chain, ()), policy.name)
                     target = self.out.ingress if direction == INGRESS else self.out.egress
                     target[address] = chain
                     for rule in policy.rules(direction):
                         allowed.update(dict.fromkeys(self.allows(policy, direction, rule, pod)))
         self.out.chains = {chain: tuple(allowed) for chain, allowed in chains.items()}
+        self.compiler.forget_unused(self.used)
         return self.out
 
 
+def _everyone(cluster: Cluster, port: PortMatch, family: int) -> frozenset[tuple[str, str, int]]:
+    """The named port's (address . protocol . port) on every pod."""
+    everyone = _PeerSet("", "", (), frozenset())
+    for key, pod in cluster.pods.items():
+        everyone.members[key] = (pod, 0)
+    return everyone.port_elements(port, family)
+
+
 def compile_family(cluster: Cluster, family: int) -> FamilyPolicy:
-    return _Compiler(cluster, family).run()
+    """A fresh compile of one family."""
+    return FamilyCompiler(family).compile(cluster, None)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft
-from proxyd.policy.compile import FamilyPolicy, compile_family
+from proxyd.policy.compile import FamilyCompiler, FamilyPolicy
 from proxyd.policy.denials import DenialLog
 from proxyd.policy.render import TABLE, Renderer
 from proxyd.policy.state import PolicyState
@@ -49,6 +49,7 @@ class PolicyEnforcer:
         self.state = PolicyState(node_name, on_change=self.runner.run)
         self._nft = {family: Nft(family, TABLE) for family in self.families}
         self._renderers = {family: Renderer(family, log_rate) for family in self.families}
+        self._compilers = {family: FamilyCompiler(family) for family in self.families}
         self._written: dict[int, FamilyPolicy | None] = dict.fromkeys(self.families)
 
     def sync(self) -> None:
@@ -56,10 +57,12 @@ class PolicyEnforcer:
             log.debug("waiting for the first lists of Pods, Namespaces and NetworkPolicies")
             return
         start = time.monotonic()
-        cluster = self.state.snapshot()
+        cluster, changed_pods = self.state.take()
         for family in self.families:
-            wanted = compile_family(cluster, family)
             written = self._written[family]
+            # after a failure, nothing the compiler kept is trusted
+            changed = changed_pods if written is not None else None
+            wanted = self._compilers[family].compile(cluster, changed)
             try:
                 self._nft[family].run(self._renderers[family].partial(written, wanted))
             except Exception:

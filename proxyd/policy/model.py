@@ -118,6 +118,8 @@ class Pod:
     labels: Labels
     node: str
     addresses: tuple[str, ...]
+    numbers: tuple[int, ...]
+    """The addresses as integers, in the same order."""
     named_ports: Mapping[tuple[str, str], int]
     """(name, protocol) -> container port."""
 
@@ -321,7 +323,7 @@ def parse_pod(obj: Obj) -> Pod | None:
     for entry in _list(status.get("podIPs"), "status.podIPs"):
         text = _mapping(entry, "podIPs[]").get("ip")
         try:
-            addresses.append(str(ipaddress.ip_address(str(text))))
+            addresses.append(ipaddress.ip_address(str(text)))
         except (ValueError, TypeError) as err:
             raise InvalidObject(f"pod IP {text!r} is not an address") from err
     if not addresses:
@@ -331,7 +333,8 @@ def parse_pod(obj: Obj) -> Pod | None:
         meta.get("name") or "",
         _labels(meta.get("labels"), "labels"),
         spec.get("nodeName") or "",
-        tuple(addresses),
+        tuple(str(address) for address in addresses),
+        tuple(int(address) for address in addresses),
         _named_ports(spec),
     )
 

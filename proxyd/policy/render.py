@@ -153,16 +153,20 @@ class Renderer:
             self._peer_port_set_decl(n) for n in new.peer_ports.keys() - before.peer_ports.keys()
         ]
         additions: list[str] = []
-        for name in new.peers:
-            was = self._peer_elements(before.peers.get(name, ()))
-            now = self._peer_elements(new.peers[name])
-            lines += self._elements("delete", name, was - now)
-            additions += self._elements("add", name, now - was)
-        for name in new.peer_ports:
-            was = self._peer_port_elements(before.peer_ports.get(name, ()))
-            now = self._peer_port_elements(new.peer_ports[name])
-            lines += self._elements("delete", name, was - now)
-            additions += self._elements("add", name, now - was)
+        # the sets compared as the compiler made them (unchanged ones are the same object),
+        # and only what differs written out
+        for name, now_peers in new.peers.items():
+            was_peers = before.peers.get(name, frozenset())
+            if was_peers is not now_peers and was_peers != now_peers:
+                gone, came = was_peers - now_peers, now_peers - was_peers
+                lines += self._elements("delete", name, self._peer_elements(gone))
+                additions += self._elements("add", name, self._peer_elements(came))
+        for name, now_ports in new.peer_ports.items():
+            was_ports = before.peer_ports.get(name, frozenset())
+            if was_ports is not now_ports and was_ports != now_ports:
+                gone_ports, came_ports = was_ports - now_ports, now_ports - was_ports
+                lines += self._elements("delete", name, self._peer_port_elements(gone_ports))
+                additions += self._elements("add", name, self._peer_port_elements(came_ports))
         lines += additions
         for chain in new.chains:
             if chain not in before.chains:
@@ -177,12 +181,12 @@ class Renderer:
             (INGRESS_MAP, before.ingress, new.ingress),
             (EGRESS_MAP, before.egress, new.egress),
         ):
-            was, now = self._map_elements(was_map), self._map_elements(now_map)
-            lines += self._elements("delete", name, was - now)
-            lines += self._elements("add", name, now - was)
-        was, now = self._self_elements(before.local), self._self_elements(new.local)
-        lines += self._elements("delete", SELF, was - now)
-        lines += self._elements("add", SELF, now - was)
+            gone_entries = dict(was_map.items() - now_map.items())
+            lines += self._elements("delete", name, self._map_elements(gone_entries))
+            came_entries = dict(now_map.items() - was_map.items())
+            lines += self._elements("add", name, self._map_elements(came_entries))
+        lines += self._elements("delete", SELF, self._self_elements(before.local - new.local))
+        lines += self._elements("add", SELF, self._self_elements(new.local - before.local))
         for chain in before.chains.keys() - new.chains.keys():
             lines += [f"delete chain {t} {chain}", f"delete counter {t} {chain}"]
         lines += [f"delete set {t} {n}" for n in before.peers.keys() - new.peers.keys()]

@@ -74,6 +74,9 @@ class PolicyState:
         self.node_name = node_name
         self._on_change = on_change
         self._lock = threading.Lock()
+        self._changed_pods: set[PodKey] | None = None
+        """The pods changed since the last take; None when anything may have (a namespace's
+        labels, a fresh list of pods)."""
         self._pods = _Store[Pod]("Pod", parse_pod)
         self._namespaces = _Store[Namespace]("Namespace", parse_namespace)
         self._policies = _Store[NetworkPolicy]("NetworkPolicy", parse_policy)
@@ -82,24 +85,34 @@ class PolicyState:
         with self._lock:
             return all(store.listed for store in (self._pods, self._namespaces, self._policies))
 
-    def snapshot(self) -> Cluster:
+    def take(self) -> tuple[Cluster, set[PodKey] | None]:
+        """The cluster now, and the pods changed since the last take (None: anything may
+        have)."""
         with self._lock:
-            return Cluster(
+            cluster = Cluster(
                 self.node_name,
                 dict(self._pods.items),
                 {name: ns for (_, name), ns in self._namespaces.items.items()},
                 tuple(self._policies.items.values()),
             )
+            changed, self._changed_pods = self._changed_pods, set()
+            return cluster, changed
 
     def _event(self, store: _Store[Parsed], kind: str, obj: Obj) -> None:
+        key = key_of(obj)
         with self._lock:
-            changed = store.set(key_of(obj), None if kind == "DELETED" else obj)
+            changed = store.set(key, None if kind == "DELETED" else obj)
+            if changed and store is self._pods and self._changed_pods is not None:
+                self._changed_pods.add(key)
+            elif changed and store is self._namespaces:
+                self._changed_pods = None
         if changed:
             self._on_change()
 
     def _replace(self, store: _Store[Parsed], objs: list[Obj]) -> None:
         with self._lock:
-            store.replace(objs)
+            if store.replace(objs) and store is not self._policies:
+                self._changed_pods = None
         self._on_change()
 
     def pod_event(self, kind: str, obj: Obj) -> None:
