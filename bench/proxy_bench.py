@@ -106,8 +106,7 @@ from proxyd.config import load as load_config
 from proxyd.daemon import make_proxier
 from proxyd.iptables import render as iptables_render
 from proxyd.iptables.chains import ServiceChains
-from proxyd.iptables.kernel import BUILTIN_CHAINS, JUMP
-from proxyd.iptables.kernel import Iptables as IptablesKernel
+from proxyd.iptables.kernel import BUILTIN_CHAINS, JUMP, IptablesKernel
 from proxyd.iptables.proxier import NFT_CHAINS_PER_RESTORE
 from proxyd.iptables.restore import RuleSet, Script, partial_script
 from proxyd.metrics import Metrics

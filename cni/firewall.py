@@ -1,8 +1,11 @@
 """Talking to the node's packet filter: iptables in the node's flavour, or nftables.
 
-Rules are written as whole transactions (iptables-restore --noflush, nft -f) rather than
-through python-iptables, which speaks only legacy xtables and appends one rule at a time.
-Every rule carries a tag naming its attachment, so DEL and GC find it without saved state.
+The one place that runs the iptables binaries, for the plugin and for knit-proxyd alike (whose
+proxyd.iptables.kernel builds on Iptables): flavour detection, iptables-restore, iptables-save
+and chain listings, failing with FirewallError. Rules are written as whole transactions
+(iptables-restore --noflush, nft -f) rather than through python-iptables, which speaks only
+legacy xtables and appends one rule at a time. Every rule the plugin writes carries a tag naming
+its attachment, so DEL and GC find it without saved state.
 """
 
 from __future__ import annotations
@@ -57,16 +60,22 @@ def stale_selector(kind: str, network: str, valid: set[tuple[str, str]]) -> Sele
     )
 
 
+class FirewallError(CniError):
+    """An iptables or nft binary is missing or failed (the plugin reports code 103)."""
+
+    def __init__(self, msg: str, details: str = "") -> None:
+        super().__init__(Code.FIREWALL_FAILURE, msg, details)
+
+
 def run(argv: list[str], stdin: str = "") -> str:
+    """The binary's output; FirewallError, with the input as details, when it fails."""
     try:
         proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
     except FileNotFoundError as err:
-        raise CniError(Code.FIREWALL_FAILURE, f"{argv[0]} is not installed") from err
+        raise FirewallError(f"{argv[0]} is not installed") from err
     if proc.returncode != 0:
-        raise CniError(
-            Code.FIREWALL_FAILURE,
-            f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout.strip()}",
-            stdin,
+        raise FirewallError(
+            f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout.strip()}", stdin
         )
     return proc.stdout
 
@@ -118,37 +127,38 @@ def detect_iptables_flavour() -> str:
     return "legacy" if counts["legacy"] > counts["nft"] else "nft"
 
 
-def chain_listing_argv(cmd: str, flavour: str, table: str, chain: str) -> list[str]:
-    """The command that lists one chain's rules (`cmd` is `iptables-nft`, `ip6tables-legacy`,
-    ...). On nft, the chain alone: iptables-nft-save of a nat table kube-proxy filled (160,000
-    rules) takes 4.5 s here, one of its chains a few milliseconds. Legacy xtables hands out whole
-    tables anyway, and its save, unlike `-S`, takes no lock."""
+def _chain_listing_argv(binary: str, flavour: str, table: str, chain: str) -> list[str]:
+    """The command that lists one chain's rules (`binary` is `iptables-nft`,
+    `ip6tables-legacy`, ...). On nft, the chain alone: iptables-nft-save of a nat table
+    kube-proxy filled (160,000 rules) takes 4.5 s here, one of its chains a few milliseconds.
+    Legacy xtables hands out whole tables anyway, and its save, unlike `-S`, takes no lock."""
     if flavour == "legacy":
-        return [f"{cmd}-save", "-t", table]
-    return [cmd, "-w", "5", "-t", table, "-S", chain]
+        return [f"{binary}-save", "-t", table]
+    return [binary, "-w", "5", "-t", table, "-S", chain]
 
 
-def rules_of_chain(listing: str, chain: str) -> list[str]:
-    """The chain's `-A` lines in a listing from chain_listing_argv."""
+def _rules_of_chain(listing: str, chain: str) -> list[str]:
+    """The chain's `-A` lines in a listing from _chain_listing_argv."""
     return [line for line in listing.splitlines() if line.startswith(f"-A {chain} ")]
 
 
-class IPTables:
-    """One address family of iptables in the node's flavour."""
+class Iptables:
+    """One address family of iptables in the node's flavour (detected when not given)."""
 
-    def __init__(self, version: int, flavour: str) -> None:
-        prefix = "iptables" if version == 4 else "ip6tables"
-        self.version = version
-        self.flavour = flavour
-        self.cmd = f"{prefix}-{flavour}"
-        self.restore_cmd = f"{prefix}-{flavour}-restore"
+    def __init__(self, family: int, flavour: str | None = None) -> None:
+        prefix = "iptables" if family == 4 else "ip6tables"
+        self.family = family
+        self.flavour = flavour or detect_iptables_flavour()
+        self.binary = f"{prefix}-{self.flavour}"
+        self.save_binary = f"{prefix}-{self.flavour}-save"
+        self.restore_binary = f"{prefix}-{self.flavour}-restore"
 
     def may_hold_rules(self, table: str) -> bool:
         """False when the table cannot hold rules to remove: this flavour's iptables is not
         installed, or legacy xtables lacks the table (asking for it would create it)."""
-        if shutil.which(self.cmd) is None:
+        if shutil.which(self.binary) is None:
             return False
-        return self.flavour != "legacy" or table in _legacy_tables(self.version)
+        return self.flavour != "legacy" or table in _legacy_tables(self.family)
 
     def chain_reader(self, table: str) -> Callable[[str], list[str]]:
         """For one look at the table: a chain's rules as iptables-save prints them, each
@@ -156,15 +166,22 @@ class IPTables:
         listings: dict[tuple[str, ...], str] = {}
 
         def rules(chain: str) -> list[str]:
-            argv = chain_listing_argv(self.cmd, self.flavour, table, chain)
+            argv = _chain_listing_argv(self.binary, self.flavour, table, chain)
             if tuple(argv) not in listings:
                 listings[tuple(argv)] = run(argv)
-            return rules_of_chain(listings[tuple(argv)], chain)
+            return _rules_of_chain(listings[tuple(argv)], chain)
 
         return rules
 
+    def chain_rules(self, table: str, chain: str) -> list[str]:
+        """One chain's rules as iptables-save prints them."""
+        return self.chain_reader(table)(chain)
+
+    def save(self, table: str) -> str:
+        return run([self.save_binary, "-t", table])
+
     def restore(self, text: str) -> None:
-        run([self.restore_cmd, "--noflush", "-w", "5"], text)
+        run([self.restore_binary, "--noflush", "-w", "5"], text)
 
 
 def nft_apply(script: str) -> None:

@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Callable, Collection, Iterable
 
 from cni.firewall import (
-    IPTables,
+    Iptables,
     Selector,
     Tag,
     detect_iptables_flavour,
@@ -54,7 +54,7 @@ def setup(backend: str, tag: Tag, addresses: Iterable[IPInterface]) -> None:
                 f'-A {chain} ! -d {MULTICAST[version]} -m comment --comment "{tag}" -j MASQUERADE',
                 f'-A POSTROUTING -s {address.ip} -m comment --comment "{tag}" -j {chain}',
             ]
-        IPTables(version, flavour).restore("\n".join([*lines, "COMMIT", ""]))
+        Iptables(version, flavour).restore("\n".join([*lines, "COMMIT", ""]))
 
 
 def _nft_setup(tag: Tag, by_family: dict[int, list[IPInterface]]) -> None:
@@ -89,7 +89,7 @@ def teardown(backends: Iterable[str], select: Selector, families: Collection[int
     if "iptables" in backends and families:
         flavour = detect_iptables_flavour()
         for version in families:
-            iptables = IPTables(version, flavour)
+            iptables = Iptables(version, flavour)
             if iptables.may_hold_rules("nat"):
                 _iptables_teardown(iptables, select)
 
@@ -102,7 +102,7 @@ def present(backend: str, select: Selector, addresses: Collection[IPInterface]) 
         return len(_nft_handles(select)) >= len(addresses)
     flavour = detect_iptables_flavour()
     for version, family_addresses in _by_family(addresses).items():
-        iptables = IPTables(version, flavour)
+        iptables = Iptables(version, flavour)
         if not iptables.may_hold_rules("nat"):
             return False
         chain_rules = iptables.chain_reader("nat")
@@ -144,7 +144,7 @@ def _is_masq(line: str) -> bool:
     return line.endswith(" -j MASQUERADE")
 
 
-def _iptables_teardown(iptables: IPTables, select: Selector) -> None:
+def _iptables_teardown(iptables: Iptables, select: Selector) -> None:
     jumps = _jumps(iptables.chain_reader("nat"), select)
     chains = {_target(line) for line in jumps}
     if jumps:

@@ -22,7 +22,7 @@ from proxyd import gc_pause, watch
 from proxyd.config import MODES, Config, ConfigError, conntrack_sysctls, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
 from proxyd.iptables.chains import owned_by_kube_proxy
-from proxyd.iptables.kernel import Iptables
+from proxyd.iptables.kernel import IptablesKernel
 from proxyd.iptables.proxier import IptablesProxier
 from proxyd.ipvs import netlink as ipvs_netlink
 from proxyd.ipvs.proxier import IpvsProxier
@@ -123,7 +123,7 @@ def _node_network(config: Config) -> NodeNetwork:
         data_dir=config.cni_data_dir,
         cluster_cidrs=config.cluster_cidr,
     )
-    return NodeNetwork(options, [Iptables(family) for family in IP_FAMILIES])
+    return NodeNetwork(options, [IptablesKernel(family) for family in IP_FAMILIES])
 
 
 def cleanup(config: Config) -> None:
@@ -356,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         cleanup(config)
         return 0
     if config.cleanup_kube_proxy:
-        removed = sum(Iptables(family).remove_owned(owned_by_kube_proxy) for family in IP_FAMILIES)
+        removed = sum(
+            IptablesKernel(family).remove_owned(owned_by_kube_proxy) for family in IP_FAMILIES
+        )
         tables = remove_kube_proxy_nft_tables()
         log.info("removed %d chains and %d nftables tables kube-proxy left", removed, tables)
     daemon = Daemon(config)

@@ -1,12 +1,13 @@
-"""Thin layer over the iptables binaries of one family, in the node's flavour."""
+"""The proxy's own chains in the iptables of one family: snapshots of the chains it owns,
+whole and partial restores of its rule sets, and their removal. Running the binaries, the
+flavour and FirewallError come from cni.firewall."""
 
 from __future__ import annotations
 
 import re
-import subprocess
 from collections.abc import Callable, Iterable
 
-from cni.firewall import chain_listing_argv, detect_iptables_flavour, rules_of_chain
+from cni.firewall import Iptables
 from proxyd.iptables.render import TABLES
 from proxyd.iptables.restore import RuleSet, Script, TableSnapshot, full_scripts
 
@@ -14,45 +15,8 @@ BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROU
 JUMP = re.compile(r"(?:^| )-j (\S+)")
 
 
-class RestoreError(RuntimeError):
-    pass
-
-
-class Iptables:
-    def __init__(self, family: int, flavour: str | None = None) -> None:
-        self.family = family
-        self.flavour = flavour or detect_iptables_flavour()
-        prefix = "iptables" if family == 4 else "ip6tables"
-        self.binary = f"{prefix}-{self.flavour}"
-        self.save_binary = f"{prefix}-{self.flavour}-save"
-        self.restore_binary = f"{prefix}-{self.flavour}-restore"
-
-    def restore(self, text: str) -> None:
-        proc = subprocess.run(
-            [self.restore_binary, "--noflush", "-w", "5"],
-            input=text,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise RestoreError(f"{self.restore_binary} failed: {proc.stderr.strip()}")
-
-    def save(self, table: str) -> str:
-        proc = subprocess.run(
-            [self.save_binary, "-t", table], capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0:
-            raise RestoreError(f"{self.save_binary} -t {table} failed: {proc.stderr.strip()}")
-        return proc.stdout
-
-    def chain_rules(self, table: str, chain: str) -> list[str]:
-        """One chain's rules as iptables-save prints them."""
-        argv = chain_listing_argv(self.binary, self.flavour, table, chain)
-        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RestoreError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
-        return rules_of_chain(proc.stdout, chain)
+class IptablesKernel(Iptables):
+    """Iptables, with the chains an owner (a predicate on chain names) holds."""
 
     def snapshot(self, table: str, owned: Callable[[str], bool]) -> TableSnapshot:
         """The owned chains of the table, the jumps from its built-in chains, and those of

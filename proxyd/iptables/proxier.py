@@ -3,8 +3,9 @@ only the difference (or everything, on a full sync) with one iptables-restore pe
 
 from __future__ import annotations
 
+from cni.firewall import FirewallError
 from proxyd.iptables.chains import owned_by_knit
-from proxyd.iptables.kernel import Iptables, RestoreError
+from proxyd.iptables.kernel import IptablesKernel
 from proxyd.iptables.render import TABLES, ServiceRules, render_base, render_service
 from proxyd.iptables.restore import RuleSet, partial_script
 from proxyd.metrics import Metrics, family_label
@@ -34,7 +35,7 @@ class IptablesProxier(Proxier):
         flavour: str | None = None,
     ) -> None:
         super().__init__(options, families, metrics)
-        self.kernel = {family: Iptables(family, flavour) for family in families}
+        self.kernel = {family: IptablesKernel(family, flavour) for family in families}
         self._written: dict[int, RuleSet | None] = dict.fromkeys(families)
         self._counts: dict[int, dict[str, int]] = {f: dict.fromkeys(TABLES, 0) for f in families}
 
@@ -71,7 +72,7 @@ class IptablesProxier(Proxier):
                             counts[t] += _rule_count(rendered, t)
                 scripts = [partial_script(old, new, changed)]
                 kernel.write(scripts)
-        except RestoreError as err:
+        except FirewallError as err:
             raise ProgramError(str(err)) from err
         self._written[family] = new
         self._counts[family] = counts

@@ -17,8 +17,9 @@ from dataclasses import replace
 from pyroute2.ipset import IPSetError
 from pyroute2.netlink.exceptions import NetlinkError
 
+from cni.firewall import FirewallError
 from proxyd.addresses import link_addresses
-from proxyd.iptables.kernel import Iptables, RestoreError
+from proxyd.iptables.kernel import IptablesKernel
 from proxyd.iptables.render import TABLES
 from proxyd.iptables.restore import RuleSet
 from proxyd.ipvs import dummy, names
@@ -32,7 +33,7 @@ from proxyd.model import ServicePortName
 from proxyd.port_plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
 
-KERNEL_ERRORS = (NetlinkError, IPSetError, RestoreError, OSError)
+KERNEL_ERRORS = (NetlinkError, IPSetError, FirewallError, OSError)
 NODE_PORT_SETS = tuple(
     (protocol, (names.NODE_PORTS[protocol].key, names.NODE_PORTS_LOCAL[protocol].key))
     for protocol in names.PROTOCOLS
@@ -70,7 +71,7 @@ class IpvsProxier(Proxier):
         # rules leave 127.0.0.0/8 out.
         super().__init__(replace(options, localhost_nodeports=False), families, metrics)
         self.scheduler = scheduler
-        self.iptables = {family: Iptables(family) for family in families}
+        self.iptables = {family: IptablesKernel(family) for family in families}
         self.ipsets = {family: Ipsets(family) for family in families}
         self._ipvs: IpvsKernel | None = None
         self._servers: dict[int, ServerSync] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from proxyd.iptables.kernel import Iptables
+from proxyd.iptables.kernel import IptablesKernel
 from proxyd.model import family_of
 
 EGRESS_CHAIN = "KNIT-POD-EGRESS"
@@ -46,7 +46,7 @@ def restore_script(rules: list[str], hooked: bool) -> str:
 class Egress:
     """Keeps the egress chain of one family as last rendered, rewriting it only on change."""
 
-    def __init__(self, iptables: Iptables) -> None:
+    def __init__(self, iptables: IptablesKernel) -> None:
         self.iptables = iptables
         self.loaded: list[str] | None = None
 

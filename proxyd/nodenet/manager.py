@@ -15,7 +15,7 @@ from typing import Any
 
 from pyroute2 import IPRoute
 
-from proxyd.iptables.kernel import Iptables
+from proxyd.iptables.kernel import IptablesKernel
 from proxyd.model import InvalidObject
 from proxyd.nodenet import conflist
 from proxyd.nodenet.egress import Egress
@@ -38,7 +38,7 @@ class NodeNetworkOptions:
 
 
 class NodeNetwork:
-    def __init__(self, options: NodeNetworkOptions, iptables: list[Iptables]) -> None:
+    def __init__(self, options: NodeNetworkOptions, iptables: list[IptablesKernel]) -> None:
         self.options = options
         self.egress = [Egress(table) for table in iptables]
         self.nodes: dict[str, NodeNet] = {}

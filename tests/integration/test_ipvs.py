@@ -20,7 +20,7 @@ import pytest
 
 from deploy.lab.netns import Netns
 from proxyd import proxier as proxier_module
-from proxyd.iptables.kernel import Iptables
+from proxyd.iptables.kernel import IptablesKernel
 from proxyd.iptables.restore import RuleSet
 from proxyd.ipvs import dummy, names
 from proxyd.ipvs import proxier as ipvs_proxier
@@ -105,7 +105,7 @@ def test_rules_load_and_read_back(make_netns: Callable[[str], Netns], flavour: s
         )
         with ns.entered():
             Ipsets(family).ensure()
-            kernel = Iptables(family, flavour)
+            kernel = IptablesKernel(family, flavour)
             for _ in range(2):
                 kernel.write_full(RuleSet(render(ctx)), names.owned_chain)
             nat, filt = kernel.save("nat"), kernel.save("filter")
@@ -122,10 +122,10 @@ def test_rules_load_and_read_back(make_netns: Callable[[str], Netns], flavour: s
         assert f"--match-set {prefix}-LOAD-BALANCER-SOURCE-CIDR dst,dst,src -j RETURN" in filt
         assert filt.count(f"-j {names.NO_ENDPOINTS}") == 2
         with ns.entered():
-            assert Iptables(family, flavour).remove_owned(names.owned_chain) == len(
+            assert IptablesKernel(family, flavour).remove_owned(names.owned_chain) == len(
                 render(ctx).chains
             )
-            assert names.CHAIN_PREFIX not in Iptables(family, flavour).save("nat")
+            assert names.CHAIN_PREFIX not in IptablesKernel(family, flavour).save("nat")
 
 
 @pytest.fixture
@@ -171,7 +171,7 @@ def test_proxier_syncs_sets_servers_and_rules(
         plans = {NAME: plan_port(PORT, (POD,), ctx), other: plan_port(dns, (), ctx)}
         assert proxier._program(ctx, plans, set(plans), full=True)
         saved = ipset_save(ns)
-        rules = Iptables(4, proxier.iptables[4].flavour).save("nat")
+        rules = IptablesKernel(4, proxier.iptables[4].flavour).save("nat")
     servers = IpvsKernel(fake_kernel).services(4)
     assert set(servers) == {
         Frontend("10.96.0.10", "TCP", 80),
@@ -221,7 +221,7 @@ def test_proxier_syncs_sets_servers_and_rules(
         assert fake_kernel.services
         assert fresh.cleanup() > 0
         assert "KNIT" not in ipset_save(ns)
-        assert names.CHAIN_PREFIX not in Iptables(4, fresh.iptables[4].flavour).save("nat")
+        assert names.CHAIN_PREFIX not in IptablesKernel(4, fresh.iptables[4].flavour).save("nat")
     assert fake_kernel.services == {}, "cleanup removes the virtual servers"
 
 
