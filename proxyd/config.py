@@ -37,7 +37,7 @@ class Config:
     hostname_override: str = ""
     proxy_mode: str = "iptables"
     cluster_cidr: tuple[str, ...] = ()
-    nodeport_addresses: tuple[str, ...] = ()
+    nodeport_address_cidrs: tuple[str, ...] = ()
     masquerade_all: bool = False
     masquerade_bit: int = 14
     localhost_nodeports: bool = True
@@ -117,7 +117,7 @@ def _from_file(path: str) -> dict[str, Any]:
         "hostname_override": doc.get("hostnameOverride"),
         "proxy_mode": doc.get("mode") or None,
         "cluster_cidr": _split(doc["clusterCIDR"]) if doc.get("clusterCIDR") else None,
-        "nodeport_addresses": doc.get("nodePortAddresses"),
+        "nodeport_address_cidrs": doc.get("nodePortAddresses"),
         "masquerade_all": masquerade.get("masqueradeAll"),
         "masquerade_bit": masquerade.get("masqueradeBit"),
         "localhost_nodeports": iptables.get("localhostNodePorts"),
@@ -150,6 +150,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--nodeport-addresses",
+        dest="nodeport_address_cidrs",
         help="CIDRs (or 'primary') of the node addresses "
         "NodePorts answer on; default all local addresses",
     )
@@ -253,11 +254,11 @@ def load(argv: list[str] | None = None) -> Config:
             values[field.name] = flags[field.name]
     if isinstance(values.get("cluster_cidr"), str):
         values["cluster_cidr"] = _split(values["cluster_cidr"])
-    if isinstance(values.get("nodeport_addresses"), str):
-        values["nodeport_addresses"] = _split(values["nodeport_addresses"])
+    if isinstance(values.get("nodeport_address_cidrs"), str):
+        values["nodeport_address_cidrs"] = _split(values["nodeport_address_cidrs"])
     values["cluster_cidr"] = _cidrs(values.get("cluster_cidr", ()), "--cluster-cidr")
-    values["nodeport_addresses"] = _cidrs(
-        values.get("nodeport_addresses", ()), "--nodeport-addresses", allow_primary=True
+    values["nodeport_address_cidrs"] = _cidrs(
+        values.get("nodeport_address_cidrs", ()), "--nodeport-addresses", allow_primary=True
     )
     for name in ("min_sync_period", "sync_period", *CONNTRACK_TIMEOUTS):
         if name in values:

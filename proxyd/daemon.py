@@ -99,7 +99,7 @@ def _options(config: Config) -> ProxyOptions:
         cluster_cidrs=config.cluster_cidr,
         masquerade_all=config.masquerade_all,
         masquerade_bit=config.masquerade_bit,
-        nodeport_addresses=config.nodeport_addresses,
+        nodeport_address_cidrs=config.nodeport_address_cidrs,
         localhost_nodeports=config.localhost_nodeports,
         drop_invalid=not config.conntrack_tcp_be_liberal,
     )

@@ -31,7 +31,7 @@ class ProxyOptions:
     cluster_cidrs: tuple[str, ...] = ()
     masquerade_all: bool = False
     masquerade_bit: int = 14
-    nodeport_addresses: tuple[str, ...] = ()
+    nodeport_address_cidrs: tuple[str, ...] = ()
     localhost_nodeports: bool = True
     drop_invalid: bool = True
     """Drop forwarded packets conntrack marks INVALID (off with --conntrack-tcp-be-liberal,
@@ -101,7 +101,7 @@ class Proxier(ABC):
     def context(self, family: int, node: NodeInfo) -> FamilyContext:
         cidr = next((c for c in self.options.cluster_cidrs if family_of(c) == family), "")
         selected = nodeport_addresses(
-            self.options.nodeport_addresses, family, node, lambda: self.link_addresses(family)
+            self.options.nodeport_address_cidrs, family, node, lambda: self.link_addresses(family)
         )
         return FamilyContext(
             family=family,

@@ -231,7 +231,7 @@ def test_a_sync_reads_the_nodes_addresses_once(
     """A full sync with NodePort addresses chosen by CIDR and a UDP NodePort to clean up after
     needs the node's addresses three times (the CIDR's, the NodePorts' and the dummy's, the
     clean-up's): one dump gives them all; the next sync dumps afresh."""
-    options = dataclasses.replace(OPTIONS, nodeport_addresses=("192.0.2.0/24",))
+    options = dataclasses.replace(OPTIONS, nodeport_address_cidrs=("192.0.2.0/24",))
     dns = ServicePort(
         name=ServicePortName("ns", "dns", "dns", "UDP"),
         cluster_ips=("10.96.0.53",),
