@@ -142,7 +142,6 @@ def _policy_enforcer(config: Config, metrics: Metrics) -> PolicyEnforcer:
     return PolicyEnforcer(
         _node_name(config),
         IP_FAMILIES,
-        config.min_sync_period,
         config.sync_period,
         metrics,
         config.network_policy_log_rate,

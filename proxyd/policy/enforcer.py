@@ -3,8 +3,10 @@ policy enforcement that talks to the kernel.
 
 The first sync, and the first after a failure, writes the whole table in one transaction;
 the others change only what differs from what was last written (set and map elements, the
-chains of pods whose rules changed). Syncs run on their own thread with their own rate limit,
-so a policy change never waits for a proxy sync, nor the reverse.
+chains of pods whose rules changed). Syncs run on their own thread, so a policy change never
+waits for a proxy sync, nor the reverse, and without the proxy's --min-sync-period: a sync
+costs what changed (about a millisecond for a pod's change), and the changes that arrive
+while one runs are taken together by the next.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ class PolicyEnforcer:
         self,
         node_name: str,
         families: Iterable[int],
-        min_sync_period: float,
         sync_period: float,
         metrics: Metrics,
         log_rate: int = 0,
@@ -45,7 +46,7 @@ class PolicyEnforcer:
         self.families = tuple(families)
         self.metrics = metrics
         self.denial_log = DenialLog(self.describe) if log_rate else None
-        self.runner = BoundedFrequencyRunner(self.sync, min_sync_period, sync_period)
+        self.runner = BoundedFrequencyRunner(self.sync, 0.0, sync_period)
         self.state = PolicyState(node_name, on_change=self.runner.run)
         self._nft = {family: Nft(family, TABLE) for family in self.families}
         self._renderers = {family: Renderer(family, log_rate) for family in self.families}
