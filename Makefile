@@ -12,7 +12,7 @@ APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-
 	python3 python3-venv curl ca-certificates unzip git openssl \
 	shellcheck debootstrap containerd runc
 
-.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit fuzz bench-cni bench-proxy bench-netlink lab lab-down \
+.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit fuzz bench-cni bench-proxy bench-netlink bench-policy lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
 
 setup: system-deps venv
@@ -93,6 +93,10 @@ controlplane-down:
 
 bench-cni: setup cni go-tools
 	cd $(ROOT) && $(PY) -m bench.cni_bench $(ARGS)
+
+# NetworkPolicy at 1,000 and 10,000 pods with 1,000 policies (~10 min)
+bench-policy: setup go-tools
+	cd $(ROOT) && $(PY) -m bench.policy_bench $(ARGS)
 
 # the daemon's address and UDP conntrack reads and VXLAN peers, against the old ways (~2 min)
 bench-netlink: setup

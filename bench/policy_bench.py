@@ -1,0 +1,454 @@
+"""knit-proxyd's NetworkPolicy at scale, each figure beside an anchor measured in the same run.
+
+A real etcd + kube-apiserver on host loopback; one node namespace running knit-proxyd (the
+tests' flags), with three real pods attached by libcni: a client, a server that policies
+select and a server no policy selects. Around them, simulated pods (Pod objects with
+addresses, on other nodes) in 100 namespaces, and policies selecting pods by label with
+peers by namespace and pod selectors and ports by number and name, some of them selecting
+the local server. The pods are created in steps (--pods, default 1,000 then 10,000) and at
+each step it measures:
+
+- the time from a pod's label change in the API to its address being in (or out of) a peer
+  set in the kernel, and from a policy's creation (or deletion) to its set being in (or out
+  of) the table: PATCH/POST/DELETE returned to a poll from a thread in the node namespace
+  seeing it (a libnftables `get element` or the table's set names, each well under 1 ms);
+- at the last step: the policy's full sync at the daemon's start (its own metric: compile
+  and transaction) against a bare `nft -f` of exactly the tables it wrote, into a fresh
+  namespace; the daemon's resident memory with policy enforcement on against off, for the
+  same objects; and TCP connections per second (sequential connect + reset) from the client
+  to the selected server against the server no policy selects, alternating, paired.
+
+`--json FILE` writes every figure with its command, commit and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from bench.proxy_bench import CLIENT_LOOP, SERVER, in_netns, revision
+from deploy.lab.cluster import Cluster, LabNode, LabPod
+from deploy.lab.controlplane import ControlPlane, start
+from deploy.lab.kube import Kube, pod_object, pod_status
+from deploy.lab.netns import Netns, unique_name
+from deploy.lab.process import eventually, in_ns
+from proxyd.nftables.kernel import Nft, NftError
+from proxyd.policy.render import TABLE
+
+NAMESPACES = 100
+SIZES = (1_000, 10_000)
+POLICIES = 1_000
+SAMPLES = 20
+CONNECTION_PORT = 8080
+LATENCY_GOAL = 0.020
+FULL_SYNC_GOAL = 1.5
+CONNECTION_GOAL = 0.95
+SELECTED_NAMESPACE = "bench-0"
+T = TypeVar("T")
+
+
+@dataclass
+class Figure:
+    step: str
+    figure: str
+    knit: str
+    anchor: str
+    ratio: str
+    goal: str
+
+
+def goal(text: str, met: bool) -> str:
+    return f"{text}: {'met' if met else 'NOT met'}"
+
+
+def namespace_name(index: int) -> str:
+    return f"bench-{index}"
+
+
+def simulated_address(index: int) -> str:
+    return str(ipaddress.IPv4Address("10.200.0.0") + index)
+
+
+def policy_spec(index: int) -> dict[str, Any]:
+    return {
+        "podSelector": {"matchLabels": {"app": f"a{index % 20}"}},
+        "ingress": [
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {"matchLabels": {"team": f"t{index % 10}"}},
+                        "podSelector": {"matchLabels": {"tier": f"t{index % 5}"}},
+                    }
+                ],
+                "ports": [{"port": CONNECTION_PORT}, {"port": "web"}],
+            }
+        ],
+    }
+
+
+class PolicyBench:
+    def __init__(self, cluster: Cluster, node: LabNode) -> None:
+        self.cluster = cluster
+        self.kube: Kube = cluster.kube
+        self.node = node
+        self.figures: list[Figure] = []
+        self.pods = 0
+
+    # ------------------------------------------------------------ objects
+    def bulk(self, calls: list[Callable[[], Any]]) -> None:
+        with ThreadPoolExecutor(16) as pool:
+            for future in [pool.submit(call) for call in calls]:
+                future.result()
+
+    def make_namespaces(self) -> None:
+        def one(index: int) -> None:
+            name = namespace_name(index)
+            labels = {"team": f"t{index % 10}"}
+            self.kube.create("/api/v1/namespaces", {"metadata": {"name": name, "labels": labels}})
+            self.kube.create(
+                f"/api/v1/namespaces/{name}/serviceaccounts", {"metadata": {"name": "default"}}
+            )
+
+        self.bulk([lambda i=i: one(i) for i in range(NAMESPACES)])
+
+    def register(self, pod: LabPod, namespace: str, labels: dict[str, str]) -> None:
+        """The Pod object of a real pod: what kubelet would report."""
+        path = f"/api/v1/namespaces/{namespace}/pods"
+        ports = [("web", CONNECTION_PORT, "TCP")]
+        self.kube.create(path, pod_object(pod.name, self.node.name, labels, ports))
+        self.set_status(namespace, pod.name, pod.addresses)
+
+    def set_status(self, namespace: str, name: str, addresses: tuple[str, ...]) -> None:
+        self.kube.call(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+            pod_status(addresses),
+            "application/merge-patch+json",
+        )
+
+    def grow_pods(self, total: int) -> None:
+        def one(index: int) -> None:
+            namespace, name = namespace_name(index % NAMESPACES), f"sim-{index}"
+            labels = {"app": f"a{index % 20}", "tier": f"t{index // NAMESPACES % 5}"}
+            node = f"peer-{index % 100}"
+            self.kube.create(
+                f"/api/v1/namespaces/{namespace}/pods",
+                pod_object(name, node, labels, [("web", CONNECTION_PORT, "TCP")]),
+            )
+            self.set_status(namespace, name, (simulated_address(index),))
+
+        self.bulk([lambda i=i: one(i) for i in range(self.pods, total)])
+        self.pods = total
+
+    def make_policies(self) -> None:
+        def one(index: int) -> None:
+            path = f"/apis/networking.k8s.io/v1/namespaces/{namespace_name(index % NAMESPACES)}"
+            self.kube.create(
+                f"{path}/networkpolicies",
+                {"metadata": {"name": f"policy-{index}"}, "spec": policy_spec(index)},
+            )
+
+        self.bulk([lambda i=i: one(i) for i in range(POLICIES)])
+
+    # ------------------------------------------------------------ the kernel, from the node
+    def in_node(self, fn: Callable[[], T]) -> T:
+        """fn's result, run in a thread that entered the node's network namespace."""
+        return in_netns(Netns(self.node.ns), fn)
+
+    def wait_for(self, check: Callable[[Nft], bool], timeout: float = 30.0) -> float:
+        """Seconds until check(nft) holds, polled from the node namespace."""
+
+        def poll() -> float:
+            nft = Nft(4, TABLE)
+            began = time.monotonic()
+            while not check(nft):
+                if time.monotonic() - began > timeout:
+                    raise TimeoutError("the change did not reach the kernel")
+                time.sleep(0.0005)
+            return time.monotonic() - began
+
+        return self.in_node(poll)
+
+    # ------------------------------------------------------------ measurements
+    def label_change_latency(self, step: str, client_set: str) -> None:
+        """A simulated pod of the selected namespace moves in and out of the client's peer
+        set by its tier label."""
+        namespace = SELECTED_NAMESPACE
+        index = NAMESPACES  # in the selected namespace, of tier t1
+        name, address = f"sim-{index}", simulated_address(index)
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+
+        def member(nft: Nft) -> bool:
+            try:
+                nft.run(f"get element ip {TABLE} {client_set} {{ {address} }}")
+            except NftError:
+                return False
+            return True
+
+        samples = []
+        for turn in range(SAMPLES):
+            joins = turn % 2 == 0
+            tier = "t0" if joins else "t1"
+            self.kube.patch(path, {"metadata": {"labels": {"tier": tier}}})
+            samples.append(self.wait_for(lambda nft, j=joins: member(nft) == j))
+        self.add_latency(step, "pod label change -> peer set element in the kernel", samples)
+
+    def policy_change_latency(self, step: str) -> None:
+        """A policy with a peer block of its own is created and deleted again."""
+        collection = f"/apis/networking.k8s.io/v1/namespaces/{SELECTED_NAMESPACE}/networkpolicies"
+        sets_before = self.in_node(lambda: Nft(4, TABLE).sets())
+        samples = []
+        for turn in range(SAMPLES):
+            name = f"change-{turn}"
+            spec = {
+                "podSelector": {"matchLabels": {"app": "a0"}},
+                "ingress": [{"from": [{"ipBlock": {"cidr": f"192.0.2.{turn}/32"}}]}],
+            }
+            self.kube.create(collection, {"metadata": {"name": name}, "spec": spec})
+            samples.append(self.wait_for(lambda nft: len(nft.sets()) > len(sets_before)))
+            self.kube.delete(f"{collection}/{name}")
+            samples.append(self.wait_for(lambda nft: len(nft.sets()) == len(sets_before)))
+        self.add_latency(
+            step, "policy created or deleted -> its set in or out of the kernel", samples
+        )
+
+    def add_latency(self, step: str, figure: str, samples: list[float]) -> None:
+        median = statistics.median(samples)
+        self.figures.append(
+            Figure(
+                step,
+                f"{figure} (min/median/max of {len(samples)})",
+                f"{min(samples) * 1000:.1f}/{median * 1000:.1f}/{max(samples) * 1000:.1f} ms",
+                "",
+                "",
+                goal(f"median <= {LATENCY_GOAL * 1000:.0f} ms", median <= LATENCY_GOAL),
+            )
+        )
+
+    def full_sync(self, step: str) -> None:
+        """The daemon restarted over every object: its first policy sync against a bare
+        `nft -f` of the tables it wrote."""
+        self.cluster.stop_daemon(self.node)
+        self.in_node(lambda: [Nft(family, TABLE).delete_table() for family in (4, 6)])
+        self.cluster.start_daemon(self.node)
+        count = eventually(
+            lambda: self.metric("knit_network_policy_sync_duration_seconds_count") >= 1,
+            120,
+            what="the first policy sync",
+        )
+        assert count
+        seconds = self.metric("knit_network_policy_sync_duration_seconds_sum")
+        tables = "".join(
+            in_ns(self.node.ns, "nft", "list", "table", family, TABLE) for family in ("ip", "ip6")
+        )
+        bare_ns = unique_name("bare")
+        subprocess.run(["ip", "netns", "add", bare_ns], check=True)
+        try:
+            began = time.monotonic()
+            subprocess.run(
+                ["ip", "netns", "exec", bare_ns, "nft", "-f", "-"],
+                input=tables,
+                text=True,
+                check=True,
+            )
+            bare = time.monotonic() - began
+        finally:
+            subprocess.run(["ip", "netns", "del", bare_ns], check=True)
+        ratio = seconds / bare
+        self.figures.append(
+            Figure(
+                step,
+                "policy full sync at start (compile and transaction, both families)",
+                f"{seconds * 1000:.0f} ms",
+                f"bare nft -f of the same tables {bare * 1000:.0f} ms",
+                f"{ratio:.2f}x",
+                goal(f"<= {FULL_SYNC_GOAL}x", ratio <= FULL_SYNC_GOAL),
+            )
+        )
+
+    def metric(self, name: str) -> float:
+        url = "http://127.0.0.1:10249/metrics"
+        text = in_ns(
+            self.node.ns, sys.executable, "-c",
+            f"import urllib.request as u; print(u.urlopen({url!r}).read().decode())",
+        )  # fmt: skip
+        return sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+        )
+
+    def rss_mib(self) -> float:
+        status = Path(f"/proc/{self.node.daemon}/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+        return kib / 1024
+
+    def memory(self, step: str) -> None:
+        on = self.rss_mib()
+        self.cluster.stop_daemon(self.node)
+        self.cluster.start_daemon(self.node, "--network-policy=false")
+        time.sleep(10)
+        off = self.rss_mib()
+        self.cluster.stop_daemon(self.node)
+        self.cluster.start_daemon(self.node)
+        self.figures.append(
+            Figure(
+                step,
+                "daemon resident memory, policy on (after its first sync)",
+                f"{on:.0f} MiB",
+                f"policy off {off:.0f} MiB",
+                f"+{on - off:.0f} MiB",
+                "",
+            )
+        )
+
+    def connection_rate(self, step: str, client: LabPod, selected: LabPod, open_: LabPod) -> None:
+        seconds, repeats = 2.0, 7
+        rates: dict[str, list[float]] = {"selected": [], "open": []}
+        targets = {"selected": selected.address(4), "open": open_.address(4)}
+        for turn in range(repeats):
+            order = ["selected", "open"] if turn % 2 == 0 else ["open", "selected"]
+            for kind in order:
+                out = in_ns(
+                    client.ns, sys.executable, "-c", CLIENT_LOOP,
+                    targets[kind], str(CONNECTION_PORT), str(seconds),
+                )  # fmt: skip
+                rates[kind].append(float(out))
+        share = statistics.median(
+            a / b for a, b in zip(rates["selected"], rates["open"], strict=True)
+        )
+        spread = {
+            k: f"{min(v):.0f}/{statistics.median(v):.0f}/{max(v):.0f}/s" for k, v in rates.items()
+        }
+        self.figures.append(
+            Figure(
+                step,
+                f"TCP connections/s to a pod policies select (min/median/max of {repeats} x 2 s)",
+                spread["selected"],
+                f"to a pod no policy selects {spread['open']}",
+                f"{share:.2f}x",
+                goal(f">= {CONNECTION_GOAL}x", share >= CONNECTION_GOAL),
+            )
+        )
+
+
+def serve_connections(cluster: Cluster, pod: LabPod) -> None:
+    cluster.spawn(
+        ["ip", "netns", "exec", pod.ns, sys.executable, "-c", SERVER, str(CONNECTION_PORT)],
+        cluster.folder / f"{pod.name}-server.log",
+    )
+    eventually(
+        lambda: f":{CONNECTION_PORT} " in in_ns(pod.ns, "ss", "-ltnH"),
+        what=f"the connection server in {pod.name}",
+    )
+
+
+def client_peer_set(bench: PolicyBench, client: LabPod) -> str:
+    """The peer set holding the client's address (every policy selecting the server names it)."""
+
+    def find() -> str:
+        nft = Nft(4, TABLE)
+        for name in sorted(nft.sets()):
+            if name.startswith("peers-"):
+                try:
+                    nft.run(f"get element ip {TABLE} {name} {{ {client.address(4)} }}")
+                except NftError:
+                    continue
+                return name
+        return ""
+
+    found: str = eventually(lambda: bench.in_node(find), 120, what="the client's peer set")
+    return found
+
+
+def run(options: argparse.Namespace, folder: Path) -> list[Figure]:
+    plane: ControlPlane = start(folder / "controlplane")
+    bundle = folder / "cni-bundle"
+    subprocess.run([sys.executable, "-m", "cni.bundle", "--output", str(bundle)], check=True)
+    cluster = Cluster(unique_name("pb"), folder / "lab", plane, bundle)
+    try:
+        lan = cluster.add_segment("lan", "10.79.1.0/24", "fd79:1::/64")
+        node = cluster.add_node("a", lan, 11, ("10.244.1.0/24", "fd10:244:0:1::/64"))
+        bench = PolicyBench(cluster, node)
+        bench.make_namespaces()
+        client = cluster.add_pod(node, unique_name("client"))
+        selected = cluster.add_pod(node, unique_name("selected"))
+        open_ = cluster.add_pod(node, unique_name("open"))
+        bench.register(client, SELECTED_NAMESPACE, {"app": "client", "tier": "t0"})
+        bench.register(selected, SELECTED_NAMESPACE, {"app": "a0", "tier": "t9"})
+        cluster.kube.create("/api/v1/namespaces", {"metadata": {"name": "bench-open"}})
+        cluster.kube.create(
+            "/api/v1/namespaces/bench-open/serviceaccounts", {"metadata": {"name": "default"}}
+        )
+        bench.register(open_, "bench-open", {"app": "open"})
+        for pod in (selected, open_):
+            serve_connections(cluster, pod)
+        bench.make_policies()
+        for size in options.pods:
+            began = time.monotonic()
+            bench.grow_pods(size)
+            step = f"{size:,} pods, {POLICIES:,} policies"
+            print(f"{step}: objects made in {time.monotonic() - began:.0f} s", flush=True)
+            client_set = client_peer_set(bench, client)
+            bench.label_change_latency(step, client_set)
+            bench.policy_change_latency(step)
+        bench.full_sync(step)
+        bench.memory(step)
+        client_peer_set(bench, client)
+        bench.connection_rate(step, client, selected, open_)
+        return bench.figures
+    finally:
+        cluster.down()
+        plane.stop()
+
+
+def table(figures: list[Figure]) -> str:
+    lines = [
+        "| step | figure | knit | anchor | ratio | goal |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {f.step} | {f.figure} | {f.knit} | {f.anchor} | {f.ratio} | {f.goal} |" for f in figures
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--pods", type=lambda text: [int(n) for n in text.split(",")], default=list(SIZES),
+        help="pod counts to measure at, in growing order (default 1000,10000)",
+    )  # fmt: skip
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    options = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="policy-bench-"))
+    try:
+        figures = run(options, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(table(figures))
+    if options.json:
+        record = {
+            "command": " ".join(["python -m bench.policy_bench", *sys.argv[1:]]),
+            "commit": revision(),
+            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
+            "date": time.strftime("%Y-%m-%d"),
+            "figures": [asdict(figure) for figure in figures],
+        }
+        options.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
