@@ -33,6 +33,7 @@ from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
 from proxyd.policy.enforcer import PolicyEnforcer
+from proxyd.policy.model import pod_essentials
 from proxyd.proxier import ProgramError, Proxier, ProxyOptions
 from proxyd.runner import BoundedFrequencyRunner
 from proxyd.tracker import ClusterState
@@ -257,7 +258,9 @@ class Daemon:
     def _policy_reflectors(self, api: client.ApiClient) -> list[watch.Reflector]:
         state = self.policy.state
         return [
-            watch.Reflector(api, watch.pods(), state.replace_pods, state.pod_event, self.stop),
+            watch.Reflector(
+                api, watch.pods(pod_essentials), state.replace_pods, state.pod_event, self.stop
+            ),
             watch.Reflector(
                 api,
                 watch.namespaces(),

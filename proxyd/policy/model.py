@@ -311,6 +311,30 @@ def _named_ports(spec: dict[str, Any]) -> dict[tuple[str, str], int]:
     return ports
 
 
+def pod_essentials(obj: Obj) -> Obj:
+    """The parts of a Pod object parse_pod reads; the rest (managedFields, most of the spec
+    and status) is dropped as a list's pages arrive."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    if not isinstance(meta, dict) or not isinstance(spec, dict) or not isinstance(status, dict):
+        return obj
+    containers = {
+        key: [{"ports": c.get("ports")} if isinstance(c, dict) else c for c in spec.get(key) or []]
+        for key in ("containers", "initContainers")
+        if isinstance(spec.get(key), list)
+    }
+    return {
+        "metadata": {key: meta.get(key) for key in ("namespace", "name", "labels")},
+        "spec": {
+            "nodeName": spec.get("nodeName"),
+            "hostNetwork": spec.get("hostNetwork"),
+            **containers,
+        },
+        "status": {"phase": status.get("phase"), "podIPs": status.get("podIPs")},
+    }
+
+
 def parse_pod(obj: Obj) -> Pod | None:
     """The pod as policies see it; None for pods that take no part (host network, finished,
     without an address yet)."""

@@ -16,6 +16,7 @@ from proxyd.policy.model import (
     parse_pod,
     parse_policy,
     parse_selector,
+    pod_essentials,
 )
 
 
@@ -134,3 +135,29 @@ def test_pods_outside_policy_scope_are_left_out() -> None:
     assert parse_pod({**base, "status": {}}) is None
     with pytest.raises(InvalidObject):
         parse_pod({**base, "status": {"podIPs": [{"ip": "nope"}]}})
+
+
+def test_a_pod_trimmed_as_its_list_page_arrives_parses_the_same() -> None:
+    full = {
+        "metadata": {
+            "namespace": "ns",
+            "name": "web-0",
+            "labels": {"app": "web"},
+            "managedFields": [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}] * 20,
+            "annotations": {"a": "b" * 1000},
+        },
+        "spec": {
+            "nodeName": "n1",
+            "volumes": [{"name": "v"}] * 10,
+            "containers": [
+                {"name": "c", "image": "x", "ports": [{"name": "web", "containerPort": 80}]}
+            ],
+            "initContainers": [
+                {"name": "i", "ports": [{"name": "dns", "containerPort": 53, "protocol": "UDP"}]}
+            ],
+        },
+        "status": {"phase": "Running", "podIPs": [{"ip": "10.0.0.1"}], "conditions": [{}] * 5},
+    }
+    trimmed = pod_essentials(full)
+    assert parse_pod(trimmed) == parse_pod(full) is not None
+    assert "managedFields" not in trimmed["metadata"] and "volumes" not in trimmed["spec"]
