@@ -16,6 +16,7 @@ become a set of (peer address . protocol . port) elements.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import ipaddress
@@ -175,21 +176,22 @@ class _PeerSet:
                 return True
         return False
 
-    def candidates(self, cluster: Cluster, by_namespace: Mapping[str, list[Pod]]) -> list[Pod]:
-        """The pods that may be members: those of the namespaces the peers may select, or
-        every pod when a block may hold any."""
-        if self.blocks:
-            return list(cluster.pods.values())
+    def candidates(self, namespaces: Mapping[str, Namespace], index: _PodIndex) -> list[Pod]:
+        """The pods that may be members: those inside the blocks, and those of the
+        namespaces the pod peers may select."""
         names: set[str] = set()
         for peer in self.peers:
+            if peer.block is not None:
+                continue
             if peer.namespaces is None:
                 names.add(self.namespace)
             else:
                 selector = peer.namespaces
-                names.update(
-                    n for n, ns in cluster.namespaces.items() if selector.matches(ns.labels)
-                )
-        return [pod for name in sorted(names) for pod in by_namespace.get(name, [])]
+                names.update(n for n, ns in namespaces.items() if selector.matches(ns.labels))
+        found = {(pod.namespace, pod.name): pod for pod in index.inside(self.blocks)}
+        for name in names:
+            found.update(index.by_namespace.get(name, {}))
+        return list(found.values())
 
     def add(self, key: PodKey, pod: Pod, value: int) -> None:
         self.members[key] = (pod, value)
@@ -221,6 +223,49 @@ class _PeerSet:
         return self.named_ports[key]
 
 
+class _PodIndex:
+    """The pods by namespace and, for one family, by address, kept from compile to compile
+    and changed pod by pod, so that a new peer set finds its candidates without going over
+    every pod."""
+
+    def __init__(self, family: int) -> None:
+        self.family = family
+        self.by_namespace: dict[str, dict[PodKey, Pod]] = {}
+        self._by_address: list[tuple[int, str, str]] = []
+        """(address, namespace, name), sorted."""
+        self._held: dict[PodKey, Pod] = {}
+
+    def rebuild(self, pods: Mapping[PodKey, Pod]) -> None:
+        self.by_namespace, self._by_address, self._held = {}, [], dict(pods)
+        for key, pod in pods.items():
+            self.by_namespace.setdefault(pod.namespace, {})[key] = pod
+            if (address := _address(pod, self.family)) is not None:
+                self._by_address.append((address[1], *key))
+        self._by_address.sort()
+
+    def change(self, key: PodKey, pod: Pod | None) -> None:
+        old = self._held.pop(key, None)
+        if old is not None:
+            del self.by_namespace[old.namespace][key]
+            if (address := _address(old, self.family)) is not None:
+                del self._by_address[bisect.bisect_left(self._by_address, (address[1], *key))]
+        if pod is not None:
+            self._held[key] = pod
+            self.by_namespace.setdefault(pod.namespace, {})[key] = pod
+            if (address := _address(pod, self.family)) is not None:
+                bisect.insort(self._by_address, (address[1], *key))
+
+    def inside(self, intervals: Iterable[Interval]) -> list[Pod]:
+        found = []
+        for first, last in intervals:
+            at = bisect.bisect_left(self._by_address, (first, "", ""))
+            while at < len(self._by_address) and self._by_address[at][0] <= last:
+                _, namespace, name = self._by_address[at]
+                found.append(self._held[(namespace, name)])
+                at += 1
+        return found
+
+
 class FamilyCompiler:
     """Compiles one family's policy. The peer sets of one compile are kept for the next,
     which re-examines only the pods that changed (`changed_pods`; None: everything may have,
@@ -238,13 +283,17 @@ class FamilyCompiler:
         """The last compile's pods of this node."""
         self._last: FamilyPolicy | None = None
         self._last_policies: tuple[NetworkPolicy, ...] = ()
+        self.index = _PodIndex(family)
 
     def compile(self, cluster: Cluster, changed_pods: Iterable[PodKey] | None) -> FamilyPolicy:
         if changed_pods is None:
             self._peer_sets.clear()
             self._last = None
+            self.index.rebuild(cluster.pods)
         else:
             changed = set(changed_pods)
+            for key in changed:
+                self.index.change(key, cluster.pods.get(key))
             self._update(cluster, changed)
             if self._last is not None and self._chains_hold(cluster, changed):
                 self._last = self._refreshed(self._last, cluster, bool(changed))
@@ -310,7 +359,7 @@ class FamilyCompiler:
                 for interval in _intervals(peer.block, self.family)
             )
             entry = _PeerSet(f"peers-{short_hash(repr(key))}", key[0], peers, blocks)
-            for pod in entry.candidates(cluster, run.by_namespace()):
+            for pod in entry.candidates(cluster.namespaces, self.index):
                 address = _address(pod, self.family)
                 if address is not None and entry.selects(pod, address[1], cluster.namespaces):
                     entry.add((pod.namespace, pod.name), pod, address[1])
@@ -332,14 +381,6 @@ class _Run:
         self.family = compiler.family
         self.out = FamilyPolicy()
         self.used: set[tuple[str, tuple[Peer, ...]]] = set()
-        self._by_namespace: dict[str, list[Pod]] | None = None
-
-    def by_namespace(self) -> dict[str, list[Pod]]:
-        if self._by_namespace is None:
-            self._by_namespace = {}
-            for pod in self.cluster.pods.values():
-                self._by_namespace.setdefault(pod.namespace, []).append(pod)
-        return self._by_namespace
 
     def allows(self, policy: NetworkPolicy, direction: str, rule: Rule, pod: Pod) -> list[Allow]:
         entry = None

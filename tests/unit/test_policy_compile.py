@@ -134,8 +134,9 @@ def test_removing_the_last_policy_removes_its_chains_after_their_map_elements() 
 
 
 def test_a_kept_compile_after_pod_changes_equals_a_fresh_one() -> None:
-    """Pods come, go, change labels and addresses; the compiler that kept its peer sets and
-    re-examined only the changed pods gives what a fresh compile gives."""
+    """Pods come, go, change labels and addresses, policies come; the compiler that kept its
+    peer sets and pod index and re-examined only the changed pods gives what a fresh compile
+    gives."""
     rng = random.Random(7)
     specs = [
         {
@@ -164,7 +165,15 @@ def test_a_kept_compile_after_pod_changes_equals_a_fresh_one() -> None:
         pods[(ns, made.name)] = dataclasses.replace(made, labels={"app": f"a{i % 3}"})
     kept = FamilyCompiler(4)
     kept.compile(Cluster("n1", pods, NAMESPACES, policies), None)
-    for _ in range(30):
+    for turn in range(30):
+        if turn % 10 == 9:
+            block = {"ipBlock": {"cidr": f"10.0.0.{turn * 4}/28"}}
+            peer = {"podSelector": {"matchLabels": {"app": "a0"}}}
+            spec = {"podSelector": {}, "ingress": [{"from": [block, peer]}]}
+            policies = (
+                *policies,
+                parse_policy({"metadata": {"namespace": "x", "name": f"n{turn}"}, "spec": spec}),
+            )
         changed = set(rng.sample(sorted(pods), 4))
         for key in changed:
             roll = rng.random()
