@@ -193,6 +193,14 @@ class _PeerSet:
             found.update(index.by_namespace.get(name, {}))
         return list(found.values())
 
+    def fill(self, members: Iterable[tuple[PodKey, Pod, int]]) -> None:
+        """The first members, all at once (adding one by one copies the set each time)."""
+        for key, pod, value in members:
+            self.members[key] = (pod, value)
+            if not _inside(value, self.blocks):
+                self.holders[value] += 1
+        self.intervals = self.blocks | {(value, value) for value in self.holders}
+
     def add(self, key: PodKey, pod: Pod, value: int) -> None:
         self.members[key] = (pod, value)
         self.named_ports.clear()
@@ -359,10 +367,12 @@ class FamilyCompiler:
                 for interval in _intervals(peer.block, self.family)
             )
             entry = _PeerSet(f"peers-{short_hash(repr(key))}", key[0], peers, blocks)
-            for pod in entry.candidates(cluster.namespaces, self.index):
-                address = _address(pod, self.family)
-                if address is not None and entry.selects(pod, address[1], cluster.namespaces):
-                    entry.add((pod.namespace, pod.name), pod, address[1])
+            entry.fill(
+                ((pod.namespace, pod.name), pod, address[1])
+                for pod in entry.candidates(cluster.namespaces, self.index)
+                if (address := _address(pod, self.family)) is not None
+                and entry.selects(pod, address[1], cluster.namespaces)
+            )
             self._peer_sets[key] = entry
         run.used.add(key)
         return entry
