@@ -58,26 +58,32 @@ class PolicyEnforcer:
             log.debug("waiting for the first lists of Pods, Namespaces and NetworkPolicies")
             return
         start = time.monotonic()
+        in_kernel = 0.0
         cluster, changed_pods = self.state.take()
         for family in self.families:
             written = self._written[family]
             # after a failure, nothing the compiler kept is trusted
             changed = changed_pods if written is not None else None
-            wanted = self._compilers[family].compile(cluster, changed)
             try:
-                self._nft[family].run(self._renderers[family].partial(written, wanted))
+                wanted = self._compilers[family].compile(cluster, changed)
+                transaction = self._renderers[family].partial(written, wanted)
+                began = time.monotonic()
+                self._nft[family].run(transaction)
+                in_kernel += time.monotonic() - began
             except Exception:
                 log.exception("IPv%d policy sync failed; the whole table is written next", family)
                 self._written[family] = None
                 self.runner.retry_after(1.0)
                 continue
             self._written[family] = wanted
-        self.metrics.policy_sync_duration.observe(time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        self.metrics.policy_sync_duration.observe(elapsed)
         log.info(
-            "policy sync: %d policies, %d pods in %.1f ms",
+            "policy sync: %d policies, %d pods in %.1f ms (%.1f ms of it loading nft)",
             len(cluster.policies),
             len(cluster.pods),
-            (time.monotonic() - start) * 1000,
+            elapsed * 1000,
+            in_kernel * 1000,
         )
 
     def denied(self) -> Counter[DeniedKey]:
