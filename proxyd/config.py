@@ -135,6 +135,11 @@ def _from_file(path: str) -> dict[str, Any]:
     return {key: value for key, value in mapping.items() if value is not None}
 
 
+def _true(text: str) -> bool:
+    """A boolean flag's value, as kube-proxy's flags take it."""
+    return text.lower() in ("1", "true", "yes")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="knit-proxyd", description="knit node daemon: Kubernetes Service proxy"
@@ -169,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--iptables-localhost-nodeports",
         dest="localhost_nodeports",
-        type=lambda v: v.lower() in ("1", "true", "yes"),
+        type=_true,
         help="answer NodePorts on 127.0.0.1 (default true)",
     )
     p.add_argument(
@@ -234,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     )
     node.add_argument(
         "--network-policy",
-        type=lambda v: v.lower() in ("1", "true", "yes"),
+        type=_true,
         help="enforce NetworkPolicies for this node's pods (default true)",
     )
     node.add_argument(
