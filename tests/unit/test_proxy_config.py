@@ -90,3 +90,11 @@ def test_conntrack_options_as_kube_proxy_takes_them(tmp_path: Path) -> None:
     }
     with pytest.raises(ConfigError):
         load(["--conntrack-tcp-timeout-close-wait=-1s"])
+
+
+def test_network_policy_flags() -> None:
+    assert load([]).network_policy and load([]).network_policy_log_rate == 0
+    off = load(["--network-policy=false", "--network-policy-log-rate", "10"])
+    assert not off.network_policy and off.network_policy_log_rate == 10
+    with pytest.raises(ConfigError):
+        load(["--network-policy-log-rate", "-1"])
