@@ -35,9 +35,9 @@ from typing import Any
 from pyroute2 import Conntrack, IPRoute
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
+from cni.addresses import link_addresses
 from deploy.lab.conntrack_entries import add_entry
 from deploy.lab.netns import Netns, namespaces
-from proxyd.addresses import link_addresses
 from proxyd.conntrack import UdpFrontends, clear_stale
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.route_plan import NodeNet, plan_routes

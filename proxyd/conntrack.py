@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cni.families import ADDRESS_FAMILIES
-from proxyd.rawnetlink import (
+from cni.rawnetlink import (
     NETLINK_NETFILTER,
     NetlinkSocket,
     RawNetlinkError,

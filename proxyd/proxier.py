@@ -13,8 +13,9 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
 
+from cni.addresses import LinkAddress, link_addresses
 from proxyd import conntrack
-from proxyd.addresses import link_addresses, nodeport_addresses
+from proxyd.addresses import nodeport_addresses
 from proxyd.metrics import FamilyMetrics, Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName, family_of
 from proxyd.port_plan import FamilyContext, PortPlan, plan_port
@@ -71,7 +72,7 @@ class Proxier(ABC):
         self._no_local_internal: dict[int, set[ServicePortName]] = {f: set() for f in families}
         self._no_local_external: dict[int, set[ServicePortName]] = {f: set() for f in families}
         self._last_full = 0.0
-        self._on_links: dict[int, list[tuple[int, str]]] = {}
+        self._on_links: dict[int, list[LinkAddress]] = {}
 
     @abstractmethod
     def _program(
@@ -91,9 +92,9 @@ class Proxier(ABC):
         if not full:
             metrics.partial_restore_failures.inc()
 
-    def link_addresses(self, family: int) -> list[tuple[int, str]]:
-        """(link index, address) of the family's addresses on the node, dumped at most once
-        per sync (an IPVS node holds every service address)."""
+    def link_addresses(self, family: int) -> list[LinkAddress]:
+        """The family's addresses on the node, dumped at most once per sync (an IPVS node holds
+        every service address)."""
         if family not in self._on_links:
             self._on_links[family] = link_addresses(family)
         return self._on_links[family]
@@ -222,7 +223,7 @@ class Proxier(ABC):
             start = time.monotonic()
             try:
                 if frontends.by_node_port:
-                    frontends.local_addresses = {a for _, a in self.link_addresses(family)}
+                    frontends.local_addresses = {a.address for a in self.link_addresses(family)}
                 deleted = conntrack.clear_stale(frontends)
             except OSError as err:  # the rules stay written, as in kube-proxy
                 log.warning("UDP conntrack clean-up failed (IPv%d): %s", family, err)

@@ -13,6 +13,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD
 
+from cni.addresses import LinkAddress
 from proxyd.addresses import link_index
 from proxyd.ipvs.names import DUMMY
 from proxyd.model import family_of
@@ -38,12 +39,12 @@ class NodeAddresses:
     """Every other link's, sorted."""
 
 
-def node_addresses(on_links: Iterable[tuple[int, str]]) -> NodeAddresses:
-    """`on_links` (link_addresses' answer) split at the link."""
+def node_addresses(on_links: Iterable[LinkAddress]) -> NodeAddresses:
+    """`on_links` (cni.addresses.link_addresses' answer) split at the link."""
     index = link_index(DUMMY)
     bound: set[str] = set()
     elsewhere: set[str] = set()
-    for link, address in on_links:
+    for link, address, _, _ in on_links:
         if link != index:
             elsewhere.add(address)
         elif not address.startswith("fe80:"):

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from cni.addresses import link_addresses
 from cni.families import ADDRESS_FAMILIES
-from proxyd.addresses import link_addresses, link_index
+from proxyd.addresses import link_index
 from proxyd.model import family_of
 from proxyd.nodenet.route_plan import (
     NodeNet,
@@ -56,9 +57,9 @@ def on_link(ipr: IPRoute, address: str) -> bool:
 
 def uplink_mtu(ipr: IPRoute, address: str) -> int:
     """The MTU of the link holding address (the node's InternalIP)."""
-    for index, local in link_addresses(family_of(address)):
-        if local == address:
-            return int(ipr.get_links(index)[0].get("IFLA_MTU"))
+    for local in link_addresses(family_of(address)):
+        if local.address == address:
+            return int(ipr.get_links(local.link)[0].get("IFLA_MTU"))
     raise LookupError(f"no local interface holds {address}")
 
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxyd.rawnetlink import NETLINK_NETFILTER, NetlinkSocket, attribute, attributes
+from cni.rawnetlink import NETLINK_NETFILTER, NetlinkSocket, attribute, attributes
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
-"""The node's addresses as rawnetlink reads them, against pyroute2's reading of the same dump,
-in a namespace of its own: 1,500 addresses on a link named as IPVS mode's dummy (a bridge: this
-kernel has no dummy links) make the dump span many reads; both families, the exclusion of the
-dummy link, the dummy's own addresses (link-local ones left out), a point-to-point address
-(the local end, not the peer), and an uplink's MTU."""
+"""The node's addresses as cni.addresses reads them, against pyroute2's reading of the same
+dump, in a namespace of its own: 1,500 addresses on a link named as IPVS mode's dummy (a
+bridge: this kernel has no dummy links) make the dump span many reads; both families, prefix
+lengths and scopes, the exclusion of the dummy link, the dummy's own addresses (link-local ones
+left out), a point-to-point address (the local end, not the peer), one link's addresses, and an
+uplink's MTU."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from collections.abc import Callable
 
 from pyroute2 import IPRoute
 
+from cni.addresses import link_addresses
 from deploy.lab.netns import Netns
-from proxyd.addresses import link_addresses
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.routes import uplink_mtu
 
@@ -34,10 +35,22 @@ def test_addresses_read_in_one_dump_match_pyroute2s(make_netns: Callable[[str], 
     with node.entered(), IPRoute() as ipr:
         for family, address_family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
             seen = {
-                (msg["index"], msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS"))
+                (
+                    msg["index"],
+                    msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS"),
+                    msg["prefixlen"],
+                    msg["scope"],
+                )
                 for msg in ipr.get_addr(family=address_family)
             }
             assert set(link_addresses(family)) == seen
+        uplink = ipr.link_lookup(ifname="uplink")[0]
+        on_uplink = {
+            (msg["index"], msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS"), msg["prefixlen"])
+            for msg in ipr.get_addr(index=uplink)
+        }
+        assert {a[:3] for a in link_addresses(index=uplink)} == on_uplink
+        assert (uplink, "198.51.100.1", 32) in on_uplink
         v4, v6 = (dummy.node_addresses(link_addresses(family)) for family in (4, 6))
         assert v4.elsewhere == ("127.0.0.1", "192.0.2.10", "198.51.100.1")
         assert len(link_addresses(4)) == len(SERVICE_ADDRESSES) + 3

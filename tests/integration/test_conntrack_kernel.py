@@ -15,11 +15,11 @@ import pytest
 from pyroute2 import Conntrack
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
+from cni.rawnetlink import NETLINK_NETFILTER, NetlinkSocket, RawNetlinkError
 from deploy.lab.conntrack_entries import add_entry
 from deploy.lab.netns import Netns
 from proxyd import conntrack
 from proxyd.conntrack import UdpFrontends, clear_stale
-from proxyd.rawnetlink import NETLINK_NETFILTER, NetlinkSocket, RawNetlinkError
 
 NODE_PORT = 30053
 ADDRESSES = {

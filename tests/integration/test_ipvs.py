@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from cni.addresses import LinkAddress
 from deploy.lab.netns import Netns
 from proxyd import proxier as proxier_module
 from proxyd.iptables.kernel import IptablesKernel
@@ -139,10 +140,14 @@ def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
 
     address_reads: list[int] = []
 
-    def link_addresses(family: int) -> list[tuple[int, str]]:
+    def link_addresses(family: int) -> list[LinkAddress]:
         assert family == 4
         address_reads.append(family)
-        return [(1, "127.0.0.1"), (2, "192.0.2.10"), *((DUMMY_INDEX, a) for a in sorted(bound))]
+        return [
+            LinkAddress(1, "127.0.0.1", 8, 254),
+            LinkAddress(2, "192.0.2.10", 24, 0),
+            *(LinkAddress(DUMMY_INDEX, a, 32, 0) for a in sorted(bound)),
+        ]
 
     monkeypatch.setattr(proxier_module, "link_addresses", link_addresses)
     monkeypatch.setattr(ipvs_proxier, "link_addresses", link_addresses)

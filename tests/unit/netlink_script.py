@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import count
 
-from proxyd.rawnetlink import ERROR, ERROR_CODE, HEADER, NetlinkSocket, align
+from cni.rawnetlink import ERROR, ERROR_CODE, HEADER, NetlinkSocket, align
 
 
 def message(kind: int, sequence: int, payload: bytes = b"", flags: int = 0) -> bytes:
@@ -19,15 +19,22 @@ def error(sequence: int, code: int) -> bytes:
 
 class ScriptedKernel:
     """Stands in for the kernel's end of a netlink socket: each request sent is answered with
-    the buffers its script makes of the request's sequence number, one per recv."""
+    the buffers its script makes of the request's sequence number, one per recv; the requests
+    and the socket options set are kept."""
 
     def __init__(self, *scripts: Callable[[int], list[bytes]]) -> None:
         self.scripts = list(scripts)
         self.buffers: list[bytes] = []
         self.requests = 0
+        self.sent: list[bytes] = []
+        self.options: list[tuple[int, int, int]] = []
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self.options.append((level, option, value))
 
     def send(self, data: bytes) -> int:
         self.requests += 1
+        self.sent.append(data)
         _, _, _, sequence, _ = HEADER.unpack_from(data)
         self.buffers.extend(self.scripts.pop(0)(sequence))
         return len(data)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 
+from cni.rawnetlink import DONE, attribute
 from proxyd import conntrack
 from proxyd.conntrack import (
     CTA_ID,
@@ -19,7 +20,6 @@ from proxyd.conntrack import (
     NFGENMSG,
     PORT,
 )
-from proxyd.rawnetlink import DONE, attribute
 from tests.unit.netlink_script import ScriptedKernel, message, scripted
 
 ID, ZONE = b"\x00\x00\x00\x2a", b"\x00\x07"

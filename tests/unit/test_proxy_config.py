@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from cni.addresses import LinkAddress
 from proxyd.addresses import nodeport_addresses
 from proxyd.config import ConfigError, conntrack_sysctls, load, parse_duration
 from proxyd.model import NodeInfo, parse_node
@@ -39,7 +40,7 @@ def test_bad_options_are_refused() -> None:
         load(["--iptables-masquerade-bit", "40"])
 
 
-def unasked() -> list[tuple[int, str]]:
+def unasked() -> list[LinkAddress]:
     raise AssertionError("the node's addresses are read only for a CIDR of the family")
 
 
@@ -53,7 +54,11 @@ def test_nodeport_addresses_primary_is_the_first_node_ip_of_the_family() -> None
     no_cidr = nodeport_addresses(("192.0.2.0/24",), 6, node, unasked)
     assert no_cidr is None, "no IPv6 CIDR: every address"
     assert nodeport_addresses((), 4, node, unasked) is None
-    on_links = [(1, "127.0.0.1"), (2, "192.0.2.10"), (3, "198.51.100.1")]
+    on_links = [
+        LinkAddress(1, "127.0.0.1", 8, 254),
+        LinkAddress(2, "192.0.2.10", 24, 0),
+        LinkAddress(3, "198.51.100.1", 24, 0),
+    ]
     in_cidr = nodeport_addresses(("192.0.2.0/24", "primary"), 4, node, lambda: on_links)
     assert in_cidr == ("192.0.2.10",)
     external_only_v4 = parse_node(

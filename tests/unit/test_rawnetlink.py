@@ -9,7 +9,7 @@ import errno
 
 import pytest
 
-from proxyd.rawnetlink import (
+from cni.rawnetlink import (
     DONE,
     DUMP_ATTEMPTS,
     DUMP_INTERRUPTED,

@@ -1,13 +1,15 @@
-"""Netlink requests and dumps encoded and read with struct, for the node's dumps that return
-one message per service or flow: the node's addresses (an IPVS node binds every service address
-to its dummy link; node networking's uplink MTU reads them too) and the UDP conntrack clean-up's
-conversation (its dumps, the table's size, its deletes). pyroute2 decodes every attribute of
-every message into objects, ~85 µs an address and ~320 µs a conntrack entry here (`make
-bench-netlink`); what these callers need is two to six attributes of each, read here in 3-15 µs.
-Links, routes, neighbours, IPVS and ipsets stay with pyroute2."""
+"""Netlink requests, dumps and subscriptions encoded and read with struct (standard library
+only), for the plugin and the node daemon, where one message per address, flow or packet must
+be cheap: a link's addresses or every link's (cni.addresses: the plugin's bridge, IPVS mode's
+dummy link, node networking's uplink MTU), the UDP conntrack clean-up's conversation (its
+dumps, the table's size, its deletes) and NetworkPolicy's NFLOG denials. pyroute2 decodes every
+attribute of every message into objects, ~85 µs an address and ~320 µs a conntrack entry here
+(`make bench-netlink`); what these callers need is two to six attributes of each, read here in
+3-15 µs. Links, routes, neighbours, IPVS and ipsets stay with pyroute2."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -32,7 +34,8 @@ ATTRIBUTE_TYPE = 0x3FFF
 NESTED = 0x8000
 RECEIVE_BYTES = 1 << 16
 NETLINK_NETFILTER = 12
-"""Not among the socket module's constants."""
+"""Not among the socket module's constants, nor are the two below."""
+SOL_NETLINK, NETLINK_GET_STRICT_CHK = 270, 12
 T = TypeVar("T")
 
 
@@ -90,6 +93,13 @@ class NetlinkSocket:
     def __exit__(self, *_: object) -> None:
         self._socket.close()
 
+    def check_strictly(self) -> None:
+        """Ask the kernel to check this socket's requests strictly, which makes it filter a dump
+        by the fields its request sets (a link's index, for one); kernels before 4.20 refuse,
+        and then send every object: a caller filters what it reads as well."""
+        with contextlib.suppress(OSError):
+            self._socket.setsockopt(SOL_NETLINK, NETLINK_GET_STRICT_CHK, 1)
+
     def _send(self, kind: int, flags: int, body: bytes) -> int:
         sequence = next(self._sequence)
         length = HEADER.size + len(body)
@@ -102,26 +112,30 @@ class NetlinkSocket:
         a dump any of whose messages (its DONE among them) the kernel marked interrupted raises
         DumpInterrupted at its end."""
         interrupted = False
+        for kind, flags, replied_to, payload in self._received():
+            if replied_to != sequence:
+                continue
+            interrupted |= bool(flags & DUMP_INTERRUPTED)
+            if kind in (DONE, ERROR):
+                (code,) = ERROR_CODE.unpack_from(payload) if len(payload) >= 4 else (0,)
+                if code:
+                    raise RawNetlinkError(-code, os.strerror(-code))
+                if interrupted:
+                    raise DumpInterrupted(errno.EINTR, "netlink: dump interrupted")
+                return
+            yield kind, payload
+
+    def _received(self) -> Iterator[tuple[int, int, int, memoryview]]:
+        """(type, flags, sequence, payload) of each message the socket receives, for ever."""
         while True:
             data = memoryview(self._socket.recv(RECEIVE_BYTES))
             offset = 0
             while offset + HEADER.size <= len(data):
-                length, kind, flags, replied_to, _ = HEADER.unpack_from(data, offset)
+                length, kind, flags, sequence, _ = HEADER.unpack_from(data, offset)
                 if length < HEADER.size or offset + length > len(data):
                     raise RawNetlinkError(errno.EPROTO, "netlink: malformed message")
-                payload = data[offset + HEADER.size : offset + length]
+                yield kind, flags, sequence, data[offset + HEADER.size : offset + length]
                 offset += align(length)
-                if replied_to != sequence:
-                    continue
-                interrupted |= bool(flags & DUMP_INTERRUPTED)
-                if kind in (DONE, ERROR):
-                    (code,) = ERROR_CODE.unpack_from(payload) if len(payload) >= 4 else (0,)
-                    if code:
-                        raise RawNetlinkError(-code, os.strerror(-code))
-                    if interrupted:
-                        raise DumpInterrupted(errno.EINTR, "netlink: dump interrupted")
-                    return
-                yield kind, payload
 
     def dump(self, kind: int, body: bytes, keep: Callable[[int, memoryview], T | None]) -> list[T]:
         """What `keep` makes of each message (type, payload) a dump request returns, None
@@ -140,15 +154,8 @@ class NetlinkSocket:
 
     def messages(self) -> Iterator[tuple[int, memoryview]]:
         """(type, payload) of every message the kernel sends, as it comes (a subscription's)."""
-        while True:
-            data = memoryview(self._socket.recv(RECEIVE_BYTES))
-            offset = 0
-            while offset + HEADER.size <= len(data):
-                length, kind, _, _, _ = HEADER.unpack_from(data, offset)
-                if length < HEADER.size or offset + length > len(data):
-                    break
-                yield kind, data[offset + HEADER.size : offset + length]
-                offset += align(length)
+        for kind, _, _, payload in self._received():
+            yield kind, payload
 
     def request(self, kind: int, body: bytes) -> list[tuple[int, memoryview]]:
         """(type, payload) of the messages one acknowledged request returns (often none)."""
