@@ -27,6 +27,7 @@ from proxyd.iptables.proxier import IptablesProxier
 from proxyd.ipvs import netlink as ipvs_netlink
 from proxyd.ipvs.proxier import IpvsProxier
 from proxyd.metrics import Metrics
+from proxyd.model import key_of
 from proxyd.nftables.kernel import Nft
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
@@ -328,13 +329,13 @@ class Daemon:
 
     def _replace_nodes(self, items: list[watch.Obj]) -> None:
         self.node_network.replace(items)
-        own = [item for item in items if item["metadata"]["name"] == self.state.node.name]
+        own = [item for item in items if key_of(item)[1] == self.state.node.name]
         if own:
             self.state.node_event("ADDED", own[0])
 
     def _node_event(self, kind: str, obj: watch.Obj) -> None:
         self.node_network.event(kind, obj)
-        if obj["metadata"]["name"] == self.state.node.name:
+        if key_of(obj)[1] == self.state.node.name:
             self.state.node_event(kind, obj)
 
     def shutdown(self, signum: int, _frame: FrameType | None) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 PROTOCOLS = ("TCP", "UDP", "SCTP")
 IGNORE_LABELS = ("service.kubernetes.io/service-proxy-name", "service.kubernetes.io/headless")
@@ -25,6 +26,7 @@ TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
+T = TypeVar("T")
 
 
 class InvalidObject(ValueError):
@@ -129,13 +131,38 @@ def family_of(address: str) -> int:
 
 def ignored(obj: Obj) -> bool:
     """Objects another proxy owns, or headless ones (kube-proxy's label selector)."""
-    labels = obj.get("metadata", {}).get("labels") or {}
-    return any(label in labels for label in IGNORE_LABELS)
+    meta = obj.get("metadata")
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    return isinstance(labels, dict) and any(label in labels for label in IGNORE_LABELS)
 
 
 def key_of(obj: Obj) -> tuple[str, str]:
-    meta = obj.get("metadata", {})
-    return meta.get("namespace", ""), meta.get("name", "")
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        return "", ""
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+
+def _named(obj: Obj) -> tuple[str, str]:
+    namespace, name = key_of(obj)
+    if not namespace or not name:
+        raise InvalidObject("metadata has no namespace or name")
+    return namespace, name
+
+
+def parse_or_skip(parse: Callable[[Obj], T], obj: Obj, kind: str) -> T | None:
+    """parse(obj); None, logged with the object's namespace and name, when the object cannot
+    be used. InvalidObject says why; an object of another shape than the API's (a list where a
+    map belongs) makes Python raise, and is skipped the same way, so that one bad object never
+    stops a watch (its list would fail, and be retried, for ever)."""
+    try:
+        return parse(obj)
+    except InvalidObject as err:
+        reason = str(err)
+    except (AttributeError, TypeError, KeyError, ValueError) as err:
+        reason = f"not in the API's shape ({err!r})"
+    log.warning("skipping %s %s: %s", kind, "/".join(filter(None, key_of(obj))), reason)
+    return None
 
 
 def _ip(text: Any, what: str) -> str:
@@ -183,7 +210,7 @@ def _protocol(value: Any) -> str:
 
 def parse_service(obj: Obj) -> list[ServicePort]:
     """The ports the proxy programs for a Service; empty for headless and ExternalName."""
-    namespace, name = key_of(obj)
+    namespace, name = _named(obj)
     spec = obj.get("spec") or {}
     if spec.get("type") == "ExternalName":
         return []
@@ -249,7 +276,7 @@ def parse_service(obj: Obj) -> list[ServicePort]:
 
 def parse_endpoint_slice(obj: Obj) -> EndpointSlice | None:
     """The slice's usable endpoints; None for FQDN slices and slices without a service."""
-    namespace, name = key_of(obj)
+    namespace, name = _named(obj)
     labels = obj.get("metadata", {}).get("labels") or {}
     service = labels.get(SERVICE_NAME_LABEL)
     address_type = obj.get("addressType")

@@ -18,7 +18,6 @@ from cni.families import IP_FAMILIES
 from proxyd.model import (
     Endpoint,
     EndpointSlice,
-    InvalidObject,
     NodeInfo,
     Obj,
     ServicePort,
@@ -28,6 +27,7 @@ from proxyd.model import (
     key_of,
     parse_endpoint_slice,
     parse_node,
+    parse_or_skip,
     parse_service,
 )
 
@@ -119,10 +119,7 @@ class ClusterState:
         """The IP families the change touches; none when nothing changed."""
         ports: list[ServicePort] = []
         if obj is not None and not ignored(obj):
-            try:
-                ports = parse_service(obj)
-            except InvalidObject as err:
-                log.warning("skipping Service %s/%s: %s", key[0], key[1], err)
+            ports = parse_or_skip(parse_service, obj, "Service") or []
         old = self._services.get(key, [])
         if old == ports:
             return frozenset()
@@ -138,10 +135,7 @@ class ClusterState:
         """The IP families the change touches; none when nothing changed."""
         parsed: EndpointSlice | None = None
         if obj is not None and not ignored(obj):
-            try:
-                parsed = parse_endpoint_slice(obj)
-            except InvalidObject as err:
-                log.warning("skipping EndpointSlice %s/%s: %s", slice_key[0], slice_key[1], err)
+            parsed = parse_or_skip(parse_endpoint_slice, obj, "EndpointSlice")
         old_owner = self._slice_owner.pop(slice_key, None)
         old: EndpointSlice | None = None
         if old_owner is not None:
@@ -207,7 +201,11 @@ class ClusterState:
 
     def node_event(self, kind: str, obj: Obj) -> None:
         with self._lock:
-            node = NodeInfo(self.node.name) if kind == "DELETED" else parse_node(obj)
+            node = (
+                NodeInfo(self.node.name)
+                if kind == "DELETED"
+                else parse_or_skip(parse_node, obj, "Node") or self.node
+            )
             families = frozenset(IP_FAMILIES) if node != self.node else frozenset()
             self.node = node
         self._notify(families)

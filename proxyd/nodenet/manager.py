@@ -16,7 +16,7 @@ from typing import Any
 from pyroute2 import IPRoute
 
 from proxyd.iptables.kernel import IptablesKernel
-from proxyd.model import InvalidObject
+from proxyd.model import parse_or_skip
 from proxyd.nodenet import conflist
 from proxyd.nodenet.egress import Egress
 from proxyd.nodenet.route_plan import NodeNet, parse_node_net, plan_routes, pod_mtu
@@ -48,22 +48,17 @@ class NodeNetwork:
     def replace(self, items: list[dict[str, Any]]) -> None:
         nodes = {}
         for obj in items:
-            try:
-                node = parse_node_net(obj)
-            except InvalidObject as err:
-                log.warning("ignoring node: %s", err)
-                continue
-            nodes[node.name] = node
+            node = parse_or_skip(parse_node_net, obj, "Node")
+            if node is not None:
+                nodes[node.name] = node
         with self.lock:
             unchanged, self.nodes = self.nodes == nodes, nodes
         if not unchanged:
             self.changed.set()
 
     def event(self, kind: str, obj: dict[str, Any]) -> None:
-        try:
-            node = parse_node_net(obj)
-        except InvalidObject as err:
-            log.warning("ignoring node: %s", err)
+        node = parse_or_skip(parse_node_net, obj, "Node")
+        if node is None:
             return
         with self.lock:
             before = self.nodes.get(node.name)

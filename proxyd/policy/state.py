@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from proxyd.model import InvalidObject, Obj, key_of
+from proxyd.model import Obj, key_of, parse_or_skip
 from proxyd.policy.compile import Cluster, PodKey
 from proxyd.policy.model import (
     Namespace,
@@ -41,12 +41,7 @@ class _Store(Generic[Parsed]):
 
     def set(self, key: PodKey, obj: Obj | None) -> bool:
         """Whether what is stored changed."""
-        parsed: Parsed | None = None
-        if obj is not None:
-            try:
-                parsed = self._parse(obj)
-            except InvalidObject as err:
-                log.warning("skipping %s %s: %s", self.kind, "/".join(filter(None, key)), err)
+        parsed = parse_or_skip(self._parse, obj, self.kind) if obj is not None else None
         old = self.items.get(key)
         if parsed == old:
             return False

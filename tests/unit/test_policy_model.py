@@ -161,3 +161,18 @@ def test_a_pod_trimmed_as_its_list_page_arrives_parses_the_same() -> None:
     trimmed = pod_essentials(full)
     assert parse_pod(trimmed) == parse_pod(full) is not None
     assert "managedFields" not in trimmed["metadata"] and "volumes" not in trimmed["spec"]
+
+
+def test_policy_state_skips_objects_not_in_the_api_shape() -> None:
+    from proxyd.policy.state import PolicyState
+
+    state = PolicyState("n1")
+    state.replace_namespaces(
+        [{"metadata": {"name": "ns", "labels": ["x"]}}, {"metadata": {"name": "ok"}}]
+    )
+    state.replace_pods([{"metadata": {"namespace": "ns", "name": "p"}, "spec": "x", "status": {}}])
+    state.replace_policies([policy({"podSelector": {}, "ingress": "everything"})])
+    cluster, _ = state.take()
+    assert list(cluster.namespaces) == ["ok"] and not cluster.pods
+    (parsed,) = cluster.policies
+    assert parsed.ingress == () and parsed.problems

@@ -163,3 +163,33 @@ def test_each_change_names_the_ip_families_it_touches() -> None:
     heard.clear()
     state.replace_services([])
     assert heard == [frozenset({6})], "a relist names what it deleted"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"metadata": {"namespace": "ns", "name": "bad"}, "spec": ["not", "a", "map"]},
+        {
+            "metadata": {"namespace": "ns", "name": "bad"},
+            "spec": {"clusterIP": "10.96.0.9", "ports": "80"},
+        },
+        {"metadata": ["not", "a", "map"], "spec": {"clusterIP": "10.96.0.9", "ports": []}},
+        svc("bad", port={"not": "a number"}),
+    ],
+)
+def test_an_object_not_in_the_api_shape_is_skipped_and_the_rest_kept(
+    bad: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A list where a map belongs makes Python raise; the object is logged and skipped, and
+    the list it came in still counts (a raise would fail the list, retried for ever)."""
+    state = ClusterState("node-a")
+    with caplog.at_level(logging.WARNING):
+        state.replace_services([bad, svc("good")])
+        state.replace_slices([{**eps("bad", "good"), "endpoints": "x"}, eps("e", "good")])
+        state.node_event("MODIFIED", {"metadata": {"name": "node-a"}, "status": 5})
+    assert state.ready()
+    views = state.take().services
+    assert [str(port.name) for port in views[("ns", "good")].ports] == ["ns/good:p"]
+    assert [e.ip for e in next(iter(views[("ns", "good")].endpoints.values()))] == ["10.244.1.5"]
+    assert "skipping Service" in caplog.text and "skipping EndpointSlice" in caplog.text
+    assert "skipping Node node-a" in caplog.text
