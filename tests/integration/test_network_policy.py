@@ -137,9 +137,10 @@ def reaches(client: LabPod, host: str, port: int, proto: str = "tcp") -> bool:
     return bool(out.strip())
 
 
-def apply(world: World, made: list[str], namespace: str, spec: dict[str, Any]) -> str:
+def apply(world: World, made: list[str], spec: dict[str, Any]) -> str:
+    """A policy of the server's namespace, deleted after the test."""
     name = unique_name("policy")
-    path = POLICIES.format(namespace)
+    path = POLICIES.format(world.x)
     world.cluster.kube.create(path, {"metadata": {"name": name}, "spec": spec})
     made.append(f"{path}/{name}")
     return name
@@ -178,7 +179,7 @@ def test_without_a_policy_everything_is_allowed(world: World) -> None:
 
 
 def test_deny_all_ingress_isolates_only_the_selected_pod(world: World, policies: list[str]) -> None:
-    name = apply(world, policies, world.x, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+    name = apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
     settles(world.far, world.server.address(4), 80, allowed=False)
     assert not reaches(world.near, world.server.address(4), 80)
     assert not reaches(world.far, world.server.address(6), 80)
@@ -201,7 +202,6 @@ def test_pod_selector_allows_pods_of_the_policy_namespace(
     apply(
         world,
         policies,
-        world.x,
         {
             "podSelector": SERVER,
             "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "far"}}}]}],
@@ -219,7 +219,7 @@ def test_namespace_and_pod_selectors_in_one_peer_are_both_required(
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": world.y}},
         "podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["far"]}]},
     }
-    apply(world, policies, world.x, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
+    apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
     settles(world.near, world.server.address(4), 80, allowed=False)
     assert reaches(world.far, world.server.address(4), 80)
     assert reaches(world.far, world.server.address(6), 80)
@@ -230,7 +230,6 @@ def test_ip_block_except_carves_out_an_address(world: World, policies: list[str]
     apply(
         world,
         policies,
-        world.x,
         {"podSelector": SERVER, "ingress": [{"from": [{"ipBlock": block}]}]},
     )
     settles(world.far, world.server.address(4), 80, allowed=False)
@@ -243,7 +242,6 @@ def test_ports_by_number_range_and_name(world: World, policies: list[str]) -> No
     apply(
         world,
         policies,
-        world.x,
         {
             "podSelector": SERVER,
             "ingress": [{"ports": [{"port": "alt"}, {"port": UDP_PORT, "protocol": "UDP"}]}],
@@ -255,7 +253,6 @@ def test_ports_by_number_range_and_name(world: World, policies: list[str]) -> No
     apply(
         world,
         policies,
-        world.x,
         {"podSelector": SERVER, "ingress": [{"ports": [{"port": 79, "endPort": 80}]}]},
     )
     settles(world.near, world.server.address(4), 80, allowed=True)
@@ -268,7 +265,6 @@ def test_egress_by_named_port_of_the_peer_and_isolation_per_direction(
     apply(
         world,
         policies,
-        world.x,
         {
             "podSelector": {"matchLabels": {"role": "near"}},
             "policyTypes": ["Egress"],
@@ -292,7 +288,7 @@ def test_service_traffic_is_judged_by_the_backend_with_the_client_address(
         "namespaceSelector": {},
         "podSelector": {"matchLabels": {"role": "near"}},
     }
-    apply(world, policies, world.x, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
+    apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
     settles(world.far, cluster_ip, 80, allowed=False)
     assert reaches(world.near, cluster_ip, 80)
 
@@ -300,7 +296,7 @@ def test_service_traffic_is_judged_by_the_backend_with_the_client_address(
 def test_switched_off_the_daemon_removes_its_policy_tables(
     world: World, policies: list[str]
 ) -> None:
-    apply(world, policies, world.x, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+    apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
     settles(world.near, world.server.address(4), 80, allowed=False)
     node = world.cluster.nodes["a"]
     world.cluster.stop_daemon(node)
@@ -319,7 +315,7 @@ def test_denied_connections_are_logged_with_their_pod(world: World, policies: li
     world.cluster.stop_daemon(node)
     try:
         world.cluster.start_daemon(node, "--network-policy-log-rate=5")
-        name = apply(world, policies, world.x, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+        name = apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
         settles(world.far, world.server.address(4), 80, allowed=False)
         line = (
             f"NetworkPolicy denied ingress to {world.x}/{world.server.name} (isolated by {name}): "
