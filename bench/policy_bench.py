@@ -43,12 +43,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench.proxy_bench import CLIENT_LOOP, SERVER, in_netns, revision
+from cni.nftables import NftError
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane, start
-from deploy.lab.kube import Kube, pod_object, pod_status
+from deploy.lab.kube import Kube, pod_object
 from deploy.lab.netns import Netns, unique_name
 from deploy.lab.process import eventually, in_ns
-from proxyd.nftables.kernel import Nft, NftError
+from proxyd.nftables.kernel import Nft
 from proxyd.policy.render import TABLE
 
 NAMESPACES = 100
@@ -119,41 +120,26 @@ class PolicyBench:
                 future.result()
 
     def make_namespaces(self) -> None:
-        def one(index: int) -> None:
-            name = namespace_name(index)
-            labels = {"team": f"t{index % 10}"}
-            self.kube.create("/api/v1/namespaces", {"metadata": {"name": name, "labels": labels}})
-            self.kube.create(
-                f"/api/v1/namespaces/{name}/serviceaccounts", {"metadata": {"name": "default"}}
-            )
-
-        self.bulk([lambda i=i: one(i) for i in range(NAMESPACES)])
+        self.bulk(
+            [
+                lambda i=i: self.kube.create_namespace(namespace_name(i), {"team": f"t{i % 10}"})
+                for i in range(NAMESPACES)
+            ]
+        )
 
     def register(self, pod: LabPod, namespace: str, labels: dict[str, str]) -> None:
         """The Pod object of a real pod: what kubelet would report."""
-        path = f"/api/v1/namespaces/{namespace}/pods"
         ports = [("web", CONNECTION_PORT, "TCP")]
-        self.kube.create(path, pod_object(pod.name, self.node.name, labels, ports))
-        self.set_status(namespace, pod.name, pod.addresses)
-
-    def set_status(self, namespace: str, name: str, addresses: tuple[str, ...]) -> None:
-        self.kube.call(
-            "PATCH",
-            f"/api/v1/namespaces/{namespace}/pods/{name}/status",
-            pod_status(addresses),
-            "application/merge-patch+json",
-        )
+        obj = pod_object(pod.name, self.node.name, labels, ports)
+        self.kube.create_running_pod(namespace, obj, pod.addresses)
 
     def grow_pods(self, total: int) -> None:
         def one(index: int) -> None:
             namespace, name = namespace_name(index % NAMESPACES), f"sim-{index}"
             labels = {"app": f"a{index % 20}", "tier": f"t{index // NAMESPACES % 5}"}
             node = f"peer-{index % 100}"
-            self.kube.create(
-                f"/api/v1/namespaces/{namespace}/pods",
-                pod_object(name, node, labels, [("web", CONNECTION_PORT, "TCP")]),
-            )
-            self.set_status(namespace, name, (simulated_address(index),))
+            obj = pod_object(name, node, labels, [("web", CONNECTION_PORT, "TCP")])
+            self.kube.create_running_pod(namespace, obj, (simulated_address(index),))
 
         self.bulk([lambda i=i: one(i) for i in range(self.pods, total)])
         self.pods = total
@@ -373,40 +359,36 @@ def run(options: argparse.Namespace, folder: Path) -> list[Figure]:
     plane: ControlPlane = start(folder / "controlplane")
     bundle = folder / "cni-bundle"
     subprocess.run([sys.executable, "-m", "cni.bundle", "--output", str(bundle)], check=True)
-    cluster = Cluster(unique_name("pb"), folder / "lab", plane, bundle)
     try:
-        lan = cluster.add_segment("lan", "10.79.1.0/24", "fd79:1::/64")
-        node = cluster.add_node("a", lan, 11, ("10.244.1.0/24", "fd10:244:0:1::/64"))
-        bench = PolicyBench(cluster, node)
-        bench.make_namespaces()
-        client = cluster.add_pod(node, unique_name("client"))
-        selected = cluster.add_pod(node, unique_name("selected"))
-        open_ = cluster.add_pod(node, unique_name("open"))
-        bench.register(client, SELECTED_NAMESPACE, {"app": "client", "tier": "t0"})
-        bench.register(selected, SELECTED_NAMESPACE, {"app": "a0", "tier": "t9"})
-        cluster.kube.create("/api/v1/namespaces", {"metadata": {"name": "bench-open"}})
-        cluster.kube.create(
-            "/api/v1/namespaces/bench-open/serviceaccounts", {"metadata": {"name": "default"}}
-        )
-        bench.register(open_, "bench-open", {"app": "open"})
-        for pod in (selected, open_):
-            serve_connections(cluster, pod)
-        bench.make_policies()
-        for size in options.pods:
-            began = time.monotonic()
-            bench.grow_pods(size)
-            step = f"{size:,} pods, {POLICIES:,} policies"
-            print(f"{step}: objects made in {time.monotonic() - began:.0f} s", flush=True)
-            client_set = client_peer_set(bench, client)
-            bench.label_change_latency(step, client_set)
-            bench.policy_change_latency(step)
-        bench.full_sync(step)
-        bench.memory(step)
-        client_peer_set(bench, client)
-        bench.connection_rate(step, client, selected, open_)
-        return bench.figures
+        with Cluster(unique_name("pb"), folder / "lab", plane, bundle) as cluster:
+            lan = cluster.add_segment("lan", "10.79.1.0/24", "fd79:1::/64")
+            node = cluster.add_node("a", lan, 11, ("10.244.1.0/24", "fd10:244:0:1::/64"))
+            bench = PolicyBench(cluster, node)
+            bench.make_namespaces()
+            client = cluster.add_pod(node, unique_name("client"))
+            selected = cluster.add_pod(node, unique_name("selected"))
+            open_ = cluster.add_pod(node, unique_name("open"))
+            bench.register(client, SELECTED_NAMESPACE, {"app": "client", "tier": "t0"})
+            bench.register(selected, SELECTED_NAMESPACE, {"app": "a0", "tier": "t9"})
+            cluster.kube.create_namespace("bench-open")
+            bench.register(open_, "bench-open", {"app": "open"})
+            for pod in (selected, open_):
+                serve_connections(cluster, pod)
+            bench.make_policies()
+            for size in options.pods:
+                began = time.monotonic()
+                bench.grow_pods(size)
+                step = f"{size:,} pods, {POLICIES:,} policies"
+                print(f"{step}: objects made in {time.monotonic() - began:.0f} s", flush=True)
+                client_set = client_peer_set(bench, client)
+                bench.label_change_latency(step, client_set)
+                bench.policy_change_latency(step)
+            bench.full_sync(step)
+            bench.memory(step)
+            client_peer_set(bench, client)
+            bench.connection_rate(step, client, selected, open_)
+            return bench.figures
     finally:
-        cluster.down()
         plane.stop()
 
 

@@ -335,6 +335,13 @@ class Cluster(Network):
         stop_recorded(self.folder)
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        """Everything the cluster made goes, however the block ended."""
+        self.down()
+
 
 def stop_recorded(folder: Path) -> None:
     """Stop every process and delete every namespace recorded in folder."""

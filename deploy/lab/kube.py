@@ -59,6 +59,24 @@ class Kube:
         if path in self.created:
             self.created.remove(path)
 
+    def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
+        """A namespace with its default ServiceAccount (the service account controller's
+        work, which pods need and a control plane without controllers does not do)."""
+        self.create("/api/v1/namespaces", {"metadata": {"name": name, "labels": labels or {}}})
+        self.create(f"/api/v1/namespaces/{name}/serviceaccounts", {"metadata": {"name": "default"}})
+
+    def create_running_pod(
+        self, namespace: str, pod: dict[str, Any], addresses: Sequence[str]
+    ) -> None:
+        """A Pod object, then the status kubelet writes once its sandbox has addresses."""
+        self.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+        self.call(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/status",
+            pod_status(addresses),
+            "application/merge-patch+json",
+        )
+
     def cleanup(self) -> None:
         for path in reversed(self.created):
             with contextlib.suppress(RuntimeError):

@@ -42,9 +42,8 @@ POD_CIDRS = {
 def cluster(
     control_plane: ControlPlane, cni_bundle: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    prefix = unique_name("kc")
-    lab = Cluster(prefix, tmp_path_factory.mktemp("cluster") / "lab", control_plane, cni_bundle)
-    try:
+    folder = tmp_path_factory.mktemp("cluster") / "lab"
+    with Cluster(unique_name("kc"), folder, control_plane, cni_bundle) as lab:
         lan1 = lab.add_segment("lan1", "10.77.1.0/24", "fd77:1::/64")
         lan2 = lab.add_segment("lan2", "10.77.2.0/24", "fd77:2::/64")
         lab.add_node("a", lan1, 11, POD_CIDRS["a"])
@@ -52,8 +51,6 @@ def cluster(
         lab.add_node("c", lan2, 13, POD_CIDRS["c"])
         lab.add_host("outside", lan2, 99)
         yield lab
-    finally:
-        lab.down()
 
 
 def knit_routes(node: LabNode, family: int = 4) -> dict[str, str]:

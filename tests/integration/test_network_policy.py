@@ -19,7 +19,7 @@ import pytest
 
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane
-from deploy.lab.kube import pod_object, pod_status
+from deploy.lab.kube import pod_object
 from deploy.lab.netns import ECHO, unique_name
 from deploy.lab.process import eventually, in_ns
 from proxyd.policy.render import TABLE
@@ -44,11 +44,7 @@ class World:
 
 
 def _namespace(cluster: Cluster, name: str) -> str:
-    cluster.kube.create("/api/v1/namespaces", {"metadata": {"name": name}})
-    # the service account controller's work: pods need their namespace's default account
-    cluster.kube.create(
-        f"/api/v1/namespaces/{name}/serviceaccounts", {"metadata": {"name": "default"}}
-    )
+    cluster.kube.create_namespace(name)
     return name
 
 
@@ -56,16 +52,8 @@ def _pod(
     cluster: Cluster, namespace: str, node: str, role: str, ports: list[tuple[str, int, str]]
 ) -> LabPod:
     pod = cluster.add_pod(cluster.nodes[node], unique_name(role))
-    cluster.kube.create(
-        f"/api/v1/namespaces/{namespace}/pods",
-        pod_object(pod.name, node, {"role": role}, ports),
-    )
-    cluster.kube.call(
-        "PATCH",
-        f"/api/v1/namespaces/{namespace}/pods/{pod.name}/status",
-        pod_status(pod.addresses),
-        "application/merge-patch+json",
-    )
+    obj = pod_object(pod.name, node, {"role": role}, ports)
+    cluster.kube.create_running_pod(namespace, obj, pod.addresses)
     return pod
 
 
@@ -73,43 +61,22 @@ def _pod(
 def world(
     control_plane: ControlPlane, cni_bundle: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:
-    prefix = unique_name("np")
-    cluster = Cluster(prefix, tmp_path_factory.mktemp("policy") / "lab", control_plane, cni_bundle)
-    try:
+    folder = tmp_path_factory.mktemp("policy") / "lab"
+    with Cluster(unique_name("np"), folder, control_plane, cni_bundle) as cluster:
         lan1 = cluster.add_segment("lan1", "10.78.1.0/24", "fd78:1::/64")
         lan2 = cluster.add_segment("lan2", "10.78.2.0/24", "fd78:2::/64")
         cluster.add_node("a", lan1, 11, ("10.244.1.0/24", "fd10:244:0:1::/64"))
         cluster.add_node("c", lan2, 13, ("10.244.3.0/24", "fd10:244:0:3::/64"))
         x = _namespace(cluster, unique_name("x"))
         y = _namespace(cluster, unique_name("y"))
-        server = _pod(
-            cluster,
-            x,
-            "a",
-            "server",
-            [("web", 80, "TCP"), ("alt", 81, "TCP"), ("dns", UDP_PORT, "UDP")],
-        )
+        ports = [("web", 80, "TCP"), ("alt", 81, "TCP"), ("dns", UDP_PORT, "UDP")]
+        server = _pod(cluster, x, "a", "server", ports)
         cluster.serve(server.ns, 81, cluster.folder / "server-81.log")
-        cluster.spawn(
-            [
-                "ip",
-                "netns",
-                "exec",
-                server.ns,
-                PYTHON,
-                str(ECHO),
-                "serve",
-                "::",
-                str(UDP_PORT),
-                "udp",
-            ],
-            cluster.folder / "server-udp.log",
-        )
+        udp = [PYTHON, str(ECHO), "serve", "::", str(UDP_PORT), "udp"]
+        cluster.spawn(["ip", "netns", "exec", server.ns, *udp], cluster.folder / "server-udp.log")
         near = _pod(cluster, x, "a", "near", [])
         far = _pod(cluster, y, "c", "far", [("web", 80, "TCP")])
         yield World(cluster, x, y, server, near, far)
-    finally:
-        cluster.down()
 
 
 @pytest.fixture
