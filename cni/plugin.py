@@ -91,11 +91,11 @@ def _firewall_teardown(
 
     steps: list[Callable[[], None]] = []
     if conf.ip_masq:
-        select = attachment_selector(masq.KIND, conf.name, container_id, ifname)
-        steps.append(lambda: masq.teardown([conf.ip_masq_backend], select, families))
+        masq_rules = attachment_selector(masq.KIND, conf.name, container_id, ifname)
+        steps.append(lambda: masq.teardown([conf.ip_masq_backend], masq_rules, families))
     if conf.mac_spoof_check:
-        select = attachment_selector(spoofcheck.KIND, conf.name, container_id, ifname)
-        steps.append(lambda: spoofcheck.teardown(select))
+        spoofchk_rules = attachment_selector(spoofcheck.KIND, conf.name, container_id, ifname)
+        steps.append(lambda: spoofcheck.teardown(spoofchk_rules))
     return steps
 
 
