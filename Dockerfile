@@ -41,9 +41,9 @@ RUN python -m cni.bundle --output /opt/knit/cni-bundle --plugin /portmap
 
 # ---------------------------------------------------------------- the image
 # The same base as the builder, so the venv's interpreter links resolve; no compiler.
-# iptables (both flavours, iptables-{nft,legacy}-{save,restore}) and nftables (nft, and the
-# libnftables it depends on, which knit-proxyd loads) are what knit-proxyd and
-# the in-daemon plugin execute, and kmod's modprobe loads br_netfilter where the kernel has it
+# iptables (both flavours, iptables-{nft,legacy}-{save,restore}) is what knit-proxyd and the
+# in-daemon plugin execute, nftables brings the libnftables they load (and nft, for operators),
+# and kmod's modprobe loads br_netfilter where the kernel has it
 # as a module; links, routes, conntrack, ipsets and IPVS go through netlink.
 FROM ${PYTHON_IMAGE}
 RUN apt-get update \

@@ -4,8 +4,8 @@ ROOT := $(abspath .)
 VENV := $(ROOT)/.venv
 PY := $(VENV)/bin/python
 BUILD := $(ROOT)/build
-# libnftables1: knit-proxyd's nftables mode loads it (nftables depends on it; named as the
-# daemon's own need). debootstrap: the lab builds its images on a Debian rootfs
+# libnftables1: knit-proxyd's nftables mode and the plugin's nftables rules load it (nftables
+# depends on it; named as their own need). debootstrap: the lab builds its images on a Debian rootfs
 # (deploy/lab/image/). containerd and runc: the lab's node3 runs Debian's containerd 1.6 (the
 # other nodes the 2.x that go-tools builds), and its ctr imports the images.
 APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-ping procps util-linux mount \

@@ -83,7 +83,7 @@ def _forward(socket_path: str, netns_fd: int | None) -> None:
 
 
 def _drop_ld_library_path() -> None:
-    """A bundled runtime sets LD_LIBRARY_PATH for the interpreter alone: iptables, nft and a
+    """A bundled runtime sets LD_LIBRARY_PATH for the interpreter alone: iptables and a
     delegated IPAM plugin must not inherit it."""
     posix.unsetenv(b"LD_LIBRARY_PATH")
     posix.environ.pop(b"LD_LIBRARY_PATH", None)  # os.environ is built from it on import

@@ -1,23 +1,23 @@
-"""Talking to the node's packet filter: iptables in the node's flavour, or nftables.
+"""Talking to the node's packet filter: iptables in the node's flavour, and what the plugin's
+rules share with its nftables ones (cni.nftables): their tags and FirewallError.
 
 The one place that runs the iptables binaries, for the plugin and for knit-proxyd alike (whose
 proxyd.iptables.kernel builds on Iptables): flavour detection, iptables-restore, iptables-save
 and chain listings, failing with FirewallError. Rules are written as whole transactions
-(iptables-restore --noflush, nft -f) rather than through python-iptables, which speaks only
-legacy xtables and appends one rule at a time. Every rule the plugin writes carries a tag naming
-its attachment, so DEL and GC find it without saved state.
+(iptables-restore --noflush; nftables' through libnftables, cni.nftables) rather than through
+python-iptables, which speaks only legacy xtables and appends one rule at a time. Every rule
+the plugin writes carries a tag naming its attachment, so DEL and GC find it without saved
+state.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cni.errors import CniError, Code
 
@@ -61,7 +61,8 @@ def stale_selector(kind: str, network: str, valid: set[tuple[str, str]]) -> Sele
 
 
 class FirewallError(CniError):
-    """An iptables or nft binary is missing or failed (the plugin reports code 103)."""
+    """An iptables binary is missing or failed, or nftables did (cni.nftables.NftError); the
+    plugin reports code 103."""
 
     def __init__(self, msg: str, details: str = "") -> None:
         super().__init__(Code.FIREWALL_FAILURE, msg, details)
@@ -182,29 +183,3 @@ class Iptables:
 
     def restore(self, text: str) -> None:
         run([self.restore_binary, "--noflush", "-w", "5"], text)
-
-
-def nft_apply(script: str) -> None:
-    run(["nft", "-f", "-"], script)
-
-
-def nft_tagged_rules(family: str, table: str, chain: str) -> list[tuple[int, Tag]]:
-    """(handle, tag) of every tagged rule in the chain; empty when the table is absent."""
-    try:
-        proc = subprocess.run(
-            ["nft", "-j", "list", "chain", family, table, chain],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except FileNotFoundError:
-        return []
-    if proc.returncode != 0:
-        return []
-    found = []
-    for item in json.loads(proc.stdout).get("nftables", []):
-        rule: dict[str, Any] = item.get("rule") or {}
-        tag = Tag.parse(rule.get("comment", ""))
-        if tag is not None:
-            found.append((int(rule["handle"]), tag))
-    return found

@@ -2,7 +2,8 @@
 
 iptables backend: a chain per attachment (KNIT-MASQ-<hash>) reached from nat POSTROUTING
 by the pod's source address, as the reference bridge plugin lays it out. nftables backend:
-one tagged rule per pod address in `inet knit_masq` postrouting.
+one tagged rule per pod address in `inet knit_masq` postrouting, written through libnftables
+(cni.nftables).
 """
 
 from __future__ import annotations
@@ -10,14 +11,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Collection, Iterable
 
-from cni.firewall import (
-    Iptables,
-    Selector,
-    Tag,
-    detect_iptables_flavour,
-    nft_apply,
-    nft_tagged_rules,
-)
+from cni.firewall import Iptables, Selector, Tag, detect_iptables_flavour
+from cni.nftables import nft_apply, nft_tagged_rules
 from cni.result import IPInterface
 
 KIND = "masq"

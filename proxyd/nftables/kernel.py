@@ -1,6 +1,6 @@
-"""Thin layer over libnftables, the library behind the `nft` command: transactions in nft's
-text language, and the names of what a table holds and a chain's listing (for full syncs),
-through one context of this process per family, kept open.
+"""The daemon's nftables tables: transactions in nft's text language, and the names of what a
+table holds and a chain's listing (for full syncs), through one libnftables context of this
+process per family, kept open (the binding, shared with the plugin, is cni.nftables).
 
 Why text (see docs/dependencies.md): nft's parser and its compiler to netlink are
 the reference implementation of the rule language and a transaction is atomic. Why in this
@@ -15,51 +15,15 @@ it ended.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import re
-import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from cni.nftables import Context, NftError, malloc_trim
 from proxyd.nftables.render import TABLE, family_name, table_of
 
 CHAIN_LINE = re.compile(r"^\s*chain (\S+) \{", re.MULTILINE)
 SET_OR_MAP_LINE = re.compile(r"^\s*(?:set|map) (\S+) \{", re.MULTILINE)
-OUTPUT_TERSE = 1 << 11
-"""libnftables' NFT_CTX_OUTPUT_TERSE: listings leave out set elements (and nft does not fetch
-them: 100,000 hairpin entries at 10,000 services)."""
-
-
-class NftError(RuntimeError):
-    pass
-
-
-class Context:
-    """A libnftables context: its netlink socket, opened in the calling thread's network
-    namespace, stays open (and bound to that namespace) until the context is collected.
-    libnftables ends the process when it cannot allocate or open that socket, as it ends an
-    nft process."""
-
-    def __init__(self) -> None:
-        lib = _libnftables()
-        self._handle = lib.nft_ctx_new(0)
-        lib.nft_ctx_output_set_flags(self._handle, OUTPUT_TERSE)
-        lib.nft_ctx_buffer_output(self._handle)
-        lib.nft_ctx_buffer_error(self._handle)
-        weakref.finalize(self, lib.nft_ctx_free, self._handle)
-
-    def run(self, text: str) -> str:
-        """Run nft commands (one transaction); returns what they printed."""
-        return self._outcome(_libnftables().nft_run_cmd_from_buffer(self._handle, text.encode()))
-
-    def _outcome(self, failed: int) -> str:
-        lib = _libnftables()
-        output: str = lib.nft_ctx_get_output_buffer(self._handle).decode(errors="replace")
-        errors = lib.nft_ctx_get_error_buffer(self._handle).decode(errors="replace")
-        if failed:
-            raise NftError(f"nft transaction failed: {errors.strip()[:2000]}")
-        return output
 
 
 class Nft:
@@ -98,7 +62,7 @@ class Nft:
                 if loading is not None:
                     loading.result()
         finally:
-            _libc().malloc_trim(0)
+            malloc_trim()
 
     def _list(self, what: str, pattern: re.Pattern[str]) -> set[str] | None:
         listing = self._context.run(f"list {what} {family_name(self.family)}")
@@ -133,26 +97,3 @@ class Nft:
         except NftError:
             return False
         return True
-
-
-@functools.cache
-def _libnftables() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libnftables.so.1")
-    lib.nft_ctx_new.restype = ctypes.c_void_p
-    lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
-    lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
-    lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
-    for name in ("nft_ctx_buffer_output", "nft_ctx_buffer_error"):
-        getattr(lib, name).argtypes = [ctypes.c_void_p]
-    for name in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
-        getattr(lib, name).argtypes = [ctypes.c_void_p]
-        getattr(lib, name).restype = ctypes.c_char_p
-    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    return lib
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None)
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    return libc

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from cni.nftables import NftError
 from proxyd.metrics import FamilyMetrics, Metrics
 from proxyd.model import ServicePortName
-from proxyd.nftables.kernel import Nft, NftError
+from proxyd.nftables.kernel import Nft
 from proxyd.nftables.render import SERVICES, BaseObjects, PortContext, Renderer, render_base
 from proxyd.nftables.transaction import (
     KernelTable,

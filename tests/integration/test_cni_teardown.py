@@ -1,5 +1,6 @@
 """DEL and GC are best effort: a packet filter backend or address family the attachment never
-used, missing or broken on the node, does not make them fail."""
+used, missing or broken on the node (iptables or libnftables not installed, ip6tables broken),
+does not make them fail. DEL removes every kind of rule the attachment has."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
+from cni.netconf import MASQ_BACKENDS
+from cni.nftables import LIBRARY_ENV
 from tests.integration.cni_env import bridge_conf
 
 
@@ -42,7 +47,19 @@ def test_gc_on_a_node_without_iptables(node, tmp_path):
         **bridge_conf(node.data_dir),
         "cni.dev/valid-attachments": [{"containerID": "kept", "ifname": "eth0"}],
     }
-    answer = node.call("GC", gc, env={"PATH": only_binaries(tmp_path / "bin", "ip", "nft")})
+    answer = node.call("GC", gc, env={"PATH": only_binaries(tmp_path / "bin", "ip")})
+    assert answer.code == 0, answer
+    assert node.reservations() == [kept.address()]
+    rules = node.knit_rules()
+    assert rules and all("id=kept" in r for r in rules)
+
+
+def test_gc_on_a_node_without_libnftables(node):
+    conf = bridge_conf(node.data_dir, ipMasq=True)
+    kept = node.add_pod(conf, "kept")
+    node.add_pod(conf, "stale")
+    gc = {**conf, "cni.dev/valid-attachments": [{"containerID": "kept", "ifname": "eth0"}]}
+    answer = node.call("GC", gc, env={LIBRARY_ENV: "/nonexistent/libnftables.so.1"})
     assert answer.code == 0, answer
     assert node.reservations() == [kept.address()]
     rules = node.knit_rules()
@@ -66,6 +83,14 @@ def test_del_still_reports_a_family_the_attachment_used(node, tmp_path):
     assert answer.error_code == 103 and "broken here" in answer.output["msg"], answer
     assert node.reservations() == [], "the rest of DEL ran"
     assert node.call("DEL", conf, pod).code == 0
+    assert node.leftovers() == {}
+
+
+@pytest.mark.parametrize("backend", MASQ_BACKENDS)
+def test_del_removes_both_the_masquerade_and_the_spoof_check_rules(node, backend):
+    conf = bridge_conf(node.data_dir, ipMasq=True, ipMasqBackend=backend, macspoofchk=True)
+    pod = node.add_pod(conf, "both")
+    assert node.call("DEL", node.with_prev(conf, pod), pod).code == 0
     assert node.leftovers() == {}
 
 

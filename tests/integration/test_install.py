@@ -154,7 +154,7 @@ class Runtime:
         shutil.copy2(CNIDRIVER, self.driver)
         plugin = {
             k: v
-            for k, v in bridge_conf(self.node.data_dir, ipMasq=True).items()
+            for k, v in bridge_conf(self.node.data_dir, ipMasq=True, macspoofchk=True).items()
             if k not in ("cniVersion", "name")
         }
         self.conflist = self.work / "10-knit.conflist"

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
+from cni.nftables import Context, NftError
 from deploy.lab.netns import Netns
 from proxyd.metrics import Metrics
 from proxyd.model import ServicePort, ServicePortName
 from proxyd.nftables import proxier as nftables_proxier
-from proxyd.nftables.kernel import Context, Nft, NftError
+from proxyd.nftables.kernel import Nft
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nftables.render import render_base
 from proxyd.proxier import ProgramError, ProxyOptions
