@@ -332,7 +332,8 @@ def test_the_service_account_may_watch_what_knit_watches_and_nothing_more(
         ("create", "events.events.k8s.io"),
         ("update", "nodes"),
         ("patch", "nodes/status"),
-        ("list", "pods"),
+        ("delete", "pods"),
+        ("update", "networkpolicies.networking.k8s.io"),
         ("get", "secrets"),
         ("create", "services"),
     ]:
