@@ -36,6 +36,9 @@ RECEIVE_BYTES = 1 << 16
 NETLINK_NETFILTER = 12
 """Not among the socket module's constants, nor are the two below."""
 SOL_NETLINK, NETLINK_GET_STRICT_CHK = 270, 12
+NFGENMSG = struct.Struct(">BBH")
+"""nfgenmsg, the header of every netfilter message: family, version, resource id (network
+byte order)."""
 T = TypeVar("T")
 
 

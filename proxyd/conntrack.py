@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from cni.families import ADDRESS_FAMILIES
 from cni.rawnetlink import (
     NETLINK_NETFILTER,
+    NFGENMSG,
     NetlinkSocket,
     RawNetlinkError,
     attribute,
@@ -48,8 +49,6 @@ CTNETLINK = 1 << 8
 MSG_NEW, MSG_GET, MSG_DELETE = CTNETLINK, CTNETLINK | 1, CTNETLINK | 2
 """A dump returns its entries as MSG_NEW messages."""
 MSG_GET_STATS = CTNETLINK | 5
-NFGENMSG = struct.Struct(">BBH")
-"""nfgenmsg: family, version, resource id (network byte order)."""
 CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_ID, CTA_ZONE, CTA_FILTER = 1, 2, 12, 18, 25
 CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
 CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3

@@ -121,7 +121,7 @@ class Spread:
         return f"spread-{'local-' if self.local else ''}{kind}-{self.proto}-{self.count}"
 
     def rules(self, family: int) -> Rules:
-        l3, _ = _addr(family)
+        l3, _ = address_words(family)
         key = self.frontends.endpoint_key(l3, self.proto)
         endpoints = self.frontends.endpoint_map(self.local, self.proto)
         return (
@@ -165,7 +165,7 @@ def table_of(family: int, table: str = TABLE) -> str:
     return f"{family_name(family)} {table}"
 
 
-def _addr(family: int) -> tuple[str, str]:
+def address_words(family: int) -> tuple[str, str]:
     """(the l3 match keyword, the address type)."""
     return ("ip", "ipv4_addr") if family == 4 else ("ip6", "ipv6_addr")
 
@@ -285,7 +285,7 @@ class Renderer:
 def render_service(plan: PortPlan, ctx: PortContext) -> ServiceObjects:
     port = plan.port
     names = ServiceNames(port.name)
-    l3, addr_type = _addr(ctx.family)
+    l3, addr_type = address_words(ctx.family)
     proto = port.protocol.lower()
     chains: dict[str, Rules] = {}
     elements: dict[str, dict[str, str]] = {}
@@ -371,7 +371,7 @@ def render_service(plan: PortPlan, ctx: PortContext) -> ServiceObjects:
 
 def _nodeport_match(ctx: FamilyContext) -> str | None:
     """The destination match NodePorts answer on; None: on no address at all."""
-    l3, _ = _addr(ctx.family)
+    l3, _ = address_words(ctx.family)
     if ctx.nodeport_addresses is not None:
         if not ctx.nodeport_addresses:
             return None
@@ -384,7 +384,7 @@ def _nodeport_match(ctx: FamilyContext) -> str | None:
 
 
 def render_base(ctx: FamilyContext) -> BaseObjects:
-    l3, addr_type = _addr(ctx.family)
+    l3, addr_type = address_words(ctx.family)
     mark = f"{ctx.masquerade_mark:#x}"
     by_address = f"{{ type {addr_type} . inet_proto . inet_service : verdict ; }}"
     by_port = "{ type inet_proto . inet_service : verdict ; }"
@@ -472,7 +472,7 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
 def _external_local(kind: FrontendKind, ctx: FamilyContext) -> Rules:
     """External traffic of a Local-policy frontend: pods and the node itself may use any
     endpoint (the node's own traffic masqueraded), the rest only this node's."""
-    l3, _ = _addr(ctx.family)
+    l3, _ = address_words(ctx.family)
     to_cluster = f"{kind.key(l3)} vmap @{kind.spread_map(False)}"
     from_pods = [f"{l3} saddr {ctx.cluster_cidr} {to_cluster}"] if ctx.cluster_cidr else []
     return (

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cni.rawnetlink import NETLINK_NETFILTER, NetlinkSocket, attribute, attributes
+from cni.rawnetlink import NETLINK_NETFILTER, NFGENMSG, NetlinkSocket, attribute, attributes
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,6 @@ LIMIT = "denied-log"
 ULOG_SUBSYSTEM = 4
 PACKET_MESSAGE = ULOG_SUBSYSTEM << 8
 CONFIG_MESSAGE = (ULOG_SUBSYSTEM << 8) | 1
-GENERIC = struct.Struct("=BBH")
-"""nfgenmsg: family, version, resource id (the group, big-endian)."""
 CONFIG_COMMAND, CONFIG_MODE = 1, 2
 BIND = 1
 COPY_PACKET = 2
@@ -84,7 +82,7 @@ class DenialLog:
         self._describe = describe
 
     def _subscribe(self, sock: NetlinkSocket) -> None:
-        header = GENERIC.pack(socket.AF_UNSPEC, 0, socket.htons(GROUP))
+        header = NFGENMSG.pack(socket.AF_UNSPEC, 0, GROUP)
         sock.request(CONFIG_MESSAGE, header + attribute(CONFIG_COMMAND, bytes((BIND, 0, 0, 0))))
         mode = struct.pack("!IBB", COPY_BYTES, COPY_PACKET, 0) + bytes(2)
         sock.request(CONFIG_MESSAGE, header + attribute(CONFIG_MODE, mode))
@@ -106,7 +104,7 @@ class DenialLog:
             for kind, payload in sock.messages():
                 if kind != PACKET_MESSAGE:
                     continue
-                found = attributes(payload[GENERIC.size :])
+                found = attributes(payload[NFGENMSG.size :])
                 prefix = bytes(found.get(PREFIX, b"")).rstrip(b"\0").decode(errors="replace")
                 denied = parse_packet(prefix, bytes(found.get(PAYLOAD, b"")))
                 if denied is not None:

@@ -18,9 +18,10 @@ overlap), new and rewritten chains, map elements, then removed chains and sets.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
-from proxyd.nftables.render import family_name
+from proxyd.nftables.render import address_words, family_name
 from proxyd.policy.compile import Allow, FamilyPolicy, Interval
 from proxyd.policy.denials import GROUP, LIMIT
 
@@ -31,11 +32,7 @@ EGRESS_MAP = "egress-pods"
 SELF = "self"
 FORWARD_HOOK = "type filter hook forward priority filter; policy accept;"
 ELEMENTS_PER_COMMAND = 1000
-
-
-def _words(family: int) -> tuple[str, str]:
-    """(the l3 match keyword, the address type)."""
-    return ("ip", "ipv4_addr") if family == 4 else ("ip6", "ipv6_addr")
+E = TypeVar("E")
 
 
 def _address(family: int, value: int) -> str:
@@ -56,7 +53,7 @@ class Renderer:
         self.family = family
         self.log_rate = log_rate
         self.table = f"{family_name(family)} {TABLE}"
-        self.l3, self.addr = _words(family)
+        self.l3, self.addr = address_words(family)
 
     # ------------------------------------------------------------ pieces
     def rule(self, allow: Allow, direction_verdict: str, peer_field: str) -> str:
@@ -84,6 +81,22 @@ class Renderer:
         if self.log_rate:
             rules.append(f'limit name {LIMIT} log prefix "{chain}" group {GROUP}')
         return [*rules, f"counter name {chain} drop"]
+
+    def _set_changes(
+        self,
+        name: str,
+        was: frozenset[E] | None,
+        now: frozenset[E],
+        written: Callable[[Iterable[E]], set[str]],
+        deletions: list[str],
+        additions: list[str],
+    ) -> None:
+        """A set's elements as the compiler made them (an unchanged set is the same object):
+        only what differs is written out, deletions apart from additions."""
+        was = was or frozenset()
+        if was is not now and was != now:
+            deletions += self._elements("delete", name, written(was - now))
+            additions += self._elements("add", name, written(now - was))
 
     def _peer_set_decl(self, name: str) -> str:
         return f"add set {self.table} {name} {{ type {self.addr}; flags interval; }}"
@@ -153,20 +166,19 @@ class Renderer:
             self._peer_port_set_decl(n) for n in new.peer_ports.keys() - before.peer_ports.keys()
         ]
         additions: list[str] = []
-        # the sets compared as the compiler made them (unchanged ones are the same object),
-        # and only what differs written out
         for name, now_peers in new.peers.items():
-            was_peers = before.peers.get(name, frozenset())
-            if was_peers is not now_peers and was_peers != now_peers:
-                gone, came = was_peers - now_peers, now_peers - was_peers
-                lines += self._elements("delete", name, self._peer_elements(gone))
-                additions += self._elements("add", name, self._peer_elements(came))
+            self._set_changes(
+                name, before.peers.get(name), now_peers, self._peer_elements, lines, additions
+            )
         for name, now_ports in new.peer_ports.items():
-            was_ports = before.peer_ports.get(name, frozenset())
-            if was_ports is not now_ports and was_ports != now_ports:
-                gone_ports, came_ports = was_ports - now_ports, now_ports - was_ports
-                lines += self._elements("delete", name, self._peer_port_elements(gone_ports))
-                additions += self._elements("add", name, self._peer_port_elements(came_ports))
+            self._set_changes(
+                name,
+                before.peer_ports.get(name),
+                now_ports,
+                self._peer_port_elements,
+                lines,
+                additions,
+            )
         lines += additions
         for chain in new.chains:
             if chain not in before.chains:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from cni.rawnetlink import DONE, attribute
+from cni.rawnetlink import DONE, NFGENMSG, attribute
 from proxyd import conntrack
 from proxyd.conntrack import (
     CTA_ID,
@@ -17,7 +17,6 @@ from proxyd.conntrack import (
     CTA_TUPLE_REPLY,
     CTA_ZONE,
     MSG_NEW,
-    NFGENMSG,
     PORT,
 )
 from tests.unit.netlink_script import ScriptedKernel, message, scripted
