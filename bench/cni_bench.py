@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench import record
 from deploy.lab.paths import CNIDRIVER, REFERENCE_PLUGINS, ROOT
 
 PREFIX = f"kb{os.getpid()}"
@@ -160,11 +161,30 @@ def startup_breakdown(launcher_dir: Path) -> dict[str, float]:
     }
 
 
-def report(options: argparse.Namespace, samples: dict, served: dict, breakdown: dict) -> None:
-    ms = {
-        name: {verb: statistics.median(samples[name][verb]) * 1000 for verb in VERBS}
-        for name in CONTENDERS
-    }
+def figures(samples: dict, served: dict, breakdown: dict) -> list[dict[str, object]]:
+    """One figure per verb: each contender's median ms, knit's ratios to the reference, and
+    the fast path's daemon work; then where a call's start-up time goes."""
+    rows: list[dict[str, object]] = []
+    for verb in VERBS:
+        ms = {name: statistics.median(samples[name][verb]) * 1000 for name in CONTENDERS}
+        daemon = statistics.median(served[verb]) * 1000 if served.get(verb) else None
+        rows.append(
+            {
+                "verb": verb.upper(),
+                "reference_ms": round(ms["reference"], 1),
+                "knit_ms": round(ms["knit"], 1),
+                "knit_ratio": round(ms["knit"] / ms["reference"], 2),
+                "knit_fast_ms": round(ms["knit-fast"], 1),
+                "knit_fast_ratio": round(ms["knit-fast"] / ms["reference"], 2),
+                "knit_fast_daemon_ms": None if daemon is None else round(daemon, 1),
+                "knit_fast_rest_ms": None if daemon is None else round(ms["knit-fast"] - daemon, 1),
+            }
+        )
+    rows.append({name: round(seconds * 1000, 1) for name, seconds in breakdown.items()})
+    return rows
+
+
+def report(options: argparse.Namespace, rows: list[dict[str, object]]) -> None:
     settings = ", ipMasq" if options.ip_masq else ""
     if options.nat_rules:
         settings += f", {options.nat_rules} other nat rules"
@@ -173,20 +193,35 @@ def report(options: argparse.Namespace, samples: dict, served: dict, breakdown: 
     rounds = f"{options.pods} pods x {options.rounds} rounds"
     print(f"{rounds} via libcni{settings} (median ms per call)")
     print(f"{'verb':6} {'reference':>10} {'knit':>8} {'ratio':>6} {'knit-fast':>10} {'ratio':>6}")
-    for verb in VERBS:
-        ref = ms["reference"][verb]
-        ours, fast = ms["knit"][verb], ms["knit-fast"][verb]
-        print(f"{verb:6} {ref:10.1f} {ours:8.1f} {ours / ref:6.2f} {fast:10.1f} {fast / ref:6.2f}")
+    *verbs, breakdown = rows
+    for row in verbs:
+        print(
+            f"{row['verb']:6} {row['reference_ms']:10} {row['knit_ms']:8} {row['knit_ratio']:6}"
+            f" {row['knit_fast_ms']:10} {row['knit_fast_ratio']:6}"
+        )
     print("fast path, median ms: call through libcni = daemon's work + the rest")
-    for verb in VERBS:
-        daemon = statistics.median(served[verb]) * 1000 if served.get(verb) else float("nan")
-        fast = ms["knit-fast"][verb]
-        print(f"  {verb:6} {fast:6.1f} = {daemon:5.1f} + {fast - daemon:5.1f}")
+    for row in verbs:
+        print(
+            f"  {row['verb']:6} {row['knit_fast_ms']} = {row['knit_fast_daemon_ms']}"
+            f" + {row['knit_fast_rest_ms']}"
+        )
     print(
-        f"bare interpreter (-I -S): {breakdown['interpreter'] * 1000:.1f} ms; in-process "
-        f"VERSION call (interpreter + plugin modules): {breakdown['version_call'] * 1000:.1f} ms; "
-        f"importing pyroute2: {breakdown['pyroute2_import'] * 1000:.1f} ms"
+        f"bare interpreter (-I -S): {breakdown['interpreter']} ms; in-process "
+        f"VERSION call (interpreter + plugin modules): {breakdown['version_call']} ms; "
+        f"importing pyroute2: {breakdown['pyroute2_import']} ms"
     )
+
+
+def variant(options: argparse.Namespace) -> str:
+    """The part of the result file's name saying how the run differs from the default one."""
+    parts = ["ip-masq"] if options.ip_masq else []
+    if options.nat_rules:
+        parts.append(f"nat-rules-{options.nat_rules}")
+    if options.node_addresses:
+        parts.append(f"node-addresses-{options.node_addresses}")
+    if (options.pods, options.rounds) != (20, 3):
+        parts.append(f"pods-{options.pods}x{options.rounds}")
+    return "-".join(parts)
 
 
 def main() -> None:
@@ -196,7 +231,9 @@ def main() -> None:
     parser.add_argument("--ip-masq", action="store_true")
     parser.add_argument("--nat-rules", type=int, default=0)
     parser.add_argument("--node-addresses", type=int, default=0)
+    record.add_json_option(parser)
     options = parser.parse_args()
+    began_at = record.revision()
     node = f"{PREFIX}-node"
     pods = [f"{PREFIX}-pod{i}" for i in range(options.pods)]
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in CONTENDERS}
@@ -235,7 +272,9 @@ def main() -> None:
             for ns in [node, *pods]:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         breakdown = startup_breakdown(plain)
-    report(options, samples, served, breakdown)
+    rows = figures(samples, served, breakdown)
+    report(options, rows)
+    record.write(record.result_path(options.json, "cni", variant(options)), rows, began_at)
 
 
 if __name__ == "__main__":

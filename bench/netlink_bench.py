@@ -35,6 +35,7 @@ from typing import Any
 from pyroute2 import Conntrack, IPRoute
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
+from bench import record
 from cni.addresses import link_addresses
 from deploy.lab.conntrack_entries import add_entry
 from deploy.lab.netns import Netns, namespaces
@@ -58,17 +59,30 @@ def median_ms(fn: Callable[[], Any], rounds: int) -> float:
     return statistics.median(times) * 1000
 
 
-def report(figure: str, value: float, anchor_name: str, anchor: float) -> None:
-    print(
-        f"{figure}: {value:.1f} ms | anchor {anchor_name} {anchor:.1f} ms | {value / anchor:.2f}x"
-    )
+class Figures(list[dict[str, object]]):
+    """The run's figures, each printed as it is measured."""
+
+    def report(self, figure: str, value: float, anchor_name: str, anchor: float) -> None:
+        print(
+            f"{figure}: {value:.1f} ms | anchor {anchor_name} {anchor:.1f} ms"
+            f" | {value / anchor:.2f}x"
+        )
+        self.append(
+            {
+                "figure": figure,
+                "knit_ms": round(value, 2),
+                "anchor": anchor_name,
+                "anchor_ms": round(anchor, 2),
+                "ratio": round(value / anchor, 2),
+            }
+        )
 
 
 def host(index: int, network: str) -> str:
     return f"{network}.{index // 250}.{index % 250 + 1}"
 
 
-def addresses(node: Netns, count: int, rounds: int) -> None:
+def addresses(node: Netns, count: int, rounds: int, figures: Figures) -> None:
     node.run("ip", "link", "add", names.DUMMY, "type", "bridge")
     batch = [f"link set {names.DUMMY} up"]
     batch += [f"addr add {host(i, '10.96')}/32 dev {names.DUMMY}" for i in range(count)]
@@ -86,7 +100,7 @@ def addresses(node: Netns, count: int, rounds: int) -> None:
             ipr.get_addr(family=socket.AF_INET)
 
         anchor = median_ms(pyroute2_read, rounds)
-        report(
+        figures.report(
             f"the node's addresses split at the dummy, {count} on it",
             median_ms(lambda: dummy.node_addresses(link_addresses(4)), rounds),
             f"pyroute2's get_addr of {count + OTHER_LINKS + 1}",
@@ -118,7 +132,7 @@ def pyroute2_clean(ct: Conntrack, frontends: UdpFrontends) -> int:
     return len(stale)
 
 
-def conntrack(node: Netns, count: int, rounds: int) -> None:
+def conntrack(node: Netns, count: int, rounds: int, figures: Figures) -> None:
     both = UdpFrontends(4, by_address={DNS: {ENDPOINT, GONE}})
     other = UdpFrontends(4, by_address={("10.96.0.11", 5353): {ENDPOINT}})
     one = UdpFrontends(4, by_address={DNS: {ENDPOINT}})
@@ -130,7 +144,7 @@ def conntrack(node: Netns, count: int, rounds: int) -> None:
             (f"clean-up of the DNS service, none of its {count} entries stale", both),
             (f"clean-up of a UDP service on another port, beside the {count}", other),
         ):
-            report(
+            figures.report(
                 figure,
                 median_ms(lambda f=frontends: clear_stale(f), rounds),
                 "pyroute2's",
@@ -145,7 +159,7 @@ def conntrack(node: Netns, count: int, rounds: int) -> None:
                 took[name].append(time.monotonic() - began)
                 assert deleted == len(gone)
                 add_entries(ct, gone)
-        report(
+        figures.report(
             f"clean-up of the DNS service deleting {len(gone)} of its {count} entries",
             statistics.median(took["knit"]) * 1000,
             "pyroute2's",
@@ -153,7 +167,7 @@ def conntrack(node: Netns, count: int, rounds: int) -> None:
         )
 
 
-def overlay_peers(node: Netns, count: int, rounds: int) -> None:
+def overlay_peers(node: Netns, count: int, rounds: int, figures: Figures) -> None:
     local = NodeNet("local", ("10.244.0.0/24",), ("10.77.1.11",))
     peers = [
         NodeNet(f"peer{i}", (f"10.{100 + i // 250}.{i % 250}.0/24",), (host(i, "10.78"),))
@@ -186,7 +200,7 @@ def overlay_peers(node: Netns, count: int, rounds: int) -> None:
             table.apply(local, plan, 1450)
             return time.monotonic() - began
 
-        report(
+        figures.report(
             f"node networking's apply of {count} VXLAN peers, unchanged",
             median_ms(lambda: table.apply(local, plan, 1450), rounds),
             "the same apply writing every peer's entries",
@@ -200,7 +214,10 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=10000)
     parser.add_argument("--peers", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=5)
+    record.add_json_option(parser)
     options = parser.parse_args()
+    began_at = record.revision()
+    figures = Figures()
     steps = (
         (addresses, options.addresses),
         (conntrack, options.entries),
@@ -208,7 +225,11 @@ def main() -> None:
     )
     with namespaces("knb-") as make_netns:
         for step, count in steps:
-            step(make_netns("node"), count, options.rounds)
+            step(make_netns("node"), count, options.rounds, figures)
+    defaults = (10000, 10000, 500, 5)
+    chosen = (options.addresses, options.entries, options.peers, options.rounds)
+    variant = "" if chosen == defaults else "-".join(map(str, chosen))
+    record.write(record.result_path(options.json, "netlink", variant), figures, began_at)
 
 
 if __name__ == "__main__":

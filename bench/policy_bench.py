@@ -19,16 +19,14 @@ each step it measures:
   (sequential connect + reset) from the client to the selected server against the server no
   policy selects, alternating, paired.
 
-`--json FILE` writes every figure with its command, commit and machine.
+Every figure goes, with its command, commit and machine, into docs/results/<date>-policy.json
+(or the file `--json` names).
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
-import os
-import platform
 import re
 import shutil
 import statistics
@@ -42,7 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.proxy_bench import CLIENT_LOOP, SERVER, in_netns, revision
+from bench import record
+from bench.proxy_bench import CLIENT_LOOP, SERVER, in_netns
 from cni.nftables import NftError
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane, start
@@ -409,23 +408,18 @@ def main() -> None:
         "--pods", type=lambda text: [int(n) for n in text.split(",")], default=list(SIZES),
         help="pod counts to measure at, in growing order (default 1000,10000)",
     )  # fmt: skip
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    record.add_json_option(parser)
     options = parser.parse_args()
+    began_at = record.revision()
     folder = Path(tempfile.mkdtemp(prefix="policy-bench-"))
     try:
         figures = run(options, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(table(figures))
-    if options.json:
-        record = {
-            "command": " ".join(["python -m bench.policy_bench", *sys.argv[1:]]),
-            "commit": revision(),
-            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
-            "date": time.strftime("%Y-%m-%d"),
-            "figures": [asdict(figure) for figure in figures],
-        }
-        options.json.write_text(json.dumps(record, indent=2) + "\n")
+    variant = "" if options.pods == list(SIZES) else "pods-" + "-".join(map(str, options.pods))
+    path = record.result_path(options.json, "policy", variant)
+    record.write(path, [asdict(figure) for figure in figures], began_at)
 
 
 if __name__ == "__main__":

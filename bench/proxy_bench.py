@@ -80,12 +80,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kubernetes import client, config
 
+from bench import record
 from cni.families import IP_FAMILIES
 from cni.firewall import detect_iptables_flavour
 from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent, start
@@ -99,7 +100,6 @@ from deploy.lab.kube import (
     slice_object,
 )
 from deploy.lab.netns import Netns, namespaces
-from deploy.lab.paths import ROOT
 from deploy.lab.process import eventually
 from deploy.lab.proxyd_node import NodeFiles, launch_proxyd, proxyd_flags
 from proxyd.config import load as load_config
@@ -208,12 +208,6 @@ def ms(seconds: float) -> str:
 
 def secs(seconds: float) -> str:
     return f"{seconds:.2f} s"
-
-
-def revision() -> str:
-    return subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
-    ).stdout.strip()
 
 
 def service_name(index: int) -> str:
@@ -1096,6 +1090,7 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="run the daemon under cProfile, print its top"
     )
+    record.add_json_option(parser)
     options = parser.parse_args()
     sizes = sorted(int(size) for size in options.sizes.split(","))
     names = options.modes.split(",")
@@ -1105,7 +1100,7 @@ def main() -> None:
     modes = [available[name] for name in names]
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda number, _: sys.exit(128 + number))
-    began_at = revision()
+    began_at = record.revision()
     print(f"at {began_at}", flush=True)
     with tempfile.TemporaryDirectory(prefix="knit-proxy-bench-") as tmp, ExitStack() as stack:
         work = Path(tmp)
@@ -1136,8 +1131,24 @@ def main() -> None:
         "through a node without rules (what any NAT costs here)"
     )
     print(f"command: {shlex.join(sys.orig_argv)} (at {began_at})")
-    if (ended_at := revision()) != began_at:
+    if (ended_at := record.revision()) != began_at:
         print(f"WARNING: the tree changed during the run: {began_at} at the start, {ended_at} now")
+    path = record.result_path(options.json, "proxy", variant(options))
+    record.write(path, [asdict(row) for row in bench.report.rows], began_at)
+
+
+def variant(options: argparse.Namespace) -> str:
+    """The part of the result file's name saying how the run differs from the default one."""
+    parts = []
+    if options.sizes != "1000,10000":
+        parts.append("sizes-" + options.sizes.replace(",", "-"))
+    if options.modes != ",".join(MODES):
+        parts.append(options.modes.replace(",", "-"))
+    if options.flavour != "nft":
+        parts.append(options.flavour)
+    if options.quick:
+        parts.append("quick")
+    return "-".join(parts)
 
 
 if __name__ == "__main__":
