@@ -16,13 +16,23 @@ it ended.
 from __future__ import annotations
 
 import re
+import socket
+import struct
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from cni.nftables import Context, NftError, malloc_trim
+from cni.rawnetlink import NETLINK_NETFILTER, NFGENMSG, NetlinkSocket, attribute, attributes
 from proxyd.nftables.render import TABLE, family_name, table_of
 
 CHAIN_LINE = re.compile(r"^\s*chain (\S+) \{", re.MULTILINE)
+NFT_MSG_GETOBJ = (10 << 8) | 19
+"""nf_tables' subsystem, and its message asking for stateful objects."""
+NFTA_OBJ_TABLE, NFTA_OBJ_NAME, NFTA_OBJ_TYPE, NFTA_OBJ_DATA = 1, 2, 3, 4
+NFT_OBJECT_COUNTER = 1
+NFTA_COUNTER_PACKETS = 2
+NFPROTO = {4: socket.AF_INET, 6: socket.AF_INET6}
+"""The netfilter families of ip and ip6 tables have the address families' numbers."""
 SET_OR_MAP_LINE = re.compile(r"^\s*(?:set|map) (\S+) \{", re.MULTILINE)
 
 
@@ -83,10 +93,6 @@ class Nft:
             self._list("maps", SET_OR_MAP_LINE) or set()
         )
 
-    def counters(self) -> str:
-        """The listing of the table's named counters."""
-        return self._context.run(f"list counters table {self.table}")
-
     def chain(self, name: str) -> str:
         """One chain's listing (its rules)."""
         return self._context.run(f"list chain {self.table} {name}")
@@ -97,3 +103,26 @@ class Nft:
         except NftError:
             return False
         return True
+
+
+def counter_packets(family: int, table: str) -> dict[str, int]:
+    """The packets each named counter of one of the family's tables counted, by name, read
+    with one netlink dump the kernel filters to that table's counters. (nft's `list
+    counters` first caches every rule of every table: 2-3 s on a node whose iptables-nft
+    holds 100,000 rules, which a metrics scrape must not cost.)"""
+    name = table.encode() + b"\0"
+    request = NFGENMSG.pack(NFPROTO[family], 0, 0)
+    request += attribute(NFTA_OBJ_TABLE, name)
+    request += attribute(NFTA_OBJ_TYPE, struct.pack(">I", NFT_OBJECT_COUNTER))
+
+    def read(_: int, payload: memoryview) -> tuple[str, int] | None:
+        found = attributes(payload[NFGENMSG.size :])
+        if bytes(found.get(NFTA_OBJ_TABLE, b"")) != name or NFTA_OBJ_DATA not in found:
+            return None
+        packets = attributes(found[NFTA_OBJ_DATA]).get(NFTA_COUNTER_PACKETS)
+        if packets is None or len(packets) != 8:
+            return None
+        return bytes(found[NFTA_OBJ_NAME]).rstrip(b"\0").decode(), struct.unpack(">Q", packets)[0]
+
+    with NetlinkSocket(NETLINK_NETFILTER) as sock:
+        return dict(sock.dump(NFT_MSG_GETOBJ, request, read))

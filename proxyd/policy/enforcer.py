@@ -12,14 +12,13 @@ while one runs are taken together by the next.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
 
 from proxyd.metrics import Metrics
-from proxyd.nftables.kernel import Nft
+from proxyd.nftables.kernel import Nft, counter_packets
 from proxyd.policy.compile import FamilyCompiler, FamilyPolicy
 from proxyd.policy.denials import DenialLog
 from proxyd.policy.render import TABLE, Renderer
@@ -28,7 +27,6 @@ from proxyd.runner import BoundedFrequencyRunner
 
 log = logging.getLogger(__name__)
 
-COUNTER = re.compile(r"counter (\S+) \{\s*packets (\d+) bytes \d+")
 DeniedKey = tuple[str, str, str]
 """(direction, namespace, the isolating policies' names joined by commas)."""
 
@@ -88,19 +86,18 @@ class PolicyEnforcer:
 
     def denied(self) -> Counter[DeniedKey]:
         """Packets the pod chains dropped, by what denied them, read from the kernel's
-        counters through a context of the calling thread (the sync thread has its own)."""
+        counters."""
         totals: Counter[DeniedKey] = Counter()
         for family in self.families:
             written = self._written[family]
             if written is None:
                 continue
-            listing = Nft(family, TABLE).counters()
-            for chain, packets in COUNTER.findall(listing):
+            for chain, packets in counter_packets(family, TABLE).items():
                 owner = written.owners.get(chain)
                 if owner is not None:
                     direction = "ingress" if chain.startswith("ingress") else "egress"
                     policies = ",".join(sorted(written.isolating[chain]))
-                    totals[direction, owner[0], policies] += int(packets)
+                    totals[direction, owner[0], policies] += packets
         return totals
 
     def describe(self, chain: str) -> str | None:

@@ -21,7 +21,7 @@ from deploy.lab.netns import Netns
 from proxyd.metrics import Metrics
 from proxyd.model import ServicePort, ServicePortName
 from proxyd.nftables import proxier as nftables_proxier
-from proxyd.nftables.kernel import Nft
+from proxyd.nftables.kernel import Nft, counter_packets
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nftables.render import render_base
 from proxyd.proxier import ProgramError, ProxyOptions
@@ -218,6 +218,23 @@ def test_the_names_listed_are_our_tables_chains_and_named_sets_and_maps(
         assert (Nft(6).chains(), Nft(6).sets()) == ({"c6"}, {"s6"})
         assert (Nft(4, "bare").chains(), Nft(4, "bare").sets()) == (set(), set())
         assert (Nft(4, "missing").chains(), Nft(4, "missing").sets()) == (None, set())
+
+
+def test_named_counters_are_read_of_one_table_of_one_family(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns = make_netns("knit-nft")
+    ns.run(
+        "nft",
+        "add table ip knit { counter a { packets 5 bytes 300 ; } ; counter b { } ; "
+        "quota q { 100 bytes ; } ; } ; "
+        "add table ip other { counter a { packets 9 bytes 300 ; } ; } ; "
+        "add table ip6 knit { counter c { packets 7 bytes 300 ; } ; }",
+    )
+    with ns.entered():
+        assert counter_packets(4, "knit") == {"a": 5, "b": 0}
+        assert counter_packets(6, "knit") == {"c": 7}
+        assert counter_packets(4, "missing") == {}
 
 
 def test_the_context_follows_what_others_wrote_and_writes_where_it_was_opened(
