@@ -276,6 +276,13 @@ class Daemon:
                 state.policy_event,
                 self.stop,
             ),
+            watch.Reflector(
+                api,
+                watch.cluster_network_policies(),
+                state.replace_cluster_policies,
+                state.cluster_policy_event,
+                self.stop,
+            ),
         ]
 
     def _remove_other_modes(self) -> None:

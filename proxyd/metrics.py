@@ -27,7 +27,7 @@ DENIED_LABELS = ("direction", "namespace", "policies")
 
 
 class DeniedPackets(Collector):
-    """Packets NetworkPolicy denied, read from the kernel's counters at each scrape."""
+    """Packets the policies denied, read from the kernel's counters at each scrape."""
 
     def __init__(self, read: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
         self._read = read
@@ -35,8 +35,9 @@ class DeniedPackets(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(
             "knit_network_policy_denied_packets",
-            "Packets dropped because no NetworkPolicy isolating the pod allowed them, by "
-            "direction, the pod's namespace and the policies isolating it",
+            "Packets dropped by a ClusterNetworkPolicy's Deny or because no NetworkPolicy "
+            "isolating the pod allowed them, by direction, the pod's namespace and the "
+            "policies judging the pod",
             labels=DENIED_LABELS,
         )
         for labels, packets in sorted(self._read().items()):

@@ -45,6 +45,9 @@ class Resource:
     trim: Callable[[Obj], Obj] = _whole
     """What of each listed object to keep, applied as each page arrives: a list of 10,000
     pods, each with its managedFields, holds ~150 MiB at once otherwise."""
+    optional: bool = False
+    """A custom resource that may not be installed: while the API server does not serve it
+    (404), it is listed as empty, and looked for again every MAX_BACKOFF seconds."""
 
 
 def services() -> Resource:
@@ -73,8 +76,20 @@ def network_policies() -> Resource:
     return Resource("NetworkPolicy", "/apis/networking.k8s.io/v1/networkpolicies")
 
 
+def cluster_network_policies() -> Resource:
+    return Resource(
+        "ClusterNetworkPolicy",
+        "/apis/policy.networking.k8s.io/v1alpha2/clusternetworkpolicies",
+        optional=True,
+    )
+
+
 class Gone(Exception):
     """The watch's resourceVersion is too old: relist."""
+
+
+class NotServed(Exception):
+    """The API server does not serve the resource (404)."""
 
 
 class Reflector:
@@ -101,6 +116,8 @@ class Reflector:
             auth_settings=["BearerToken"],
         )
         response = self._api.call_api(method, url, header_params=headers, _request_timeout=timeout)
+        if response.status == 404 and self._resource.optional:
+            raise NotServed(self._resource.path)
         if response.status != 200:
             body = response.read()
             raise ConnectionError(
@@ -170,6 +187,12 @@ class Reflector:
                 self._watch(resource_version)
             except Gone as err:
                 log.info("%s watch expired (%s); relisting", self._resource.kind, err)
+            except NotServed:
+                log.info(
+                    "%s is not served; looking again in %.0fs", self._resource.kind, MAX_BACKOFF
+                )
+                self._on_replace([])
+                self._stop.wait(MAX_BACKOFF)
             except Exception as err:
                 log.warning(
                     "%s list/watch failed (%s); retrying in %.1fs",

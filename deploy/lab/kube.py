@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes.client import ApiClient
 from kubernetes.config import new_client_from_config
 
 from proxyd.model import ZONE_LABEL
 
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 SERVICES = "/api/v1/namespaces/default/services"
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
 NODES = "/api/v1/nodes"
@@ -64,6 +67,19 @@ class Kube:
         work, which pods need and a control plane without controllers does not do)."""
         self.create("/api/v1/namespaces", {"metadata": {"name": name, "labels": labels or {}}})
         self.create(f"/api/v1/namespaces/{name}/serviceaccounts", {"metadata": {"name": "default"}})
+
+    def install_crd(self, manifest: Path, timeout: float = 30) -> str:
+        """The CustomResourceDefinition of a manifest, created and waited for until it is
+        served; its path, for delete()."""
+        created = self.create(CRDS, yaml.safe_load(manifest.read_text()))
+        path = f"{CRDS}/{created['metadata']['name']}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            conditions = (self.call("GET", path).get("status") or {}).get("conditions") or []
+            if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+                return path
+            time.sleep(0.2)
+        raise TimeoutError(f"{path} not established after {timeout} s")
 
     def create_running_pod(
         self, namespace: str, pod: dict[str, Any], addresses: Sequence[str]

@@ -1,13 +1,17 @@
 """Pure: the policies, pods and namespaces of the cluster -> what this node enforces, per IP
 family, in the terms of nftables' sets and rules.
 
-Each isolated direction of a pod on this node gets a chain holding one allowing rule per
-(policy rule, port) that selects it; the packet reaches that chain through a verdict map
-keyed by the pod's address, so the cost of the first packet does not grow with the number of
-pods. A rule's peers are a named interval set of addresses (pods by selector and ipBlocks,
-with `except` carved out), named after what the peers say, so every rule of every policy
-with the same peers shares one set (computed once), and a pod's label change adds or removes
-elements and leaves the chains as they are.
+Each direction of a pod on this node that any policy judges gets a chain: first the Admin
+tier's ClusterNetworkPolicy rules that select the pod (by priority, then name, then as
+written), then either the allowing rules of the NetworkPolicies isolating the pod in that
+direction, anything else dropped, or, when none isolates it, the Baseline tier's rules,
+anything else allowed. An Admin Pass jumps over the Admin rules after it, to a second chain
+holding the rest. The packet reaches the pod's chain through a verdict map keyed by the pod's
+address, so the cost of the first packet does not grow with the number of pods. A rule's
+peers are a named interval set of addresses (pods by selector and ipBlocks or networks, with
+`except` carved out), named after what the peers say, so every rule of every policy with the
+same peers shares one set (computed once), and a pod's label change adds or removes elements
+and leaves the chains as they are.
 
 Named ports resolve against the pod that receives the traffic: for ingress that is the
 chain's own pod, so they become numbers in its chain; for egress it is the peer, so they
@@ -26,7 +30,9 @@ from dataclasses import dataclass, field
 
 from proxyd.model import family_of
 from proxyd.naming import short_hash
+from proxyd.policy.cluster_model import ACCEPT, ADMIN, BASELINE, DENY, ClusterNetworkPolicy
 from proxyd.policy.model import (
+    DIRECTIONS,
     INGRESS,
     IpBlock,
     Namespace,
@@ -34,43 +40,61 @@ from proxyd.policy.model import (
     Peer,
     Pod,
     PortMatch,
-    Rule,
 )
 
 PodKey = tuple[str, str]
 Interval = tuple[int, int]
+PeersKey = tuple[str, tuple[Peer, ...]]
+ALLOW = "allow"
+DROP = "drop"
+NEXT = "next"
+"""Verdicts: let the packet on (to the receiver's ingress, after an egress chain), drop it
+(counted), or go to the pod's next chain (an Admin Pass)."""
 
 
 @dataclass(frozen=True)
-class Allow:
-    """Traffic one rule allows into (or out of) a pod: from `peers` (a peer set's name; None
+class Match:
+    """Traffic one rule matches into (or out of) a pod: from `peers` (a peer set's name; None
     any address), on `protocol` (None any) and ports `first`..`last` (None: any), or to the
-    (address . protocol . port) elements of the peer-port set `peer_ports`."""
+    (address . protocol . port) elements of the peer-port set `peer_ports`; and what is done
+    with it."""
 
     peers: str | None = None
     protocol: str | None = None
     first: int | None = None
     last: int | None = None
     peer_ports: str | None = None
+    verdict: str = ALLOW
+
+
+@dataclass(frozen=True)
+class PodChain:
+    """A pod chain: its matches in order, then `otherwise`; `counter` (the pod's first chain)
+    counts what it drops, `next` is where NEXT goes."""
+
+    matches: tuple[Match, ...]
+    otherwise: str
+    counter: str
+    next: str | None = None
 
 
 @dataclass
 class FamilyPolicy:
     """What one family's table must hold."""
 
-    chains: dict[str, tuple[Allow, ...]] = field(default_factory=dict)
-    """Pod chain name -> its allowing rules (anything else is dropped)."""
+    chains: dict[str, PodChain] = field(default_factory=dict)
+    """Pod chain name -> its rules; a chain comes after the chains it goes to."""
     ingress: dict[str, str] = field(default_factory=dict)
-    """Address of a pod isolated for ingress -> its chain."""
+    """Address of a pod judged for ingress -> its first chain."""
     egress: dict[str, str] = field(default_factory=dict)
     peers: dict[str, frozenset[Interval]] = field(default_factory=dict)
     """Peer set name -> its address intervals (inclusive, as integers)."""
     peer_ports: dict[str, frozenset[tuple[str, str, int]]] = field(default_factory=dict)
     """Peer-port set name -> (address, protocol, port) elements."""
     owners: dict[str, PodKey] = field(default_factory=dict)
-    """Pod chain name -> its pod, for comments."""
+    """A pod's first chain (the counter's name) -> its pod, for comments and metrics."""
     isolating: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Pod chain name -> the policies isolating its pod in its direction, for metrics."""
+    """A pod's first chain -> the policies judging its pod in its direction, for metrics."""
     local: frozenset[str] = frozenset()
     """Addresses of this node's pods: a pod's traffic to itself always passes."""
 
@@ -81,6 +105,7 @@ class Cluster:
     pods: Mapping[PodKey, Pod]
     namespaces: Mapping[str, Namespace]
     policies: tuple[NetworkPolicy, ...]
+    cluster_policies: tuple[ClusterNetworkPolicy, ...] = ()
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -89,11 +114,11 @@ def chain_name(direction: str, pod: PodKey) -> str:
     return f"{prefix}-{short_hash('/'.join(pod))}"
 
 
-def _peers_key(policy: NetworkPolicy, peers: tuple[Peer, ...]) -> tuple[str, tuple[Peer, ...]]:
+def _peers_key(namespace: str, peers: tuple[Peer, ...]) -> PeersKey:
     """What the peers select, equal for equal selections: a pod peer without a namespace
-    selector means the policy's own namespace."""
+    selector means the policy's own namespace (a cluster policy has none)."""
     own = any(peer.block is None and peer.namespaces is None for peer in peers)
-    return (policy.namespace if own else "", peers)
+    return (namespace if own else "", peers)
 
 
 def _intervals(block: IpBlock, family: int) -> list[Interval]:
@@ -284,13 +309,13 @@ class FamilyCompiler:
 
     def __init__(self, family: int) -> None:
         self.family = family
-        self._peer_sets: dict[tuple[str, tuple[Peer, ...]], _PeerSet] = {}
+        self._peer_sets: dict[PeersKey, _PeerSet] = {}
         self.port_sets: dict[str, tuple[_PeerSet | None, PortMatch]] = {}
         """The last compile's peer-port sets: what each was made from."""
         self.local: set[PodKey] = set()
         """The last compile's pods of this node."""
         self._last: FamilyPolicy | None = None
-        self._last_policies: tuple[NetworkPolicy, ...] = ()
+        self._last_policies: tuple[NetworkPolicy | ClusterNetworkPolicy, ...] = ()
         self.index = _PodIndex(family)
 
     def compile(self, cluster: Cluster, changed_pods: Iterable[PodKey] | None) -> FamilyPolicy:
@@ -307,14 +332,14 @@ class FamilyCompiler:
                 self._last = self._refreshed(self._last, cluster, bool(changed))
                 return self._last
         self._last = _Run(self, cluster).result()
-        self._last_policies = cluster.policies
+        self._last_policies = (*cluster.policies, *cluster.cluster_policies)
         return self._last
 
     def _chains_hold(self, cluster: Cluster, changed: set[PodKey]) -> bool:
         """Whether the last compile's chains and maps still hold: the same policies (the
         same objects: the state replaces a policy's object when it changes) and no change to
         a pod of this node."""
-        policies = cluster.policies
+        policies = (*cluster.policies, *cluster.cluster_policies)
         if len(policies) != len(self._last_policies) or any(
             now is not was for now, was in zip(policies, self._last_policies, strict=True)
         ):
@@ -355,9 +380,11 @@ class FamilyCompiler:
                     entry.add(key, pod, address[1])
 
     def peer_set(
-        self, cluster: Cluster, policy: NetworkPolicy, peers: tuple[Peer, ...], run: _Run
+        self, cluster: Cluster, namespace: str, peers: tuple[Peer, ...], run: _Run
     ) -> _PeerSet:
-        key = _peers_key(policy, peers)
+        """The set of the peers of a rule of a policy of `namespace` ("" for a cluster
+        policy)."""
+        key = _peers_key(namespace, peers)
         entry = self._peer_sets.get(key)
         if entry is None:
             blocks = merged(
@@ -377,7 +404,7 @@ class FamilyCompiler:
         run.used.add(key)
         return entry
 
-    def forget_unused(self, used: set[tuple[str, tuple[Peer, ...]]]) -> None:
+    def forget_unused(self, used: set[PeersKey]) -> None:
         for key in self._peer_sets.keys() - used:
             del self._peer_sets[key]
 
@@ -390,31 +417,42 @@ class _Run:
         self.cluster = cluster
         self.family = compiler.family
         self.out = FamilyPolicy()
-        self.used: set[tuple[str, tuple[Peer, ...]]] = set()
+        self.used: set[PeersKey] = set()
 
-    def allows(self, policy: NetworkPolicy, direction: str, rule: Rule, pod: Pod) -> list[Allow]:
+    def matches(
+        self,
+        namespace: str,
+        direction: str,
+        rule_peers: tuple[Peer, ...] | None,
+        rule_ports: tuple[PortMatch, ...] | None,
+        pod: Pod,
+        verdict: str = ALLOW,
+    ) -> list[Match]:
+        """What one rule of a policy of `namespace` ("" for a cluster policy) matches for
+        the pod."""
         entry = None
-        if rule.peers is not None:
-            entry = self.compiler.peer_set(self.cluster, policy, rule.peers, self)
+        if rule_peers is not None:
+            entry = self.compiler.peer_set(self.cluster, namespace, rule_peers, self)
             self.out.peers[entry.name] = entry.intervals
         peers = entry.name if entry is not None else None
-        if rule.ports is None:
-            return [Allow(peers)]
-        allows = []
-        for port in rule.ports:
+        if rule_ports is None:
+            return [Match(peers, verdict=verdict)]
+        matches = []
+        for port in rule_ports:
             protocol = port.protocol.lower()
             if port.name and direction == INGRESS:
                 number = pod.port_named(port.name, port.protocol)
                 if number is not None:
-                    allows.append(Allow(peers, protocol, number, number))
+                    matches.append(Match(peers, protocol, number, number, verdict=verdict))
             elif port.name:
                 # egress: the name resolves on each destination pod among the peers
-                allows.append(Allow(peer_ports=self.peer_ports(entry, port)))
+                matches.append(Match(peer_ports=self.peer_ports(entry, port), verdict=verdict))
             elif port.number is not None:
-                allows.append(Allow(peers, protocol, port.number, port.end or port.number))
+                last = port.end or port.number
+                matches.append(Match(peers, protocol, port.number, last, verdict=verdict))
             else:
-                allows.append(Allow(peers, protocol))
-        return allows
+                matches.append(Match(peers, protocol, verdict=verdict))
+        return matches
 
     def peer_ports(self, entry: _PeerSet | None, port: PortMatch) -> str:
         """The name of the set of (address . protocol . port) of the named port on each peer
@@ -427,6 +465,69 @@ class _Run:
         self.compiler.port_sets[name] = (entry, port)
         return name
 
+    def cluster_rules(
+        self, policies: list[ClusterNetworkPolicy], direction: str, pod: Pod, passing: str
+    ) -> tuple[list[Match], list[str]]:
+        """The matches of a tier's rules that apply to the pod, in order, a Pass becoming
+        `passing`; and the names of the policies they come from."""
+        namespace = self.cluster.namespaces.get(pod.namespace)
+        found: list[Match] = []
+        names = []
+        for policy in policies:
+            subject = policy.subject
+            if not (
+                policy.rules(direction)
+                and namespace is not None
+                and subject.namespaces is not None
+                and subject.namespaces.matches(namespace.labels)
+                and subject.pods is not None
+                and subject.pods.matches(pod.labels)
+            ):
+                continue
+            names.append(policy.name)
+            for rule in policy.rules(direction):
+                verdict = (
+                    ALLOW if rule.action == ACCEPT else DROP if rule.action == DENY else passing
+                )
+                found += self.matches("", direction, rule.peers, rule.ports, pod, verdict)
+        return found, names
+
+    def pod_chains(
+        self,
+        pod: Pod,
+        address: str,
+        direction: str,
+        isolation: tuple[list[str], list[Match]] | None,
+        tiers: tuple[list[ClusterNetworkPolicy], list[ClusterNetworkPolicy]],
+    ) -> None:
+        """The pod's chains for the direction, if any policy judges it there; `isolation`:
+        the NetworkPolicies isolating it and what they allow."""
+        admin, baseline = tiers
+        first = chain_name(direction, (pod.namespace, pod.name))
+        rest = f"{first}-next"
+        admin_matches, names = self.cluster_rules(admin, direction, pod, NEXT)
+        if isolation is not None:
+            isolating, rest_matches = isolation
+            names += isolating
+            otherwise = DROP
+        else:
+            # a Baseline Pass leaves the decision to the default: allowed
+            rest_matches, baseline_names = self.cluster_rules(baseline, direction, pod, ALLOW)
+            names += baseline_names
+            otherwise = ALLOW
+        if not names:
+            return
+        if any(match.verdict == NEXT for match in admin_matches):
+            self.out.chains[rest] = PodChain(tuple(dict.fromkeys(rest_matches)), otherwise, first)
+            matches, otherwise, after = admin_matches, NEXT, rest
+        else:
+            matches, after = admin_matches + rest_matches, None
+        self.out.chains[first] = PodChain(tuple(dict.fromkeys(matches)), otherwise, first, after)
+        self.out.owners[first] = (pod.namespace, pod.name)
+        self.out.isolating[first] = tuple(names)
+        target = self.out.ingress if direction == INGRESS else self.out.egress
+        target[address] = first
+
     def result(self) -> FamilyPolicy:
         local: dict[str, list[tuple[Pod, str]]] = {}
         self.compiler.local = set()
@@ -437,21 +538,30 @@ class _Run:
                 if found := _address(pod, self.family):
                     local.setdefault(pod.namespace, []).append((pod, found[0]))
         self.out.local = frozenset(a for pods in local.values() for _, a in pods)
-        chains: dict[str, dict[Allow, None]] = {}
+        isolation: dict[tuple[str, PodKey], tuple[list[str], list[Match]]] = {}
         for policy in sorted(self.cluster.policies, key=lambda p: (p.namespace, p.name)):
-            for pod, address in local.get(policy.namespace, []):
+            for pod, _ in local.get(policy.namespace, []):
                 if not policy.pods.matches(pod.labels):
                     continue
                 for direction in sorted(policy.directions):
-                    chain = chain_name(direction, (pod.namespace, pod.name))
-                    allowed = chains.setdefault(chain, {})
-                    self.out.owners[chain] = (pod.namespace, pod.name)
-                    self.out.isolating[chain] = (*self.out.isolating.get(chain, ()), policy.name)
-                    target = self.out.ingress if direction == INGRESS else self.out.egress
-                    target[address] = chain
+                    names, allowed = isolation.setdefault(
+                        (direction, (pod.namespace, pod.name)), ([], [])
+                    )
+                    names.append(policy.name)
                     for rule in policy.rules(direction):
-                        allowed.update(dict.fromkeys(self.allows(policy, direction, rule, pod)))
-        self.out.chains = {chain: tuple(allowed) for chain, allowed in chains.items()}
+                        allowed += self.matches(
+                            policy.namespace, direction, rule.peers, rule.ports, pod
+                        )
+        ordered = sorted(self.cluster.cluster_policies, key=lambda p: (p.priority, p.name))
+        tiers = (
+            [policy for policy in ordered if policy.tier == ADMIN],
+            [policy for policy in ordered if policy.tier == BASELINE],
+        )
+        for namespace in sorted(local):
+            for pod, address in sorted(local[namespace], key=lambda found: found[0].name):
+                for direction in DIRECTIONS:
+                    isolated = isolation.get((direction, (pod.namespace, pod.name)))
+                    self.pod_chains(pod, address, direction, isolated, tiers)
         self.compiler.forget_unused(self.used)
         return self.out
 

@@ -76,7 +76,7 @@ def parse_packet(prefix: str, packet: bytes) -> Denied | None:
 
 class DenialLog:
     """Subscribes to GROUP; each packet is described by `describe(chain)` (the pod and the
-    policies isolating it) and logged."""
+    policies judging it) and logged."""
 
     def __init__(self, describe: Callable[[str], str | None]) -> None:
         self._describe = describe
@@ -94,7 +94,7 @@ class DenialLog:
         direction = "ingress to" if denied.chain.startswith("ingress") else "egress from"
         port = f":{denied.port}" if denied.port is not None else ""
         log.info(
-            "NetworkPolicy denied %s %s: %s %s -> %s%s",
+            "policy denied %s %s: %s %s -> %s%s",
             direction, about, denied.protocol, denied.source, denied.destination, port,
         )  # fmt: skip
 

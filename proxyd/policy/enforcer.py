@@ -28,7 +28,7 @@ from proxyd.runner import BoundedFrequencyRunner
 log = logging.getLogger(__name__)
 
 DeniedKey = tuple[str, str, str]
-"""(direction, namespace, the isolating policies' names joined by commas)."""
+"""(direction, namespace, the names of the policies judging the pod, joined by commas)."""
 
 
 class PolicyEnforcer:
@@ -53,7 +53,7 @@ class PolicyEnforcer:
 
     def sync(self) -> None:
         if not self.state.ready():
-            log.debug("waiting for the first lists of Pods, Namespaces and NetworkPolicies")
+            log.debug("waiting for the first lists of the objects policies depend on")
             return
         start = time.monotonic()
         in_kernel = 0.0
@@ -77,8 +77,10 @@ class PolicyEnforcer:
         elapsed = time.monotonic() - start
         self.metrics.policy_sync_duration.observe(elapsed)
         log.info(
-            "policy sync: %d policies, %d pods in %.1f ms (%.1f ms of it loading nft)",
+            "policy sync: %d policies, %d cluster policies, %d pods in %.1f ms "
+            "(%.1f ms of it loading nft)",
             len(cluster.policies),
+            len(cluster.cluster_policies),
             len(cluster.pods),
             elapsed * 1000,
             in_kernel * 1000,
@@ -101,13 +103,13 @@ class PolicyEnforcer:
         return totals
 
     def describe(self, chain: str) -> str | None:
-        """The pod a pod chain is for and the policies isolating it, in words; None when no
+        """The pod a pod chain is for and the policies judging it, in words; None when no
         family's table has that chain now."""
         for written in self._written.values():
             if written is not None and chain in written.owners:
                 namespace, name = written.owners[chain]
                 policies = ", ".join(sorted(written.isolating[chain]))
-                return f"{namespace}/{name} (isolated by {policies})"
+                return f"{namespace}/{name} (judged by {policies})"
         return None
 
     def start(self) -> threading.Thread:

@@ -133,7 +133,7 @@ class Namespace:
     labels: Labels
 
 
-def _mapping(value: Any, what: str) -> dict[str, Any]:
+def mapping(value: Any, what: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -141,7 +141,7 @@ def _mapping(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _list(value: Any, what: str) -> list[Any]:
+def sequence(value: Any, what: str) -> list[Any]:
     if value is None:
         return []
     if not isinstance(value, list):
@@ -150,22 +150,22 @@ def _list(value: Any, what: str) -> list[Any]:
 
 
 def _labels(value: Any, what: str) -> dict[str, str]:
-    labels = _mapping(value, what)
+    labels = mapping(value, what)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
         raise InvalidObject(f"{what} holds a key or value that is not a string")
     return labels
 
 
 def parse_selector(value: Any, what: str) -> Selector:
-    spec = _mapping(value, what)
+    spec = mapping(value, what)
     requirements = [
         Requirement(key, "In", (label,))
         for key, label in _labels(spec.get("matchLabels"), f"{what}.matchLabels").items()
     ]
-    for expression in _list(spec.get("matchExpressions"), f"{what}.matchExpressions"):
-        expression = _mapping(expression, f"{what}.matchExpressions[]")
+    for expression in sequence(spec.get("matchExpressions"), f"{what}.matchExpressions"):
+        expression = mapping(expression, f"{what}.matchExpressions[]")
         key, operator = expression.get("key"), expression.get("operator")
-        values = _list(expression.get("values"), f"{what} values")
+        values = sequence(expression.get("values"), f"{what} values")
         if not isinstance(key, str) or not key:
             raise InvalidObject(f"{what} has an expression without a key")
         if operator not in OPERATORS:
@@ -178,7 +178,7 @@ def parse_selector(value: Any, what: str) -> Selector:
     return Selector(tuple(requirements))
 
 
-def _network(text: Any, what: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+def network(text: Any, what: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     try:
         return ipaddress.ip_network(text, strict=False)
     except (ValueError, TypeError) as err:
@@ -186,11 +186,11 @@ def _network(text: Any, what: str) -> ipaddress.IPv4Network | ipaddress.IPv6Netw
 
 
 def _block(value: Any) -> IpBlock:
-    spec = _mapping(value, "ipBlock")
-    cidr = _network(spec.get("cidr"), "ipBlock cidr")
+    spec = mapping(value, "ipBlock")
+    cidr = network(spec.get("cidr"), "ipBlock cidr")
     excepted = []
-    for text in _list(spec.get("except"), "ipBlock except"):
-        carved = _network(text, "ipBlock except")
+    for text in sequence(spec.get("except"), "ipBlock except"):
+        carved = network(text, "ipBlock except")
         if carved.version != cidr.version or not carved.subnet_of(cidr):  # type: ignore[arg-type]
             raise InvalidObject(f"ipBlock except {text} is not inside {cidr}")
         excepted.append(str(carved))
@@ -198,7 +198,7 @@ def _block(value: Any) -> IpBlock:
 
 
 def _peer(value: Any) -> Peer:
-    spec = _mapping(value, "peer")
+    spec = mapping(value, "peer")
     if "ipBlock" in spec:
         if "podSelector" in spec or "namespaceSelector" in spec:
             raise InvalidObject("a peer holds an ipBlock and a selector")
@@ -215,7 +215,7 @@ def _peer(value: Any) -> Peer:
 
 
 def _port(value: Any) -> PortMatch:
-    spec = _mapping(value, "port")
+    spec = mapping(value, "port")
     protocol = spec.get("protocol") or "TCP"
     if protocol not in PROTOCOLS:
         raise InvalidObject(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
@@ -241,9 +241,9 @@ def _port(value: Any) -> PortMatch:
 
 
 def _rule(value: Any, peers_key: str) -> Rule:
-    spec = _mapping(value, "rule")
-    peers = _list(spec.get(peers_key), peers_key)
-    ports = _list(spec.get("ports"), "ports")
+    spec = mapping(value, "rule")
+    peers = sequence(spec.get(peers_key), peers_key)
+    ports = sequence(spec.get("ports"), "ports")
     return Rule(
         tuple(_peer(peer) for peer in peers) if peers else None,
         tuple(_port(port) for port in ports) if ports else None,
@@ -261,7 +261,7 @@ def _directions(spec: dict[str, Any]) -> frozenset[str]:
 
 
 def parse_policy(obj: Obj) -> NetworkPolicy:
-    meta = _mapping(obj.get("metadata"), "metadata")
+    meta = mapping(obj.get("metadata"), "metadata")
     namespace, name = meta.get("namespace"), meta.get("name")
     if not isinstance(namespace, str) or not isinstance(name, str):
         raise InvalidObject("metadata has no namespace or name")
@@ -283,7 +283,7 @@ def parse_policy(obj: Obj) -> NetworkPolicy:
     rules: dict[str, list[Rule]] = {INGRESS: [], EGRESS: []}
     for direction, key, peers_key in ((INGRESS, "ingress", "from"), (EGRESS, "egress", "to")):
         try:
-            entries = _list(spec.get(key), key)
+            entries = sequence(spec.get(key), key)
         except InvalidObject as err:
             problems.append(f"{err}: no {key} rule applies")
             continue
@@ -300,11 +300,11 @@ def parse_policy(obj: Obj) -> NetworkPolicy:
 
 def _named_ports(spec: dict[str, Any]) -> dict[tuple[str, str], int]:
     ports: dict[tuple[str, str], int] = {}
-    containers = _list(spec.get("containers"), "containers")
-    containers += _list(spec.get("initContainers"), "initContainers")
+    containers = sequence(spec.get("containers"), "containers")
+    containers += sequence(spec.get("initContainers"), "initContainers")
     for container in containers:
-        for port in _list(_mapping(container, "container").get("ports"), "ports"):
-            port = _mapping(port, "port")
+        for port in sequence(mapping(container, "container").get("ports"), "ports"):
+            port = mapping(port, "port")
             name, number = port.get("name"), port.get("containerPort")
             if isinstance(name, str) and name and isinstance(number, int):
                 ports.setdefault((name, port.get("protocol") or "TCP"), number)
@@ -338,14 +338,14 @@ def pod_essentials(obj: Obj) -> Obj:
 def parse_pod(obj: Obj) -> Pod | None:
     """The pod as policies see it; None for pods that take no part (host network, finished,
     without an address yet)."""
-    meta = _mapping(obj.get("metadata"), "metadata")
-    spec = _mapping(obj.get("spec"), "spec")
-    status = _mapping(obj.get("status"), "status")
+    meta = mapping(obj.get("metadata"), "metadata")
+    spec = mapping(obj.get("spec"), "spec")
+    status = mapping(obj.get("status"), "status")
     if spec.get("hostNetwork") or status.get("phase") in TERMINAL_PHASES:
         return None
     addresses = []
-    for entry in _list(status.get("podIPs"), "status.podIPs"):
-        text = _mapping(entry, "podIPs[]").get("ip")
+    for entry in sequence(status.get("podIPs"), "status.podIPs"):
+        text = mapping(entry, "podIPs[]").get("ip")
         try:
             addresses.append(ipaddress.ip_address(str(text)))
         except (ValueError, TypeError) as err:
@@ -364,5 +364,5 @@ def parse_pod(obj: Obj) -> Pod | None:
 
 
 def parse_namespace(obj: Obj) -> Namespace:
-    meta = _mapping(obj.get("metadata"), "metadata")
+    meta = mapping(obj.get("metadata"), "metadata")
     return Namespace(meta.get("name") or "", _labels(meta.get("labels"), "labels"))

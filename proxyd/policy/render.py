@@ -4,11 +4,11 @@ full sync, or from what was written to what is wanted for a partial one.
 The table (`ip knit-policy`, `ip6 knit-policy`) has one base chain on the forward hook, which
 is where bridged pod-to-pod packets (br_netfilter), routed ones and DNATed Service traffic all
 pass, after the proxy chose the backend. Its order: packets of connections already allowed
-(conntrack), a pod's traffic to itself, then the sender's egress chain if it is isolated for
-egress (which returns when a rule allows), then the receiver's ingress chain if it is isolated
-for ingress (which accepts when a rule allows); whatever a pod chain does not allow it
-counts (in a named counter of the chain's name) and drops. The node's own traffic to and
-from its pods passes the output and input hooks, not forward, so it is always allowed.
+(conntrack), a pod's traffic to itself, then the sender's egress chain if a policy judges its
+egress (which returns when the packet is allowed), then the receiver's ingress chain if one
+judges its ingress (which accepts it); what a pod chain denies it counts (in a named counter
+of the pod's first chain's name) and drops. The node's own traffic to and from its pods
+passes the output and input hooks, not forward, so it is always allowed.
 
 A partial transaction orders its commands so that nothing is referenced before it exists or
 after it is gone: new sets, set elements (deleted before added, since intervals must not
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from proxyd.nftables.render import address_words, family_name
-from proxyd.policy.compile import Allow, FamilyPolicy, Interval
+from proxyd.policy.compile import ALLOW, DROP, NEXT, FamilyPolicy, Interval, Match, PodChain
 from proxyd.policy.denials import GROUP, LIMIT
 
 TABLE = "knit-policy"
@@ -56,31 +56,40 @@ class Renderer:
         self.l3, self.addr = address_words(family)
 
     # ------------------------------------------------------------ pieces
-    def rule(self, allow: Allow, direction_verdict: str, peer_field: str) -> str:
-        if allow.peer_ports is not None:
-            return (
-                f"{self.l3} daddr . meta l4proto . th dport @{allow.peer_ports} {direction_verdict}"
-            )
+    def rule(self, match: Match, verdict: str, peer_field: str) -> str:
+        if match.peer_ports is not None:
+            return f"{self.l3} daddr . meta l4proto . th dport @{match.peer_ports} {verdict}"
         words = []
-        if allow.peers is not None:
-            words.append(f"{self.l3} {peer_field} @{allow.peers}")
-        if allow.protocol is not None:
-            words.append(f"meta l4proto {allow.protocol}")
-        if allow.first is not None:
-            ports = str(allow.first) if allow.first == allow.last else f"{allow.first}-{allow.last}"
+        if match.peers is not None:
+            words.append(f"{self.l3} {peer_field} @{match.peers}")
+        if match.protocol is not None:
+            words.append(f"meta l4proto {match.protocol}")
+        if match.first is not None:
+            ports = str(match.first) if match.first == match.last else f"{match.first}-{match.last}"
             words.append(f"th dport {ports}")
-        words.append(direction_verdict)
+        words.append(verdict)
         return " ".join(words)
 
-    def chain_rules(self, chain: str, allows: tuple[Allow, ...]) -> list[str]:
+    def chain_rules(self, chain: str, pod_chain: PodChain) -> list[str]:
         # egress chains return to the base chain, where the receiver's ingress is judged next
-        verdict, peer_field = (
+        allow, peer_field = (
             ("accept", "saddr") if chain.startswith("ingress") else ("return", "daddr")
         )
-        rules = [self.rule(allow, verdict, peer_field) for allow in allows]
-        if self.log_rate:
-            rules.append(f'limit name {LIMIT} log prefix "{chain}" group {GROUP}')
-        return [*rules, f"counter name {chain} drop"]
+        verdicts = {
+            ALLOW: allow,
+            DROP: f"counter name {pod_chain.counter} drop",
+            NEXT: f"goto {pod_chain.next}",
+        }
+        log = f'limit name {LIMIT} log prefix "{pod_chain.counter}" group {GROUP}'
+        rules = []
+        for match in pod_chain.matches:
+            if match.verdict == DROP and self.log_rate:
+                # over the rate, the limit does not match, and the next rule drops unlogged
+                rules.append(self.rule(match, log, peer_field))
+            rules.append(self.rule(match, verdicts[match.verdict], peer_field))
+        if pod_chain.otherwise == DROP and self.log_rate:
+            rules.append(log)
+        return [*rules, verdicts[pod_chain.otherwise]]
 
     def _set_changes(
         self,
@@ -123,11 +132,8 @@ class Renderer:
         return {f"{address} . {address}" for address in local}
 
     def _chain(self, chain: str, policy: FamilyPolicy) -> list[str]:
-        owner = "/".join(policy.owners[chain])
-        lines = [
-            f"add counter {self.table} {chain}",
-            f'add chain {self.table} {chain} {{ comment "{owner}"; }}',
-        ]
+        owner = "/".join(policy.owners[policy.chains[chain].counter])
+        lines = [f'add chain {self.table} {chain} {{ comment "{owner}"; }}']
         lines += [
             f"add rule {self.table} {chain} {rule}"
             for rule in self.chain_rules(chain, policy.chains[chain])
@@ -180,6 +186,11 @@ class Renderer:
                 additions,
             )
         lines += additions
+        lines += [
+            f"add counter {t} {chain}"
+            for chain, pod_chain in new.chains.items()
+            if pod_chain.counter == chain and chain not in before.chains
+        ]
         for chain in new.chains:
             if chain not in before.chains:
                 lines += self._chain(chain, new)
@@ -199,8 +210,10 @@ class Renderer:
             lines += self._elements("add", name, self._map_elements(came_entries))
         lines += self._elements("delete", SELF, self._self_elements(before.local - new.local))
         lines += self._elements("add", SELF, self._self_elements(new.local - before.local))
-        for chain in before.chains.keys() - new.chains.keys():
-            lines += [f"delete chain {t} {chain}", f"delete counter {t} {chain}"]
+        # a pod's first chain goes to its next one, so it goes first; both use its counter
+        gone = [chain for chain in before.chains if chain not in new.chains]
+        lines += [f"delete chain {t} {chain}" for chain in reversed(gone)]
+        lines += [f"delete counter {t} {c}" for c in gone if before.chains[c].counter == c]
         lines += [f"delete set {t} {n}" for n in before.peers.keys() - new.peers.keys()]
         lines += [f"delete set {t} {n}" for n in before.peer_ports.keys() - new.peer_ports.keys()]
         return "\n".join(lines) + "\n" if lines else ""

@@ -1,4 +1,5 @@
-"""The NetworkPolicies, Pods and Namespaces as the watches delivered them, parsed.
+"""The NetworkPolicies, ClusterNetworkPolicies, Pods and Namespaces as the watches delivered
+them, parsed.
 
 Watch threads feed it; the policy's sync thread takes a consistent snapshot. A change that
 does not alter what policies depend on (a pod's status conditions, say) queues no sync. An
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from proxyd.model import Obj, key_of, parse_or_skip
+from proxyd.policy.cluster_model import ClusterNetworkPolicy, parse_cluster_policy
 from proxyd.policy.compile import Cluster, PodKey
 from proxyd.policy.model import (
     Namespace,
@@ -27,7 +29,7 @@ from proxyd.policy.model import (
 
 log = logging.getLogger(__name__)
 
-Parsed = TypeVar("Parsed", Pod, Namespace, NetworkPolicy)
+Parsed = TypeVar("Parsed", Pod, Namespace, NetworkPolicy, ClusterNetworkPolicy)
 
 
 class _Store(Generic[Parsed]):
@@ -45,9 +47,9 @@ class _Store(Generic[Parsed]):
         old = self.items.get(key)
         if parsed == old:
             return False
-        if isinstance(parsed, NetworkPolicy):
+        if isinstance(parsed, NetworkPolicy | ClusterNetworkPolicy):
             for problem in parsed.problems:
-                log.warning("NetworkPolicy %s/%s: %s", key[0], key[1], problem)
+                log.warning("%s %s: %s", self.kind, "/".join(filter(None, key)), problem)
         if parsed is None:
             del self.items[key]
         else:
@@ -75,10 +77,14 @@ class PolicyState:
         self._pods = _Store[Pod]("Pod", parse_pod)
         self._namespaces = _Store[Namespace]("Namespace", parse_namespace)
         self._policies = _Store[NetworkPolicy]("NetworkPolicy", parse_policy)
+        self._cluster_policies = _Store[ClusterNetworkPolicy](
+            "ClusterNetworkPolicy", parse_cluster_policy
+        )
+        self._stores = (self._pods, self._namespaces, self._policies, self._cluster_policies)
 
     def ready(self) -> bool:
         with self._lock:
-            return all(store.listed for store in (self._pods, self._namespaces, self._policies))
+            return all(store.listed for store in self._stores)
 
     def take(self) -> tuple[Cluster, set[PodKey] | None]:
         """The cluster now, and the pods changed since the last take (None: anything may
@@ -89,6 +95,7 @@ class PolicyState:
                 dict(self._pods.items),
                 {name: ns for (_, name), ns in self._namespaces.items.items()},
                 tuple(self._policies.items.values()),
+                tuple(self._cluster_policies.items.values()),
             )
             changed, self._changed_pods = self._changed_pods, set()
             return cluster, changed
@@ -106,7 +113,7 @@ class PolicyState:
 
     def _replace(self, store: _Store[Parsed], objs: list[Obj]) -> None:
         with self._lock:
-            if store.replace(objs) and store is not self._policies:
+            if store.replace(objs) and store in (self._pods, self._namespaces):
                 self._changed_pods = None
         self._on_change()
 
@@ -127,3 +134,9 @@ class PolicyState:
 
     def replace_policies(self, objs: list[Obj]) -> None:
         self._replace(self._policies, objs)
+
+    def cluster_policy_event(self, kind: str, obj: Obj) -> None:
+        self._event(self._cluster_policies, kind, obj)
+
+    def replace_cluster_policies(self, objs: list[Obj]) -> None:
+        self._replace(self._cluster_policies, objs)

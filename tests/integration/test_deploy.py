@@ -40,6 +40,7 @@ KUBECTL = CONTROLPLANE_BIN / "kubectl"
 TOOLS = BUILD / "tools"
 SERVICE_ACCOUNT = "system:serviceaccount:kube-system:knit"
 EXPECTED_OBJECTS = {
+    ("CustomResourceDefinition", None, "clusternetworkpolicies.policy.networking.k8s.io"),
     ("ServiceAccount", "kube-system", "knit"),
     ("ClusterRole", None, "knit"),
     ("ClusterRoleBinding", None, "knit"),
@@ -109,6 +110,7 @@ def test_kustomization_renders_the_daemonset_its_account_role_and_config(objects
 def test_the_apiserver_accepts_every_object_in_a_server_dry_run(control_plane):
     out = kubectl(control_plane, "apply", "--dry-run=server", "--validate=strict", "-k", MANIFESTS)
     kinds = {
+        "CustomResourceDefinition": "customresourcedefinition.apiextensions.k8s.io",
         "ServiceAccount": "serviceaccount",
         "ClusterRole": "clusterrole.rbac.authorization.k8s.io",
         "ClusterRoleBinding": "clusterrolebinding.rbac.authorization.k8s.io",
@@ -304,8 +306,14 @@ def test_the_role_grants_what_the_daemon_watches_and_only_reads(objects):
 
 @pytest.fixture
 def bound_account(control_plane: ControlPlane) -> Iterator[None]:
-    """The ServiceAccount, ClusterRole and binding created for real, removed afterwards."""
-    files = [MANIFESTS / "serviceaccount.yaml", MANIFESTS / "rbac.yaml"]
+    """The ServiceAccount, ClusterRole and binding created for real, and the CRD of the
+    custom resource the role names (kubectl asks about a resource it knows), removed
+    afterwards."""
+    files = [
+        MANIFESTS / "clusternetworkpolicies.yaml",
+        MANIFESTS / "serviceaccount.yaml",
+        MANIFESTS / "rbac.yaml",
+    ]
     args = [arg for path in files for arg in ("-f", str(path))]
     kubectl(control_plane, "apply", *args)
     try:
@@ -334,6 +342,7 @@ def test_the_service_account_may_watch_what_knit_watches_and_nothing_more(
         ("patch", "nodes/status"),
         ("delete", "pods"),
         ("update", "networkpolicies.networking.k8s.io"),
+        ("update", "clusternetworkpolicies.policy.networking.k8s.io"),
         ("get", "secrets"),
         ("create", "services"),
     ]:

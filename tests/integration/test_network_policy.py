@@ -1,4 +1,5 @@
-"""NetworkPolicy enforced by knit-proxyd, proven by packets between real pods: two nodes on
+"""NetworkPolicy and ClusterNetworkPolicy enforced by knit-proxyd, proven by packets between
+real pods: two nodes on
 different segments (so traffic between them crosses VXLAN), pods attached by libcni, their
 Pod objects in the API with the addresses the plugin gave them, and policies created there.
 
@@ -9,6 +10,7 @@ dropped, so the client's 3 s connect timeout ends it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ import pytest
 
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane
-from deploy.lab.kube import pod_object
+from deploy.lab.kube import Kube, api_client, pod_object
 from deploy.lab.netns import ECHO, unique_name
 from deploy.lab.process import eventually, in_ns
 from proxyd.policy.render import TABLE
@@ -27,6 +29,8 @@ from proxyd.policy.render import TABLE
 PYTHON = sys.executable
 UDP_PORT = 5353
 POLICIES = "/apis/networking.k8s.io/v1/namespaces/{}/networkpolicies"
+CLUSTER_POLICIES = "/apis/policy.networking.k8s.io/v1alpha2/clusternetworkpolicies"
+CRD = Path(__file__).parents[2] / "deploy" / "kubernetes" / "clusternetworkpolicies.yaml"
 
 
 @dataclass
@@ -62,7 +66,13 @@ def world(
     control_plane: ControlPlane, cni_bundle: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:
     folder = tmp_path_factory.mktemp("policy") / "lab"
-    with Cluster(unique_name("np"), folder, control_plane, cni_bundle) as cluster:
+    admin = Kube(api_client(control_plane.kubeconfig))
+    # installed before the daemons start, which otherwise look for it again only every 30 s
+    crd = admin.install_crd(CRD)
+    with contextlib.ExitStack() as stack:
+        stack.callback(admin.api.close)
+        stack.callback(admin.delete, crd)
+        cluster = stack.enter_context(Cluster(unique_name("np"), folder, control_plane, cni_bundle))
         lan1 = cluster.add_segment("lan1", "10.78.1.0/24", "fd78:1::/64")
         lan2 = cluster.add_segment("lan2", "10.78.2.0/24", "fd78:2::/64")
         cluster.add_node("a", lan1, 11, ("10.244.1.0/24", "fd10:244:0:1::/64"))
@@ -285,10 +295,105 @@ def test_denied_connections_are_logged_with_their_pod(world: World, policies: li
         name = apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
         settles(world.far, world.server.address(4), 80, allowed=False)
         line = (
-            f"NetworkPolicy denied ingress to {world.x}/{world.server.name} (isolated by {name}): "
+            f"policy denied ingress to {world.x}/{world.server.name} (judged by {name}): "
             f"tcp {world.far.address(4)} -> {world.server.address(4)}:80"
         )
         eventually(lambda: line in node.log.read_text(), 10, what="the denial logged")
     finally:
         world.cluster.stop_daemon(node)
         world.cluster.start_daemon(node)
+
+
+# ---------------------------------------------------------------- ClusterNetworkPolicy
+
+
+def apply_cluster_policy(
+    world: World, made: list[str], tier: str, priority: int, **rules: Any
+) -> str:
+    """A cluster policy whose subject is the server, deleted after the test."""
+    name = unique_name("cnp")
+    subject = {
+        "pods": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": world.x}},
+            "podSelector": SERVER,
+        }
+    }
+    spec = {"tier": tier, "priority": priority, "subject": subject, **rules}
+    obj = {
+        "apiVersion": "policy.networking.k8s.io/v1alpha2",
+        "kind": "ClusterNetworkPolicy",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+    world.cluster.kube.create(CLUSTER_POLICIES, obj)
+    made.append(f"{CLUSTER_POLICIES}/{name}")
+    return name
+
+
+def from_namespace(action: str, namespace: str) -> dict[str, Any]:
+    selector = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    return {"action": action, "from": [{"namespaces": selector}]}
+
+
+def test_admin_deny_overrides_networkpolicy_and_a_higher_admin_accept_overrides_it(
+    world: World, policies: list[str]
+) -> None:
+    apply(world, policies, {"podSelector": SERVER, "ingress": [{}]})
+    apply_cluster_policy(world, policies, "Admin", 10, ingress=[from_namespace("Deny", world.y)])
+    settles(world.far, world.server.address(4), 80, allowed=False)
+    assert not reaches(world.far, world.server.address(6), 80)
+    assert reaches(world.near, world.server.address(4), 80)
+    apply_cluster_policy(world, policies, "Admin", 5, ingress=[from_namespace("Accept", world.y)])
+    settles(world.far, world.server.address(4), 80, allowed=True)
+
+
+def test_admin_accept_overrides_a_networkpolicy_isolating_the_pod(
+    world: World, policies: list[str]
+) -> None:
+    apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+    settles(world.near, world.server.address(4), 80, allowed=False)
+    apply_cluster_policy(world, policies, "Admin", 5, ingress=[from_namespace("Accept", world.y)])
+    settles(world.far, world.server.address(4), 80, allowed=True)
+    assert not reaches(world.near, world.server.address(4), 80)
+
+
+def test_an_admin_pass_skips_lower_admin_rules_and_leaves_the_decision_to_networkpolicy(
+    world: World, policies: list[str]
+) -> None:
+    deny_all = {"action": "Deny", "from": [{"namespaces": {}}]}
+    apply_cluster_policy(world, policies, "Admin", 20, ingress=[deny_all])
+    settles(world.near, world.server.address(4), 80, allowed=False)
+    apply_cluster_policy(world, policies, "Admin", 10, ingress=[from_namespace("Pass", world.y)])
+    settles(world.far, world.server.address(4), 80, allowed=True)
+    assert not reaches(world.near, world.server.address(4), 80)
+    # passed on, the far pod's traffic is now NetworkPolicy's to decide
+    peer = {"podSelector": {"matchLabels": {"role": "near"}}}
+    apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
+    settles(world.far, world.server.address(4), 80, allowed=False)
+
+
+def test_baseline_applies_only_to_pods_no_networkpolicy_isolates(
+    world: World, policies: list[str]
+) -> None:
+    apply_cluster_policy(world, policies, "Baseline", 10, ingress=[from_namespace("Deny", world.y)])
+    settles(world.far, world.server.address(4), 80, allowed=False)
+    assert reaches(world.near, world.server.address(4), 80)
+    # a NetworkPolicy selecting the server decides alone: it allows the far pod
+    peer = {"namespaceSelector": {}}
+    apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
+    settles(world.far, world.server.address(4), 80, allowed=True)
+
+
+def test_admin_egress_to_networks_and_ports(world: World, policies: list[str]) -> None:
+    far = world.far.address(4)
+    rules = [
+        {
+            "action": "Deny",
+            "to": [{"networks": [f"{far}/32"]}],
+            "protocols": [{"tcp": {"destinationPort": {"number": 80}}}],
+        }
+    ]
+    apply_cluster_policy(world, policies, "Admin", 10, egress=rules)
+    settles(world.server, far, 80, allowed=False)
+    assert reaches(world.server, world.near.address(4), 80)
+    assert reaches(world.server, world.far.address(6), 80)

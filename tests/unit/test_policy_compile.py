@@ -8,7 +8,17 @@ import ipaddress
 import random
 from typing import Any
 
-from proxyd.policy.compile import Allow, Cluster, FamilyCompiler, compile_family, merged
+from proxyd.policy.cluster_model import ClusterNetworkPolicy, parse_cluster_policy
+from proxyd.policy.compile import (
+    ALLOW,
+    DROP,
+    NEXT,
+    Cluster,
+    FamilyCompiler,
+    Match,
+    compile_family,
+    merged,
+)
 from proxyd.policy.model import Namespace, NetworkPolicy, Pod, parse_policy
 from proxyd.policy.render import Renderer
 
@@ -42,16 +52,16 @@ def test_only_local_selected_pods_get_chains() -> None:
     out = compile_family(cluster(policy("x", {"podSelector": {}})), 4)
     assert set(out.ingress) == {"10.0.0.1", "10.0.0.2"}
     assert not out.egress
-    assert all(rules == () for rules in out.chains.values())
+    assert all(chain.matches == () for chain in out.chains.values())
     assert out.local == {"10.0.0.1", "10.0.0.2"}
 
 
 def test_ingress_named_port_resolves_on_the_selected_pod() -> None:
     spec = {"podSelector": {}, "ingress": [{"ports": [{"port": "web"}]}]}
     out = compile_family(cluster(policy("x", spec)), 4)
-    assert out.chains[out.ingress["10.0.0.1"]] == (Allow(None, "tcp", 8080, 8080),)
+    assert out.chains[out.ingress["10.0.0.1"]].matches == (Match(None, "tcp", 8080, 8080),)
     # a pod without the name matches nothing
-    assert out.chains[out.ingress["10.0.0.2"]] == ()
+    assert out.chains[out.ingress["10.0.0.2"]].matches == ()
 
 
 def test_egress_named_port_resolves_on_each_peer() -> None:
@@ -61,7 +71,7 @@ def test_egress_named_port_resolves_on_each_peer() -> None:
         "egress": [{"to": [{"namespaceSelector": {}}], "ports": [{"port": "web"}]}],
     }
     out = compile_family(cluster(policy("x", spec)), 4)
-    (allow,) = out.chains[out.egress["10.0.0.1"]]
+    (allow,) = out.chains[out.egress["10.0.0.1"]].matches
     assert allow.peer_ports is not None
     assert out.peer_ports[allow.peer_ports] == {
         ("10.0.0.1", "tcp", 8080),
@@ -82,7 +92,7 @@ def test_ip_block_except_and_selected_pods_merge_into_intervals() -> None:
         ],
     }
     out = compile_family(cluster(policy("x", spec)), 4)
-    (allow,) = out.chains[out.ingress["10.0.0.1"]]
+    (allow,) = out.chains[out.ingress["10.0.0.1"]].matches
     assert allow.peers is not None
     assert out.peers[allow.peers] == {
         (value("10.0.0.2"), value("10.0.0.2")),
@@ -102,7 +112,7 @@ def test_a_peer_namespace_selector_without_match_allows_nothing() -> None:
         "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"team": "none"}}}]}],
     }
     out = compile_family(cluster(policy("x", spec)), 4)
-    (allow,) = out.chains[out.ingress["10.0.0.1"]]
+    (allow,) = out.chains[out.ingress["10.0.0.1"]].matches
     assert allow.peers is not None and out.peers[allow.peers] == set()
 
 
@@ -188,3 +198,69 @@ def test_a_kept_compile_after_pod_changes_equals_a_fresh_one() -> None:
                 )
         state = Cluster("n1", dict(pods), NAMESPACES, policies)
         assert kept.compile(state, changed) == compile_family(state, 4)
+
+
+def cluster_policy(name: str, tier: str, priority: int, **rules: Any) -> ClusterNetworkPolicy:
+    subject = {"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "web"}}}}
+    spec = {"tier": tier, "priority": priority, "subject": subject, **rules}
+    return parse_cluster_policy({"metadata": {"name": name}, "spec": spec})
+
+
+def from_namespace(action: str, namespace: str) -> dict[str, Any]:
+    selector = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    return {"action": action, "from": [{"namespaces": selector}]}
+
+
+def with_cluster_policies(*policies: ClusterNetworkPolicy, isolating: bool = False) -> Cluster:
+    spec = {"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{}]}
+    return dataclasses.replace(
+        cluster(*([policy("x", spec)] if isolating else [])), cluster_policies=policies
+    )
+
+
+def test_admin_rules_come_first_by_priority_then_networkpolicy_allows_the_rest() -> None:
+    later = cluster_policy("b-later", "Admin", 20, ingress=[from_namespace("Accept", "y")])
+    first = cluster_policy("a-first", "Admin", 10, ingress=[from_namespace("Deny", "y")])
+    out = compile_family(with_cluster_policies(later, first, isolating=True), 4)
+    chain = out.chains[out.ingress["10.0.0.1"]]
+    assert [match.verdict for match in chain.matches] == [DROP, ALLOW, ALLOW]
+    assert chain.otherwise == DROP and chain.next is None
+    assert out.isolating[out.ingress["10.0.0.1"]] == ("a-first", "b-later", "p")
+    assert "10.0.0.2" not in out.ingress  # no policy judges the other pod
+
+
+def test_an_admin_pass_goes_to_a_next_chain_holding_the_networkpolicy_rules() -> None:
+    passing = cluster_policy("pass", "Admin", 1, ingress=[from_namespace("Pass", "y")])
+    deny = cluster_policy("deny", "Admin", 2, ingress=[from_namespace("Deny", "y")])
+    out = compile_family(with_cluster_policies(passing, deny, isolating=True), 4)
+    first = out.ingress["10.0.0.1"]
+    chain = out.chains[first]
+    assert [match.verdict for match in chain.matches] == [NEXT, DROP]
+    assert chain.otherwise == NEXT and chain.next == f"{first}-next"
+    rest = out.chains[f"{first}-next"]
+    assert [match.verdict for match in rest.matches] == [ALLOW]
+    assert (rest.otherwise, rest.counter) == (DROP, first)
+    assert list(out.chains) == [f"{first}-next", first]  # made before what goes to it
+    text = Renderer(4).full(out)
+    assert text.index(f"add chain ip knit-policy {first}-next") < text.index(
+        f"add chain ip knit-policy {first} "
+    )
+    gone = Renderer(4).partial(out, compile_family(cluster(), 4)).splitlines()
+    assert gone.index(f"delete chain ip knit-policy {first}") < gone.index(
+        f"delete chain ip knit-policy {first}-next"
+    )
+
+
+def test_baseline_judges_only_pods_no_networkpolicy_isolates() -> None:
+    baseline = cluster_policy(
+        "base", "Baseline", 5, ingress=[from_namespace("Pass", "x"), from_namespace("Deny", "y")]
+    )
+    out = compile_family(with_cluster_policies(baseline), 4)
+    chain = out.chains[out.ingress["10.0.0.1"]]
+    # a Baseline Pass leaves the decision to the default, which allows
+    assert [match.verdict for match in chain.matches] == [ALLOW, DROP]
+    assert chain.otherwise == ALLOW
+    isolated = compile_family(with_cluster_policies(baseline, isolating=True), 4)
+    chain = isolated.chains[isolated.ingress["10.0.0.1"]]
+    assert [match.verdict for match in chain.matches] == [ALLOW]
+    assert isolated.isolating[isolated.ingress["10.0.0.1"]] == ("p",)
