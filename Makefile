@@ -10,7 +10,7 @@ BUILD := $(ROOT)/build
 # other nodes the 2.x that go-tools builds), and its ctr imports the images.
 APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-ping procps util-linux mount \
 	python3 python3-venv curl ca-certificates unzip git openssl \
-	shellcheck debootstrap containerd runc
+	shellcheck debootstrap containerd runc patch
 
 .PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit fuzz bench-cni bench-proxy bench-netlink bench-policy lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down

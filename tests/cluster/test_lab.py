@@ -1,5 +1,6 @@
 """The lab's real cluster (kubelet and containerd on every node, knit run by its DaemonSet),
-judged by real pods and by the upstream e2e suite, once per proxy mode this kernel has: iptables
+judged by real pods, by the upstream e2e suite and by network-policy-api's conformance suite,
+once per proxy mode this kernel has: iptables
 and nftables (no IPVS in this kernel). The JUnit reports stay under build/e2e/MODE/."""
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def test_every_network_policy_spec_passes(lab: Lab) -> None:
     outcome = e2e.run(lab.kubeconfig, e2e.E2E / lab.mode / "netpol", netpol, len(lab.nodes))
     assert outcome.failed == []
     assert len(outcome.passed) >= 48
+
+
+def test_every_cluster_network_policy_conformance_test_passes(lab: Lab) -> None:
+    """network-policy-api's conformance suite: its 18 tests that run here (e2e.run_cnp),
+    about 10 minutes. Policy is the same nftables table in every proxy mode, so `make test`
+    runs the suite in one; `make e2e ARGS="--selection cnp"` runs it in both."""
+    if lab.mode != "nftables":
+        pytest.skip("the suite runs in the nftables mode's lab; make e2e runs both modes")
+    outcome = e2e.run_cnp(lab.kubeconfig, e2e.E2E / lab.mode / "cnp")
+    assert outcome.failed == []
+    assert sorted(outcome.passed) == sorted(e2e.CNP_TESTS)
 
 
 # ---------------------------------------------------------------- knit's own life on real nodes

@@ -26,6 +26,10 @@
 #                                                    requires; both pinned in controlplane/)
 #   OUTDIR/images/regression-issue-74839            (the Conntrack spec's raw-socket client,
 #                                                    a static binary, same pin)
+#   OUTDIR/e2e/cnp-conformance.test                 (network-policy-api's ClusterNetworkPolicy
+#                                                    conformance suite, pinned by
+#                                                    netpolapi/go.mod/go.sum, with
+#                                                    netpolapi/no-sctp.patch applied)
 #
 # usage: tests/go/build.sh [--e2e] OUTDIR
 #
@@ -65,7 +69,7 @@ CTRD_PKG=github.com/containerd/containerd/v2
 LINT_TOOLS=(actionlint kindconfig dockerfilelint)
 if [ "$E2E" = 1 ]; then
     OUTPUTS=("$OUT_DIR/e2e/e2e.test" "$OUT_DIR/e2e/ginkgo")
-    OUTPUTS+=("$OUT_DIR/images/regression-issue-74839")
+    OUTPUTS+=("$OUT_DIR/images/regression-issue-74839" "$OUT_DIR/e2e/cnp-conformance.test")
 else
     OUTPUTS=("$OUT_DIR/tools/cnidriver")
     for p in "${REF_PLUGINS[@]}"; do OUTPUTS+=("$OUT_DIR/refcni/${p##*/}"); done
@@ -85,7 +89,8 @@ up_to_date() {
     local o newer
     for o in "${OUTPUTS[@]}"; do
         [ -x "$o" ] || return 1
-        newer=$(find "$SRC_DIR" \( -name '*.go' -o -name go.mod -o -name go.sum -o -name build.sh \) \
+        newer=$(find "$SRC_DIR" \( -name '*.go' -o -name go.mod -o -name go.sum -o -name build.sh \
+                     -o -name '*.patch' \) \
                      -type f -newer "$o" -print -quit)
         [ -z "$newer" ] || return 1
     done
@@ -242,6 +247,18 @@ if [ "$E2E" = 1 ]; then
     regression=regression-issue-74839
     timed "images/$regression" env CGO_ENABLED=0 "$GO" build -ldflags='-s -w' \
         -o "$OUT_DIR/images/$regression" "k8s.io/kubernetes/test/images/$regression"
+    # The suite's manifests are embedded (go:embed), so it is patched in a copy of its module.
+    cd "$SRC_DIR/netpolapi"
+    npa=$("$GO" mod download -json sigs.k8s.io/network-policy-api | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+    [ -d "$npa" ] || die "network-policy-api was not downloaded"
+    rm -rf "$OUT_DIR/src/network-policy-api"
+    mkdir -p "$OUT_DIR/src"
+    cp -r "$npa" "$OUT_DIR/src/network-policy-api"
+    chmod -R u+w "$OUT_DIR/src/network-policy-api"
+    patch -s -p1 -d "$OUT_DIR/src/network-policy-api" < no-sctp.patch
+    cd "$OUT_DIR/src/network-policy-api"
+    timed "e2e/cnp-conformance.test" "$GO" test -c -ldflags='-s -w' \
+        -o "$OUT_DIR/e2e/cnp-conformance.test" ./conformance
     touch "${OUTPUTS[@]}"
     exit 0
 fi

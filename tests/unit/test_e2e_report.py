@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deploy.lab.e2e import read_junit, table
+from deploy.lab.e2e import read_cnp_log, read_junit, table
 
 REPORT = """<?xml version="1.0" encoding="UTF-8"?>
 <testsuites tests="5" disabled="0" errors="0" failures="1" time="3">
@@ -34,3 +34,19 @@ def test_a_report_gives_the_selected_specs_by_outcome(tmp_path: Path) -> None:
         "nftables         1       1        1",
         "  FAILED [It] [sig-network] B fails",
     ]
+
+
+def test_a_cnp_conformance_log_gives_each_test_by_outcome() -> None:
+    log = """=== RUN   TestConformance
+=== RUN   TestConformance/CNPAdminTierEgressTCP
+=== RUN   TestConformance/CNPAdminTierEgressTCP/Should_support_an_'allow-egress'_policy
+    --- PASS: TestConformance/CNPAdminTierEgressTCP/Should_support_an_'allow-egress'_policy (1.2s)
+    --- PASS: TestConformance/CNPAdminTierEgressTCP (5.1s)
+    --- FAIL: TestConformance/CNPBaselineTierGress (30.0s)
+    --- SKIP: TestConformance/CNPAdminTierEgressNodePeers (0.0s)
+--- FAIL: TestConformance (40.0s)
+"""
+    outcome = read_cnp_log(log)
+    assert outcome.passed == ["CNPAdminTierEgressTCP"]
+    assert outcome.failed == ["CNPBaselineTierGress"]
+    assert outcome.skipped == 1
