@@ -61,7 +61,9 @@ FULL_SYNC_GOAL = 1.5
 CONNECTION_GOAL = 0.95
 SELECTED_NAMESPACE = "bench-0"
 T = TypeVar("T")
-FIRST_SYNC = re.compile(r"policy sync: \d+ policies, \d+ pods in ([\d.]+) ms \(([\d.]+) ms")
+FIRST_SYNC = re.compile(
+    r"policy sync: \d+ policies, \d+ cluster policies, \d+ pods in ([\d.]+) ms \(([\d.]+) ms"
+)
 """The daemon's log line of each policy sync."""
 
 
