@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from proxyd.model import family_of
 from proxyd.naming import short_hash
 from proxyd.policy.cluster_model import ACCEPT, ADMIN, BASELINE, DENY, ClusterNetworkPolicy
 from proxyd.policy.model import (
@@ -151,10 +150,7 @@ def merged(intervals: Iterable[Interval]) -> frozenset[Interval]:
 
 def _address(pod: Pod, family: int) -> tuple[str, int] | None:
     """The pod's address of the family, as text and as a number."""
-    for text, number in zip(pod.addresses, pod.numbers, strict=True):
-        if family_of(text) == family:
-            return text, number
-    return None
+    return pod.by_family.get(family)
 
 
 def _inside(value: int, intervals: Iterable[Interval]) -> bool:

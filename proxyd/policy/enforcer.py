@@ -17,9 +17,10 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 
+from proxyd import gc_pause
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft, counter_packets
-from proxyd.policy.compile import FamilyCompiler, FamilyPolicy
+from proxyd.policy.compile import Cluster, FamilyCompiler, FamilyPolicy, PodKey
 from proxyd.policy.denials import DenialLog
 from proxyd.policy.render import TABLE, Renderer
 from proxyd.policy.state import PolicyState
@@ -58,22 +59,10 @@ class PolicyEnforcer:
         start = time.monotonic()
         in_kernel = 0.0
         cluster, changed_pods = self.state.take()
-        for family in self.families:
-            written = self._written[family]
-            # after a failure, nothing the compiler kept is trusted
-            changed = changed_pods if written is not None else None
-            try:
-                wanted = self._compilers[family].compile(cluster, changed)
-                transaction = self._renderers[family].partial(written, wanted)
-                began = time.monotonic()
-                self._nft[family].run(transaction)
-                in_kernel += time.monotonic() - began
-            except Exception:
-                log.exception("IPv%d policy sync failed; the whole table is written next", family)
-                self._written[family] = None
-                self.runner.retry_after(1.0)
-                continue
-            self._written[family] = wanted
+        # a full compile allocates an object per pod and set element: see gc_pause
+        with gc_pause.paused():
+            for family in self.families:
+                in_kernel += self._sync_family(family, cluster, changed_pods)
         elapsed = time.monotonic() - start
         self.metrics.policy_sync_duration.observe(elapsed)
         log.info(
@@ -85,6 +74,27 @@ class PolicyEnforcer:
             elapsed * 1000,
             in_kernel * 1000,
         )
+
+    def _sync_family(
+        self, family: int, cluster: Cluster, changed_pods: set[PodKey] | None
+    ) -> float:
+        """Bring one family's table to what the cluster wants; the seconds spent loading it."""
+        written = self._written[family]
+        # after a failure, nothing the compiler kept is trusted
+        changed = changed_pods if written is not None else None
+        try:
+            wanted = self._compilers[family].compile(cluster, changed)
+            transaction = self._renderers[family].partial(written, wanted)
+            began = time.monotonic()
+            self._nft[family].run(transaction)
+            loading = time.monotonic() - began
+        except Exception:
+            log.exception("IPv%d policy sync failed; the whole table is written next", family)
+            self._written[family] = None
+            self.runner.retry_after(1.0)
+            return 0.0
+        self._written[family] = wanted
+        return loading
 
     def denied(self) -> Counter[DeniedKey]:
         """Packets the pod chains dropped, by what denied them, read from the kernel's

@@ -122,6 +122,15 @@ class Pod:
     """The addresses as integers, in the same order."""
     named_ports: Mapping[tuple[str, str], int]
     """(name, protocol) -> container port."""
+    by_family: Mapping[int, tuple[str, int]] = field(init=False, compare=False, repr=False)
+    """IP family -> the pod's first address of it, as text and as a number (the compiler
+    asks for it of every pod at each full compile)."""
+
+    def __post_init__(self) -> None:
+        by_family: dict[int, tuple[str, int]] = {}
+        for text, number in zip(self.addresses, self.numbers, strict=True):
+            by_family.setdefault(6 if ":" in text else 4, (text, number))
+        object.__setattr__(self, "by_family", by_family)
 
     def port_named(self, name: str, protocol: str) -> int | None:
         return self.named_ports.get((name, protocol))
