@@ -1,6 +1,8 @@
 """The daemon's list+watch (proxyd.watch.Reflector) against the real API server: a list in
 pages (continue tokens) that leaves out the Services another proxy owns, then a watch that
-streams what changed; an unreachable API server is retried with a doubling backoff."""
+streams what changed; an unreachable API server is retried with a doubling backoff; a
+resource the API server does not serve (a CRD not installed) lists as empty and is looked for
+again."""
 
 from __future__ import annotations
 
@@ -112,3 +114,24 @@ def test_an_unreachable_api_server_is_retried_with_a_doubling_backoff(
     ]
     assert waits[:3] == ["0.5s", "1.0s", "2.0s"]
     assert not thread.is_alive()
+
+
+def test_a_resource_the_api_server_does_not_serve_is_listed_as_empty_and_looked_for_again(
+    kube_api: ApiClient, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A custom resource whose CRD is not installed (here a made-up one): 404, not a failure."""
+    monkeypatch.setattr(watch, "MAX_BACKOFF", 0.2)
+    gadgets = watch.Resource("Gadget", "/apis/example.knit.test/v1/gadgets", optional=True)
+    lists: list[list[Obj]] = []
+    stop = threading.Event()
+    reflector = Reflector(kube_api, gadgets, lists.append, lambda *event: None, stop)
+    with caplog.at_level(logging.INFO, logger="proxyd.watch"):
+        thread = reflector.start()
+        try:
+            eventually(lambda: len(lists) >= 2, what="two looks", timeout=10)
+        finally:
+            stop.set()
+            thread.join(5)
+    assert all(listed == [] for listed in lists)
+    assert "Gadget is not served; looking again in 0s" in caplog.text
+    assert "list/watch failed" not in caplog.text
