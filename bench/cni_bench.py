@@ -32,6 +32,7 @@ from pathlib import Path
 
 from bench import record
 from deploy.lab.paths import CNIDRIVER, REFERENCE_PLUGINS, ROOT
+from deploy.lab.process import exit_on_termination
 
 PREFIX = f"kb{os.getpid()}"
 VERBS = ("add", "check", "del")
@@ -234,6 +235,7 @@ def main() -> None:
     record.add_json_option(parser)
     options = parser.parse_args()
     began_at = record.revision()
+    exit_on_termination()
     node = f"{PREFIX}-node"
     pods = [f"{PREFIX}-pod{i}" for i in range(options.pods)]
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in CONTENDERS}

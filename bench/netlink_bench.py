@@ -39,6 +39,7 @@ from bench import record
 from cni.addresses import link_addresses
 from deploy.lab.conntrack_entries import add_entry
 from deploy.lab.netns import Netns, namespaces
+from deploy.lab.process import exit_on_termination
 from proxyd.conntrack import UdpFrontends, clear_stale
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.route_plan import NodeNet, plan_routes
@@ -217,6 +218,7 @@ def main() -> None:
     record.add_json_option(parser)
     options = parser.parse_args()
     began_at = record.revision()
+    exit_on_termination()
     figures = Figures()
     steps = (
         (addresses, options.addresses),

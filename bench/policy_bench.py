@@ -47,7 +47,7 @@ from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane, start
 from deploy.lab.kube import Kube, pod_object
 from deploy.lab.netns import Netns, unique_name
-from deploy.lab.process import eventually, in_ns
+from deploy.lab.process import eventually, exit_on_termination, in_ns
 from proxyd.nftables.kernel import Nft
 from proxyd.policy.render import TABLE
 
@@ -413,6 +413,7 @@ def main() -> None:
     record.add_json_option(parser)
     options = parser.parse_args()
     began_at = record.revision()
+    exit_on_termination()
     folder = Path(tempfile.mkdtemp(prefix="policy-bench-"))
     try:
         figures = run(options, folder)

@@ -100,7 +100,7 @@ from deploy.lab.kube import (
     slice_object,
 )
 from deploy.lab.netns import Netns, namespaces
-from deploy.lab.process import eventually
+from deploy.lab.process import eventually, exit_on_termination
 from deploy.lab.proxyd_node import NodeFiles, launch_proxyd, proxyd_flags
 from proxyd.config import load as load_config
 from proxyd.daemon import make_proxier
@@ -1098,8 +1098,7 @@ def main() -> None:
         parser.error(f"unknown modes {', '.join(sorted(unknown))} (one of {', '.join(MODES)})")
     available: dict[str, Mode] = {"iptables": Iptables(options.flavour), "nftables": Nftables()}
     modes = [available[name] for name in names]
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda number, _: sys.exit(128 + number))
+    exit_on_termination()
     began_at = record.revision()
     print(f"at {began_at}", flush=True)
     with tempfile.TemporaryDirectory(prefix="knit-proxy-bench-") as tmp, ExitStack() as stack:

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,3 +97,11 @@ def terminate(pid: int) -> None:
                 os.killpg(pid, signal.SIGKILL)
             deadline += 10
         time.sleep(0.02)
+
+
+def exit_on_termination() -> None:
+    """Make SIGTERM and SIGHUP end this process through SystemExit, so that its finally
+    blocks and context managers remove the namespaces, processes and files it made (by
+    default these signals end the interpreter without running them)."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda number, _: sys.exit(128 + number))
