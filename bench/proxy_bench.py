@@ -44,11 +44,23 @@ and at the largest N:
   ratio is the median of the rounds' own ratios, so that the machine's slower and faster
   spells (+-20% here) fall on both of its sides.
 
+After knit-proxyd, at each N and in each mode, the real kube-proxy (built from the pinned
+kubernetes module) starts in a fresh node namespace of the same layout, against the same API
+server and objects, and the figures both can give are taken of it the same way, from its own
+metrics under the same names: cold start to its first full sync done, the full sync at start
+and forced at steady state, one-service changes (its partial sync, and from the PATCH to the
+rules in the kernel by the network programming metric: every change the bench makes stamps
+the EndpointSlice's last-change-trigger-time, as the EndpointSlice controller does), resident
+memory after start and at peak, the CPU time each daemon spends over a churn of 1,000
+endpoint changes, and at the largest N connections/s through the same ClusterIP as a share of
+direct through a node without rules. Each becomes a row beside knit-proxyd's, with the ratio.
+
 The run ends with every figure as measured, then a table comparing the modes per N with the
 nftables mode's goals marked met or not: connections through a ClusterIP at the largest N at
 least 80% of direct through a node without rules, a one-service change under 20 ms whose
 partial sync does not grow from the smallest N to the largest (at most 1.5x, printed beside
-the bare tool's growth), and full syncs at most 1.5x the bare `nft -f`.
+the bare tool's growth), and full syncs at most 1.5x the bare `nft -f`; beside kube-proxy at the largest N, knit-proxyd at
+or ahead of it on every figure, and a one-service change at most a tenth of its.
 
 That a sync ended is read from the line the daemon logs after it; its metrics are read once
 then, not polled during the sync they measure (a look costs a process, ~11 ms of CPU here).
@@ -70,7 +82,6 @@ import itertools
 import pstats
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -81,12 +92,26 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kubernetes import client, config
 
 from bench import record
+from bench.proxy_daemon import (
+    FULL,
+    KNIT,
+    KUBE_PROXY,
+    LAST_SYNC,
+    METRICS_ADDRESS,
+    PARTIAL,
+    PENDING,
+    TRIGGER_TIME,
+    Daemon,
+    programming,
+    spent,
+)
 from cni.families import IP_FAMILIES
 from cni.firewall import detect_iptables_flavour
 from deploy.lab.controlplane import ControlPlane, NetnsForward, die_with_parent, start
@@ -101,7 +126,7 @@ from deploy.lab.kube import (
 )
 from deploy.lab.netns import Netns, namespaces
 from deploy.lab.process import eventually, exit_on_termination
-from deploy.lab.proxyd_node import NodeFiles, launch_proxyd, proxyd_flags
+from deploy.lab.proxyd_node import NodeFiles, proxyd_flags
 from proxyd.config import load as load_config
 from proxyd.daemon import make_proxier
 from proxyd.iptables import render as iptables_render
@@ -129,18 +154,6 @@ BACKEND_GATEWAY = "10.244.201.1"
 BACKENDS = [f"10.244.201.{host}" for host in range(2, 3 + ENDPOINTS)]
 """The target service's endpoints, and one more address for the direct connections."""
 WORKERS = 16
-METRICS = "http://127.0.0.1:10249/metrics"
-FULL = "kubeproxy_sync_full_proxy_rules_duration_seconds"
-PARTIAL = "kubeproxy_sync_partial_proxy_rules_duration_seconds"
-LAST_SYNC = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
-IP_FAMILY_LABEL = re.compile(r'ip_family="IPv[46]",?')
-"""Both families' parts of one sync are read as one: their times summed (`_sum`), the rest
-(sync counts, timestamps) the larger of the two."""
-SYNC_LOGGED = {
-    FULL: re.compile(r"knit-proxyd: full sync of "),
-    PARTIAL: re.compile(r"knit-proxyd: partial sync of [1-9]"),
-}
-"""The line the daemon logs after each kind of sync (Daemon._sync_changes in proxyd/daemon.py)."""
 LEGACY_HINT = "KUBE-IPTABLES-HINT"
 OUTSIDE_POLL_LIMIT = 0.05
 """Seconds one look at the kernel may cost to be polled during a change (legacy: ~0.8 s at
@@ -156,6 +169,9 @@ SIZE_GROWTH_GOAL = 1.5
 CONNECTION_GOAL = 0.8
 """nftables: connections/s through a ClusterIP at the largest N, as a share of direct through
 a node without rules."""
+CHURN_CHANGES = 1000
+CHURN_SERVICES = 100
+PROGRAMMING_METRIC = "network programming metric"
 CLUSTER_IP_RULE = re.compile(r'^-A KNIT-SERVICES .*--comment "default/([^:]+): cluster IP"')
 T = TypeVar("T")
 Saved = dict[int, str]
@@ -248,76 +264,6 @@ def create_services(kube: Kube, indices: range) -> float:
 def make_netns(prefix: str, stack: ExitStack) -> Netns:
     """A fresh network namespace (lo up), removed when stack closes."""
     return stack.enter_context(namespaces("kpb-"))(prefix)
-
-
-@dataclass
-class Daemon:
-    """knit-proxyd in a node namespace."""
-
-    ns: Netns
-    args: list[str]
-    process: subprocess.Popen[bytes]
-    log: Path
-    started: float
-    """time.time() just before the launch."""
-
-    @classmethod
-    def start(cls, ns: Netns, args: list[str], log: Path, profile: Path | None) -> Daemon:
-        python = ["-m", "cProfile", "-o", str(profile)] if profile else []
-        started = time.time()
-        return cls(ns, args, launch_proxyd(ns, args, log, *python), log, started)
-
-    def metrics(self) -> dict[str, float]:
-        if self.process.poll() is not None:
-            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
-            raise RuntimeError(f"knit-proxyd exited with {self.process.returncode}:\n{tail}")
-        body = self.ns.run("curl", "-sf", METRICS, check=False).stdout
-        values: dict[str, float] = {}
-        for line in body.splitlines():
-            if line and not line.startswith("#"):
-                labelled, _, text = line.rpartition(" ")
-                key, value = IP_FAMILY_LABEL.sub("", labelled).replace("{}", ""), float(text)
-                if key in values:
-                    value = values[key] + value if key.endswith("_sum") else max(values[key], value)
-                values[key] = value
-        return values
-
-    def log_size(self) -> int:
-        return self.log.stat().st_size
-
-    def wait_sync(self, kind: str, since: int, timeout: float) -> dict[str, float]:
-        """The metrics once the daemon logged, past byte `since` of its log, a full sync (FULL)
-        or a partial sync of changed services (PARTIAL: not one of the periodic syncs, which
-        change none); TimeoutError when it did not within timeout. The log costs the daemon
-        nothing to watch, where each look at its metrics costs a process (~11 ms of CPU here)
-        and a turn of its metrics thread at the GIL, during the sync being measured."""
-
-        def logged() -> bool:
-            with self.log.open("rb") as log:
-                log.seek(since)
-                return SYNC_LOGGED[kind].search(log.read().decode(errors="replace")) is not None
-
-        eventually(logged, timeout, f"a sync logged as {SYNC_LOGGED[kind].pattern!r}", 0.05)
-        return self.metrics()
-
-    def memory_mib(self) -> tuple[float, float]:
-        """(VmRSS, VmHWM); `ip netns exec` execs the interpreter, so the pid is the same."""
-        assert b"proxyd" in Path(f"/proc/{self.process.pid}/cmdline").read_bytes()
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
-        fields = dict(line.split(":", 1) for line in status.splitlines())
-        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def spent(after: dict[str, float], before: dict[str, float], kind: str) -> float:
-    return after[f"{kind}_sum"] - before.get(f"{kind}_sum", 0.0)
 
 
 class Mode(ABC):
@@ -582,6 +528,25 @@ def service_order(saved: str) -> list[str]:
     return [m.group(1) for line in saved.splitlines() if (m := CLUSTER_IP_RULE.match(line))]
 
 
+class SliceChange:
+    """One service's EndpointSlice, changed in the API one endpoint at a time."""
+
+    def __init__(self, kube: Kube, name: str) -> None:
+        self.kube = kube
+        self.name = name
+        self.endpoints = kube.call("GET", f"{SLICES}/{name}-ipv4")["endpoints"]
+        self.changes = 0
+
+    def apply(self, new_ip: str) -> None:
+        """Replace the endpoint changed longest ago by new_ip, stamping the slice with the time
+        of the change as the EndpointSlice controller stamps its own."""
+        self.endpoints[self.changes % len(self.endpoints)] = endpoint(new_ip, REMOTE_NODE)
+        self.changes += 1
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        patch = {"metadata": {"annotations": {TRIGGER_TIME: stamp}}, "endpoints": self.endpoints}
+        self.kube.patch(f"{SLICES}/{self.name}-ipv4", patch)
+
+
 class OneServiceChange:
     """Replaces one endpoint of one service's slice at a time: in the API, and (rendered by the
     daemon's code, in the context the daemon's proxier builds for the node) as the mode's
@@ -590,11 +555,10 @@ class OneServiceChange:
     def __init__(
         self, kube: Kube, mode: Mode, daemon: Daemon, index: int, fresh: Iterator[str]
     ) -> None:
-        self.kube = kube
         self.mode = mode
         self.fresh = fresh
-        self.name = service_name(index)
-        self.endpoints = kube.call("GET", f"{SLICES}/{self.name}-ipv4")["endpoints"]
+        self.slice = SliceChange(kube, service_name(index))
+        self.name = self.slice.name
         spec = kube.call("GET", f"{SERVICES}/{self.name}")["spec"]
         self.cluster_ip = spec["clusterIP"]
         port_name = ServicePortName("default", self.name, "", "TCP")
@@ -604,17 +568,13 @@ class OneServiceChange:
         self.ctx = in_netns(  # the iptables proxier detects the flavour where it is made
             daemon.ns, lambda: make_proxier(mode.name, settings, Metrics()).context(4, node)
         )
-        self.changes = 0
 
-    def _plan(self) -> PortPlan:
-        endpoints = sorted(
-            (
-                Endpoint(e["addresses"][0], TARGET_PORT, node_name=REMOTE_NODE)
-                for e in self.endpoints
-            ),
+    def _plan(self, endpoints: list[dict[str, Any]]) -> PortPlan:
+        ordered = sorted(
+            (Endpoint(e["addresses"][0], TARGET_PORT, node_name=REMOTE_NODE) for e in endpoints),
             key=lambda e: e.ip,
         )
-        plan = plan_port(self.port, tuple(endpoints), self.ctx)
+        plan = plan_port(self.port, tuple(ordered), self.ctx)
         assert plan is not None
         return plan
 
@@ -624,13 +584,10 @@ class OneServiceChange:
 
     def apply(self) -> tuple[str, str]:
         """Patch the slice; return (the new endpoint's address, the change)."""
-        before = self._plan()
+        before = self._plan(self.slice.endpoints)
         new_ip = next(self.fresh)
-        self.endpoints[self.changes % ENDPOINTS] = endpoint(new_ip, REMOTE_NODE)
-        self.changes += 1
-        script = self.mode.change(self.ctx, before, self._plan())
-        self.kube.patch(f"{SLICES}/{self.name}-ipv4", {"endpoints": self.endpoints})
-        return new_ip, script
+        self.slice.apply(new_ip)
+        return new_ip, self.mode.change(self.ctx, before, self._plan(self.slice.endpoints))
 
 
 def one_lookup_dnat(address: str) -> str:
@@ -721,6 +678,11 @@ class Report:
         return columns(("N", "figure", *modes, "goal (nftables)"), lines)
 
 
+def paired(rates: dict[str, list[float]], kind: str, anchor: str) -> float:
+    """The median of the rounds' own ratios of kind's rate to anchor's."""
+    return statistics.median(a / b for a, b in zip(rates[kind], rates[anchor], strict=True))
+
+
 def cell(row: Row | None) -> str:
     if row is None:
         return ""
@@ -733,6 +695,41 @@ def ratio(value: float, anchor: float) -> str:
 
 def times(factor: float) -> str:
     return f"{factor:.2f}x"
+
+
+def mib(value: float) -> str:
+    return f"{value:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure taken of knit-proxyd and of kube-proxy alike, to be set side by side."""
+
+    name: str
+    unit: Callable[[float], str]
+    higher_is_better: bool = False
+    goal: float = 1.0
+    """knit's figure against kube-proxy's, judged in the nftables mode at the largest N."""
+
+
+COLD = Figure("cold start to the first full sync done (wall)", secs)
+FIRST = Figure("first full sync (metric)", secs)
+STEADY = Figure("full sync at steady state (metric, median)", secs)
+PARTIAL_SYNC = Figure("one-service change: partial sync (metric, median)", ms, goal=0.1)
+PROGRAMMED = Figure(
+    "one-service change: API to rules in kernel (network programming metric, median)",
+    ms,
+    goal=0.1,
+)
+CONNECTIONS = Figure(
+    "TCP connections/s via ClusterIP, as a share of direct through a node without rules",
+    times,
+    higher_is_better=True,
+)
+RSS_START = Figure("memory after start (VmRSS)", mib)
+RSS_PEAK = Figure("memory peak (VmHWM)", mib)
+CHURN = Figure(f"CPU time over a churn of {CHURN_CHANGES:,} endpoint changes", secs)
+BESIDE = (COLD, FIRST, STEADY, PARTIAL_SYNC, PROGRAMMED, CONNECTIONS, RSS_START, RSS_PEAK, CHURN)
 
 
 class Bench:
@@ -749,6 +746,15 @@ class Bench:
         """Addresses no endpoint had, for one-service changes."""
         self.partial: dict[str, dict[int, tuple[float, float]]] = {}
         """mode -> N -> (median partial sync, median bare load) of one-service changes."""
+        self.churn_addresses = (
+            f"10.244.{100 + n // 250 % 50}.{n % 250 + 1}" for n in itertools.count()
+        )
+        """Endpoint addresses for the churns, in 10.244.100.0-10.244.149.255 (reused after
+        12,500: an address comes back long after it was replaced)."""
+        self.beside: dict[tuple[str, int], dict[Figure, dict[str, float]]] = {}
+        """(mode, N) -> figure -> program -> value."""
+        self.targets: dict[str, str] = {}
+        """mode -> the service knit-proxyd's connections went through."""
 
     def add(
         self,
@@ -770,15 +776,8 @@ class Bench:
         tag = f"{mode.name}-{size}"
         profile = self.work / f"proxyd-{tag}.prof" if self.options.profile else None
         with ExitStack() as stack:
-            node = make_netns("node", stack)
-            mode.prepare(node)
-            forward = NetnsForward(node.name, self.plane.port)
-            stack.callback(forward.stop)
-            kubeconfig = self.plane.write_kubeconfig(
-                self.work / f"kubeconfig-{tag}", forward.listen_port
-            )
-            folder = self.work / tag
-            (folder / "networks").mkdir(parents=True)
+            node, kubeconfig, folder = self.node(tag, mode, stack)
+            (folder / "networks").mkdir()
             files = NodeFiles(folder / "net.d", folder / "bin", folder / "networks")
             args = proxyd_flags(
                 kubeconfig,
@@ -786,15 +785,107 @@ class Bench:
                 CLUSTER_CIDR,
                 files,
                 "--metrics-bind-address",
-                "127.0.0.1:10249",
+                METRICS_ADDRESS,
                 mode=mode.name,
             )
-            daemon = Daemon.start(node, args, self.work / f"proxyd-{tag}.log", profile)
+            daemon = Daemon.knit(node, args, self.work / f"proxyd-{tag}.log", profile)
             stack.callback(daemon.stop)
             self.measure(size, mode, largest, daemon, stack)
         if profile is not None:
             print(f"  the daemon's main thread, under cProfile ({profile}):")
             pstats.Stats(str(profile)).sort_stats("cumulative").print_stats("proxyd/", 25)
+        print(f"\n{size} services, kube-proxy in {mode.name} mode, the same figures:", flush=True)
+        with ExitStack() as stack:
+            node, kubeconfig, folder = self.node(f"kube-proxy-{tag}", mode, stack)
+            peer = Daemon.kube_proxy(node, kubeconfig, NODE, CLUSTER_CIDR, mode.name, folder)
+            stack.callback(peer.stop)
+            self.measure_peer(size, mode, largest, peer, stack)
+
+    def node(self, tag: str, mode: Mode, stack: ExitStack) -> tuple[Netns, Path, Path]:
+        """A fresh node namespace as the mode expects it, a kubeconfig for a daemon inside it,
+        and a folder for its files; removed when stack closes."""
+        node = make_netns("node", stack)
+        mode.prepare(node)
+        forward = NetnsForward(node.name, self.plane.port)
+        stack.callback(forward.stop)
+        kubeconfig = self.plane.write_kubeconfig(
+            self.work / f"kubeconfig-{tag}", forward.listen_port
+        )
+        folder = self.work / tag
+        folder.mkdir(parents=True)
+        return node, kubeconfig, folder
+
+    def measure_peer(
+        self, size: int, mode: Mode, largest: bool, daemon: Daemon, stack: ExitStack
+    ) -> None:
+        """kube-proxy's figures that knit-proxyd's are set beside, taken the same way."""
+        try:
+            synced = daemon.wait_sync(FULL, 0, self.options.sync_timeout)
+        except TimeoutError:
+            print(f"  no full sync within {self.options.sync_timeout:.0f} s")
+            return
+        first = spent(synced, {}, FULL)
+        self.note(mode, size, COLD, KUBE_PROXY, synced[LAST_SYNC] - daemon.started)
+        self.note(mode, size, FIRST, KUBE_PROXY, first)
+        self.note(mode, size, RSS_START, KUBE_PROXY, daemon.memory_mib()[0])
+        if first < FORCED_FULL_LIMIT:
+            forced = [self.force_full_sync(size, mode, daemon, n) for n in range(self.repeats)]
+            done = [sync for sync in forced if sync is not None]
+            if len(done) == len(forced):
+                self.note(mode, size, STEADY, KUBE_PROXY, statistics.median(done))
+        change = SliceChange(self.kube, service_name(size // 2))
+        syncs, latencies = [], []
+        for _ in range(5 if self.options.quick else 10):
+            time.sleep(1.0)  # kube-proxy's default minSyncPeriod, since the last sync
+            before, since = daemon.metrics(), daemon.log_size()
+            change.apply(next(self.fresh))
+            after = daemon.wait_sync(PARTIAL, since, 60, change=before)
+            syncs.append(spent(after, before, PARTIAL))
+            latencies.append(programming(after, before))
+        self.note(mode, size, PARTIAL_SYNC, KUBE_PROXY, statistics.median(syncs))
+        self.note(mode, size, PROGRAMMED, KUBE_PROXY, statistics.median(latencies))
+        # before the churn, which may change the target's endpoints
+        if largest and (target := self.targets.get(mode.name)):
+            client_ns = self.attach(daemon.ns, stack)
+            plain_client = self.attach(make_netns("plain", stack), stack)
+            cluster_ip = self.kube.call("GET", f"{SERVICES}/{target}")["spec"]["clusterIP"]
+            rates = self.rounds(
+                {
+                    "service": (client_ns, cluster_ip, PORT),
+                    "plain": (plain_client, BACKENDS[-1], TARGET_PORT),
+                }
+            )
+            self.note(mode, size, CONNECTIONS, KUBE_PROXY, paired(rates, "service", "plain"))
+        self.note(mode, size, CHURN, KUBE_PROXY, self.churn(daemon))
+        self.note(mode, size, RSS_PEAK, KUBE_PROXY, daemon.memory_mib()[1])
+
+    def keep(self, mode: Mode, size: int, figure: Figure, program: str, value: float) -> None:
+        """A figure of one program, for the comparison of the two."""
+        self.beside.setdefault((mode.name, size), {}).setdefault(figure, {})[program] = value
+
+    def note(self, mode: Mode, size: int, figure: Figure, program: str, value: float) -> None:
+        """A figure kept for the comparison that no row of the report shows: printed at once."""
+        self.keep(mode, size, figure, program, value)
+        print(f"  {figure.name}: {figure.unit(value)}", flush=True)
+
+    def churn(self, daemon: Daemon) -> float:
+        """CPU seconds the daemon spends on CHURN_CHANGES endpoint changes, made one after the
+        other as fast as the API takes them, each replacing one endpoint of one of the first
+        CHURN_SERVICES services, until it has programmed them all (no change pending, a sync
+        ended after the last)."""
+        slices = [SliceChange(self.kube, service_name(index)) for index in range(CHURN_SERVICES)]
+        began = daemon.cpu_seconds()
+        for change in range(CHURN_CHANGES):
+            slices[change % CHURN_SERVICES].apply(next(self.churn_addresses))
+        patched = time.time()
+        time.sleep(0.5)  # the last events reach the daemon's watch
+
+        def programmed() -> bool:
+            metrics = daemon.metrics()
+            return metrics.get(PENDING, 0.0) == 0 and metrics[LAST_SYNC] > patched
+
+        eventually(programmed, 300, f"{daemon.program}: the churn programmed", 0.5)
+        return daemon.cpu_seconds() - began
 
     def measure(
         self, size: int, mode: Mode, largest: bool, daemon: Daemon, stack: ExitStack
@@ -812,16 +903,20 @@ class Bench:
         self.add(mode, size, "daemon memory after start (VmRSS)", f"{rss:.0f} MiB")
         saved = mode.save(daemon.ns)
         wall = synced[LAST_SYNC] - daemon.started
+        for figure, value in ((COLD, wall), (FIRST, full), (RSS_START, rss)):
+            self.keep(mode, size, figure, KNIT, value)
         anchor = self.bare_loads(size, mode, saved, full, wall, stack)
         if full < FORCED_FULL_LIMIT:
             self.forced_full_syncs(size, mode, daemon, anchor, saved)
         else:
             print(f"  no forced full sync: the first took {secs(full)}")
         self.one_service_changes(size, mode, daemon, anchor)
+        self.note(mode, size, CHURN, KNIT, self.churn(daemon))
         if largest:
             self.connection_rate(size, mode, daemon, saved, stack)
         rss, hwm = daemon.memory_mib()
         self.add(mode, size, "daemon memory at the end (VmRSS/peak)", f"{rss:.0f}/{hwm:.0f} MiB")
+        self.keep(mode, size, RSS_PEAK, KNIT, hwm)
 
     def bare_loads(
         self, size: int, mode: Mode, saved: Saved, full: float, wall: float, stack: ExitStack
@@ -853,23 +948,30 @@ class Bench:
         figure = "full sync at steady state (metric, median)"
         forced, bares = [], []
         for repeat in range(self.repeats):
-            before, since = daemon.metrics(), daemon.log_size()
-            zone = f"zone-{size}-{mode.name}-{repeat}"
-            self.kube.patch(f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {ZONE_LABEL: zone}}})
-            try:
-                after = daemon.wait_sync(FULL, since, self.options.sync_timeout)
-            except TimeoutError:
-                limit = f"> {self.options.sync_timeout:.0f} s"
-                self.add(mode, size, figure, f"not done, {limit}")
+            if (forced_sync := self.force_full_sync(size, mode, daemon, repeat)) is None:
+                self.add(mode, size, figure, f"not done, > {self.options.sync_timeout:.0f} s")
                 return
-            if after[f"{FULL}_count"] != before[f"{FULL}_count"] + 1:
-                raise RuntimeError("more than one full sync after one change of the Node")
-            forced.append(spent(after, before, FULL))
+            forced.append(forced_sync)
             bares.append(mode.load(anchor, scripts))
         sync, bare = statistics.median(forced), statistics.median(bares)
+        self.keep(mode, size, STEADY, KNIT, sync)
         what = f"bare {mode.loader} over the same rules {secs(bare)}"
         goal = (f"<= {FULL_SYNC_GOAL}x", sync / bare <= FULL_SYNC_GOAL)
         self.add(mode, size, figure, secs(sync), what, ratio(sync, bare), goal)
+
+    def force_full_sync(self, size: int, mode: Mode, daemon: Daemon, repeat: int) -> float | None:
+        """Seconds of one full sync (the daemon's metric) forced by a change of the Node's
+        zone; None when it did not end within --sync-timeout."""
+        before, since = daemon.metrics(), daemon.log_size()
+        zone = f"zone-{size}-{mode.name}-{daemon.program}-{repeat}"
+        self.kube.patch(f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {ZONE_LABEL: zone}}})
+        try:
+            after = daemon.wait_sync(FULL, since, self.options.sync_timeout)
+        except TimeoutError:
+            return None
+        if after[f"{FULL}_count"] != before[f"{FULL}_count"] + 1:
+            raise RuntimeError("more than one full sync after one change of the Node")
+        return spent(after, before, FULL)
 
     def one_service_changes(self, size: int, mode: Mode, daemon: Daemon, anchor: Netns) -> None:
         """Changes measured by metrics and the daemon's timestamp; then, when a look at the
@@ -894,7 +996,7 @@ class Bench:
                     interval=0.005,
                 )
                 latencies["polled from outside"].append(time.monotonic() - patched)
-            after = daemon.wait_sync(PARTIAL, since, 60)
+            after = daemon.wait_sync(PARTIAL, since, 60, change=before)
             assert programmed(target), f"{target} was not programmed"
             bare = mode.load(anchor, [(4, script)])
             assert change.listed(anchor) == change.listed(node), (
@@ -902,6 +1004,7 @@ class Bench:
             )
             if not polled:
                 latencies["daemon's timestamp"].append(after[LAST_SYNC] - patched_at)
+                latencies[PROGRAMMING_METRIC].append(programming(after, before))
                 syncs.append(spent(after, before, PARTIAL))
                 bares.append(bare)
 
@@ -909,7 +1012,11 @@ class Bench:
         outside = poll_cost < OUTSIDE_POLL_LIMIT
         syncs: list[float] = []
         bares: list[float] = []
-        latencies: dict[str, list[float]] = {"daemon's timestamp": [], "polled from outside": []}
+        latencies: dict[str, list[float]] = {
+            "daemon's timestamp": [],
+            PROGRAMMING_METRIC: [],
+            "polled from outside": [],
+        }
         changes = 5 if self.options.quick else 10
         for polled in [False] * changes + [True] * (changes if outside else 0):
             one(polled)
@@ -940,8 +1047,38 @@ class Bench:
                         ms(latency),
                         goal=(goal, latency < CHANGE_GOAL) if label == "median" else None,
                     )
+        self.keep(mode, size, PARTIAL_SYNC, KNIT, statistics.median(syncs))
+        self.keep(mode, size, PROGRAMMED, KNIT, statistics.median(latencies[PROGRAMMING_METRIC]))
         look = f"one look at {change.name}'s endpoints costs {ms(poll_cost)}"
         print(f"  ({look}{'' if outside else ', too much to poll without disturbing the daemon'})")
+
+    def beside_kube_proxy(self, largest: int) -> None:
+        """knit-proxyd's figures beside kube-proxy's, each a row of the report: the ratio is
+        knit's to kube-proxy's, judged (in the nftables mode at the largest N) against the
+        figure's goal: at or ahead of kube-proxy, a one-service change a tenth of its."""
+        print("\nknit-proxyd beside kube-proxy:", flush=True)
+        for (mode_name, size), figures in self.beside.items():
+            for figure in BESIDE:
+                values = figures.get(figure, {})
+                if KNIT not in values or KUBE_PROXY not in values:
+                    continue
+                knit, peer = values[KNIT], values[KUBE_PROXY]
+                factor = knit / peer
+                met = factor >= figure.goal if figure.higher_is_better else factor <= figure.goal
+                sign = ">=" if figure.higher_is_better else "<="
+                goal = f"{sign} {figure.goal:g}x: {'met' if met else 'NOT met'}"
+                judged = mode_name == "nftables" and size == largest
+                self.report.add(
+                    Row(
+                        mode_name,
+                        size,
+                        f"beside kube-proxy: {figure.name}",
+                        figure.unit(knit),
+                        f"kube-proxy {figure.unit(peer)}",
+                        times(factor),
+                        goal if judged else "",
+                    )
+                )
 
     def size_growth(self, sizes: list[int], modes: list[Mode]) -> None:
         """The partial sync at the largest N against the smallest's, for each mode, beside the
@@ -985,33 +1122,26 @@ class Bench:
         nat_node.run("nft", "-f", "-", stdin=one_lookup_dnat(cluster_ip))
         nat_client = self.attach(nat_node, stack)
         dispatch = mode.dispatch(node, target)
-        loads = {
-            "service": (client_ns, cluster_ip, PORT),
-            "direct": (client_ns, BACKENDS[-1], TARGET_PORT),
-            "plain": (plain_client, BACKENDS[-1], TARGET_PORT),
-            "nat": (nat_client, cluster_ip, PORT),
-        }
-        seconds, repeats = (1.0, 2) if self.options.quick else (2.0, 7)
-        rates: dict[str, list[float]] = {kind: [] for kind in loads}
-        kinds = list(loads)
-        for turn in range(repeats):
-            for kind in kinds[turn % len(kinds) :] + kinds[: turn % len(kinds)]:
-                ns, host, port = loads[kind]
-                out = ns.run(sys.executable, "-c", CLIENT_LOOP, host, str(port), str(seconds))
-                rates[kind].append(float(out.stdout))
+        self.targets[mode.name] = target
+        rates = self.rounds(
+            {
+                "service": (client_ns, cluster_ip, PORT),
+                "direct": (client_ns, BACKENDS[-1], TARGET_PORT),
+                "plain": (plain_client, BACKENDS[-1], TARGET_PORT),
+                "nat": (nat_client, cluster_ip, PORT),
+            }
+        )
         rate = {kind: statistics.median(values) for kind, values in rates.items()}
-
-        def paired(kind: str, anchor: str) -> float:
-            return statistics.median(a / b for a, b in zip(rates[kind], rates[anchor], strict=True))
-
         spread = {
             kind: f"{min(values):.0f}/{rate[kind]:.0f}/{max(values):.0f}/s"
             for kind, values in rates.items()
         }
+        seconds, repeats = self.load_time()
         how = f"min/median/max of {repeats} x {seconds:.0f} s"
         plain = f"direct, through a node without rules {spread['plain']}"
         direct = f"direct to the backend, through this node {spread['direct']}"
-        share = paired("service", "plain")
+        share = paired(rates, "service", "plain")
+        self.keep(mode, size, CONNECTIONS, KNIT, share)
         figure = f"TCP connections/s via ClusterIP ({how})"
         self.add(
             mode,
@@ -1028,7 +1158,7 @@ class Bench:
             f"{figure}, against direct through this node",
             spread["service"],
             direct,
-            times(paired("service", "direct")),
+            times(paired(rates, "service", "direct")),
         )
         self.add(
             mode,
@@ -1036,7 +1166,7 @@ class Bench:
             f"TCP connections/s direct to the backend, through this node ({how})",
             spread["direct"],
             plain,
-            times(paired("direct", "plain")),
+            times(paired(rates, "direct", "plain")),
         )
         self.add(
             mode,
@@ -1044,7 +1174,7 @@ class Bench:
             f"{figure}, against one verdict-map DNAT through a node without other rules",
             spread["service"],
             f"one-lookup DNAT {spread['nat']}",
-            times(paired("service", "nat")),
+            times(paired(rates, "service", "nat")),
         )
         self.add(
             mode,
@@ -1052,8 +1182,26 @@ class Bench:
             f"TCP connections/s through one verdict-map DNAT and nothing else ({how})",
             f"one-lookup DNAT {spread['nat']}",
             plain,
-            times(paired("nat", "plain")),
+            times(paired(rates, "nat", "plain")),
         )
+
+    def load_time(self) -> tuple[float, int]:
+        """(seconds of one connection load, rounds of loads)."""
+        return (1.0, 2) if self.options.quick else (2.0, 7)
+
+    def rounds(self, loads: dict[str, tuple[Netns, str, int]]) -> dict[str, list[float]]:
+        """Connections/s of each load (a client namespace, host and port), the loads taking
+        turns: a round is one run of each, back to back, each round starting one load further
+        on."""
+        seconds, repeats = self.load_time()
+        rates: dict[str, list[float]] = {kind: [] for kind in loads}
+        kinds = list(loads)
+        for turn in range(repeats):
+            for kind in kinds[turn % len(kinds) :] + kinds[: turn % len(kinds)]:
+                ns, host, port = loads[kind]
+                out = ns.run(sys.executable, "-c", CLIENT_LOOP, host, str(port), str(seconds))
+                rates[kind].append(float(out.stdout))
+        return rates
 
     def attach(self, node: Netns, stack: ExitStack) -> Netns:
         """A client and a backend (serving on all BACKENDS) routed through node, both removed
@@ -1121,6 +1269,7 @@ def main() -> None:
             for mode in modes:
                 bench.size(size, mode, size == sizes[-1])
         bench.size_growth(sizes, modes)
+        bench.beside_kube_proxy(sizes[-1])
     print(f"\n{bench.report.table()}\n")
     print(f"{bench.report.comparison([mode.name for mode in modes])}\n")
     print(
