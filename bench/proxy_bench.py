@@ -59,8 +59,10 @@ The run ends with every figure as measured, then a table comparing the modes per
 nftables mode's goals marked met or not: connections through a ClusterIP at the largest N at
 least 80% of direct through a node without rules, a one-service change under 20 ms whose
 partial sync does not grow from the smallest N to the largest (at most 1.5x, printed beside
-the bare tool's growth), and full syncs at most 1.5x the bare `nft -f`; beside kube-proxy at the largest N, knit-proxyd at
-or ahead of it on every figure, and a one-service change at most a tenth of its.
+the bare tool's growth), and full syncs at most 1.5x the bare `nft -f`; beside kube-proxy at
+the largest N, knit-proxyd at or ahead of it on every figure, and a one-service change at most
+a tenth of its. The figures beside kube-proxy are also drawn as a PNG next to the result file
+(bench/chart.py).
 
 That a sync ended is read from the line the daemon logs after it; its metrics are read once
 then, not polled during the sync they measure (a look costs a process, ~11 ms of CPU here).
@@ -98,7 +100,7 @@ from typing import Any, TypeVar
 
 from kubernetes import client, config
 
-from bench import record
+from bench import chart, record
 from bench.proxy_daemon import (
     FULL,
     KNIT,
@@ -1283,6 +1285,7 @@ def main() -> None:
         print(f"WARNING: the tree changed during the run: {began_at} at the start, {ended_at} now")
     path = record.result_path(options.json, "proxy", variant(options))
     record.write(path, [asdict(row) for row in bench.report.rows], began_at)
+    chart.draw(path, path.with_suffix(".png"))
 
 
 def variant(options: argparse.Namespace) -> str:
