@@ -16,13 +16,19 @@ KUBE_PROXY = CONTROLPLANE_BIN / "kube-proxy"
 
 
 def kube_proxy_config(
-    kubeconfig: Path, node: str, cluster_cidr: str, mode: str, metrics_address: str
+    kubeconfig: Path,
+    node: str,
+    cluster_cidr: str,
+    mode: str,
+    metrics_address: str,
+    **settings: object,
 ) -> dict[str, object]:
-    """A KubeProxyConfiguration of kube-proxy's defaults but for where it runs: node `node`
-    in `mode`, its metrics at metrics_address. `conntrack.maxPerCore: 0` leaves
-    nf_conntrack_max alone: that sysctl belongs to the host's namespace, read-only from a
-    node's, where kube-proxy would otherwise fail to start. oomScoreAdj 0: lowering it needs
-    CAP_SYS_RESOURCE, which this machine's bounding set lacks."""
+    """A KubeProxyConfiguration of kube-proxy's defaults but for where it runs (node `node`
+    in `mode`, its metrics at metrics_address) and the fields in `settings`.
+    `conntrack.maxPerCore: 0` leaves nf_conntrack_max alone: that sysctl belongs to the host's
+    namespace, read-only from a node's, where kube-proxy would otherwise fail to start.
+    oomScoreAdj 0: lowering it needs CAP_SYS_RESOURCE, which this machine's bounding set
+    lacks."""
     return {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
@@ -33,6 +39,7 @@ def kube_proxy_config(
         "metricsBindAddress": metrics_address,
         "conntrack": {"maxPerCore": 0},
         "oomScoreAdj": 0,
+        **settings,
     }
 
 

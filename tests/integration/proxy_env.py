@@ -14,6 +14,7 @@ from typing import Any
 
 from deploy.lab.controlplane import ControlPlane, NetnsForward
 from deploy.lab.kube import NODES, Kube, node_object
+from deploy.lab.kube_proxy_node import kube_proxy_config, launch_kube_proxy
 from deploy.lab.netns import Netns, unique_name
 from deploy.lab.process import eventually
 from deploy.lab.proxyd_node import NodeFiles, launch_proxyd, proxyd_flags
@@ -38,7 +39,8 @@ IPVS_LISTING = (
 
 @dataclass
 class ProxyNode:
-    """The node under test: knit-proxyd running in `node.ns`."""
+    """The node under test: knit-proxyd (or, `kube_proxy`, the real kube-proxy in the same
+    mode, for the tests that compare them) running in `node.ns`."""
 
     node: Node
     outside: Netns
@@ -51,6 +53,7 @@ class ProxyNode:
     args: list[str] = field(default_factory=list)
     forward: Any = None
     """The NetnsForward that lets the node reach the API server (stop it: API down)."""
+    kube_proxy: bool = False
 
     @property
     def ns(self) -> Netns:
@@ -58,6 +61,19 @@ class ProxyNode:
 
     def start(self, *extra: str) -> None:
         folder = self.log_path.parent
+        if self.kube_proxy:
+            assert not extra, "kube-proxy takes its settings from its config"
+            config = kube_proxy_config(
+                self.kubeconfig,
+                self.name,
+                CLUSTER_CIDRS,
+                self.mode,
+                "127.0.0.1:10249",
+                minSyncPeriod="100ms",
+            )
+            self.process = launch_kube_proxy(self.ns, config, folder, self.log_path)
+            eventually(lambda: self.synced_after(0.0))
+            return
         self.args = proxyd_flags(
             self.kubeconfig,
             self.name,
@@ -137,14 +153,20 @@ class ProxyNode:
 
 
 def setup_node(
-    node: Node, outside: Netns, name: str, kubeconfig: Path, log_path: Path, mode: str = "iptables"
+    node: Node,
+    outside: Netns,
+    name: str,
+    kubeconfig: Path,
+    log_path: Path,
+    mode: str = "iptables",
+    kube_proxy: bool = False,
 ) -> ProxyNode:
     node.connect_outside(outside)
     node.ns.run("ip", "route", "add", "default", "via", UPLINK_OUTSIDE)
     for destination in (*SERVICE_CIDRS[:1], EXTERNAL_NET):
         outside.run("ip", "route", "add", destination, "via", UPLINK_NODE)
     conf = bridge_conf(node.data_dir, dual_stack=True, hairpinMode=True)
-    return ProxyNode(node, outside, name, kubeconfig, log_path, conf, mode)
+    return ProxyNode(node, outside, name, kubeconfig, log_path, conf, mode, kube_proxy=kube_proxy)
 
 
 @contextmanager
@@ -155,14 +177,18 @@ def running_proxy_node(
     make_netns: Callable[[str], Netns],
     tmp: Path,
     mode: str = "iptables",
+    name: str = "",
+    kube_proxy: bool = False,
 ) -> Iterator[ProxyNode]:
-    """knit-proxyd started in node_ns as a Node of the API server (reached through a
-    NetnsForward), with an outside host; stopped, with its forward, even when start-up fails."""
+    """knit-proxyd (or kube-proxy) started in node_ns as a Node of the API server (reached
+    through a NetnsForward), with an outside host; stopped, with its forward, even when
+    start-up fails. Without a name, a new Node is created; with one, it is that Node's."""
     forward = NetnsForward(node_ns.name, control_plane.port)
     proxy: ProxyNode | None = None
     try:
-        name = unique_name("node")
-        kube.create(NODES, node_object(name, [UPLINK_NODE], zone="zone-a"))
+        if not name:
+            name = unique_name("node")
+            kube.create(NODES, node_object(name, [UPLINK_NODE], zone="zone-a"))
         proxy = setup_node(
             Node(node_ns, tmp / "ipam", make_netns),
             make_netns("outside"),
@@ -170,6 +196,7 @@ def running_proxy_node(
             control_plane.write_kubeconfig(tmp / "kubeconfig", forward.listen_port),
             tmp / "proxyd.log",
             mode,
+            kube_proxy,
         )
         proxy.forward = forward
         proxy.start()
