@@ -824,7 +824,10 @@ class Bench:
         try:
             synced = daemon.wait_sync(FULL, 0, self.options.sync_timeout)
         except TimeoutError:
-            print(f"  no full sync within {self.options.sync_timeout:.0f} s")
+            knit = self.beside.get((mode.name, size), {}).get(FIRST, {}).get(KNIT)
+            figure = f"beside kube-proxy: {FIRST.name}"
+            limit = f"kube-proxy not done within {self.options.sync_timeout:.0f} s"
+            self.report.add(Row(mode.name, size, figure, secs(knit) if knit else "", limit))
             return
         first = spent(synced, {}, FULL)
         self.note(mode, size, COLD, KUBE_PROXY, synced[LAST_SYNC] - daemon.started)
