@@ -176,13 +176,20 @@ class Reflector:
                 if kind != "BOOKMARK":
                     self._on_event(kind, obj)
 
+    def _relist(self) -> str:
+        """List, hand the objects over, and return the list's resourceVersion. The list is
+        not held past the hand-over: kept in run()'s frame while it watched, 10,000 Services'
+        and EndpointSlices' JSON stayed alive for good (114 MiB of the daemon's 282 traced)."""
+        with gc_pause.paused():
+            items, resource_version = self.list()
+            self._on_replace(items)
+        return resource_version
+
     def run(self) -> None:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                with gc_pause.paused():
-                    items, resource_version = self.list()
-                    self._on_replace(items)
+                resource_version = self._relist()
                 backoff = 0.5
                 self._watch(resource_version)
             except Gone as err:

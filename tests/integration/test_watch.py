@@ -6,8 +6,12 @@ again."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +91,42 @@ def test_a_paged_list_then_a_watch_of_what_changed(
         assert ("ADDED", late) in events
         assert all(name != other for _, name in events)
         assert len(lists) == 1, "no relist while the watch held"
+    finally:
+        stop.set()
+
+
+class Listed(dict[str, Any]):
+    """A listed object that can be watched for its end (a plain dict takes no weakref)."""
+
+
+def test_the_list_is_not_held_while_watching(kube_api: ApiClient, services: list[str]) -> None:
+    core = client.CoreV1Api(kube_api)
+    name = unique_name("held")
+    core.create_namespaced_service("default", service(name))
+    services.append(name)
+    alive: list[weakref.ref[Listed]] = []
+
+    def tracked(obj: Obj) -> Obj:
+        listed = Listed(obj)
+        alive.append(weakref.ref(listed))
+        return listed
+
+    names: list[str] = []
+    stop = threading.Event()
+    resource = dataclasses.replace(watch.services(), trim=tracked)
+    reflector = Reflector(
+        kube_api,
+        resource,
+        lambda objs: names.extend(obj["metadata"]["name"] for obj in objs),
+        lambda kind, obj: None,
+        stop,
+    )
+    reflector.start()
+    try:
+        eventually(lambda: name in names, what="the first list")
+        time.sleep(0.5)  # into the watch
+        gc.collect()
+        assert alive and all(ref() is None for ref in alive), "the list outlived its hand-over"
     finally:
         stop.set()
 
