@@ -317,11 +317,20 @@ def parse_endpoint_slice(obj: Obj) -> EndpointSlice | None:
                 terminating=bool(conditions.get("terminating")),
                 node_name=entry.get("nodeName") or "",
                 zone=entry.get("zone") or "",
-                zone_hints=frozenset(h.get("name", "") for h in hints.get("forZones") or []),
-                node_hints=frozenset(h.get("name", "") for h in hints.get("forNodes") or []),
+                zone_hints=_hint_names(hints.get("forZones")),
+                node_hints=_hint_names(hints.get("forNodes")),
             )
         )
     return EndpointSlice(namespace, name, service, version, ports, tuple(endpoints))
+
+
+NO_HINTS: frozenset[str] = frozenset()
+
+
+def _hint_names(hints: list[dict[str, Any]] | None) -> frozenset[str]:
+    """The names of an endpoint's hints; the one shared empty set when it has none (each new
+    empty frozenset is 216 bytes: two per endpoint were 41 MiB at 100,000 endpoints)."""
+    return frozenset(hint.get("name", "") for hint in hints) if hints else NO_HINTS
 
 
 def endpoints_for(port: ServicePort, slices: list[EndpointSlice]) -> tuple[Endpoint, ...]:

@@ -105,6 +105,23 @@ def test_slice_conditions_default_and_wrong_family() -> None:
     assert parse_endpoint_slice(endpoint_slice([], address_type="FQDN")) is None
 
 
+def test_endpoints_without_hints_share_one_empty_set_and_hints_are_read() -> None:
+    parsed = parse_endpoint_slice(
+        endpoint_slice(
+            [
+                {"addresses": ["10.0.0.1"]},
+                {"addresses": ["10.0.0.2"], "hints": {"forZones": [{"name": "zone-a"}]}},
+                {"addresses": ["10.0.0.3"], "hints": {"forNodes": [{"name": "node-a"}]}},
+            ]
+        )
+    )
+    assert parsed is not None
+    plain, zoned, noded = parsed.endpoints
+    assert plain.zone_hints is plain.node_hints is zoned.node_hints is noded.zone_hints
+    assert not plain.zone_hints
+    assert zoned.zone_hints == {"zone-a"} and noded.node_hints == {"node-a"}
+
+
 def test_named_port_matches_by_name_and_protocol() -> None:
     (port,) = parse_service(service())
     slices = [
