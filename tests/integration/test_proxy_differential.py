@@ -170,13 +170,6 @@ def compare(
 
 
 @pytest.fixture
-def kube(kube_api: ApiClient) -> Iterator[Kube]:
-    objects = Kube(kube_api)
-    yield objects
-    objects.cleanup()
-
-
-@pytest.fixture
 def began() -> float:
     """When the test began, before it made anything."""
     return time.time()
