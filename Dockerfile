@@ -19,6 +19,18 @@ ENV CGO_ENABLED=0 GOFLAGS="-mod=readonly -trimpath -buildvcs=false" GOTOOLCHAIN=
 RUN go build -ldflags="-s -w" -o /portmap \
         github.com/containernetworking/plugins/plugins/meta/portmap
 
+# ---------------------------------------------------------------- the plugin's compiled client
+# The executable the runtime starts for every CNI call (cni/client.c), linked statically as the
+# Makefile says, so it runs on any node.
+FROM ${PYTHON_IMAGE} AS client
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev make \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY Makefile ./
+COPY cni/client.c cni/
+RUN make BUILD=/build /build/cni/knit
+
 # ---------------------------------------------------------------- the project and the bundle
 # Every dependency installs from a wheel, so no compiler; binutils lives here only, for
 # cni.bundle to strip the bundled interpreter and libraries.
@@ -35,9 +47,10 @@ COPY cni cni
 COPY proxyd proxyd
 RUN pip install .
 COPY --from=portmap /portmap /portmap
-# The plugin as the nodes run it: an interpreter, the cni package and pyroute2, relocatable
-# (kind's node images do not promise a python3).
-RUN python -m cni.bundle --output /opt/knit/cni-bundle --plugin /portmap
+COPY --from=client /build/cni/knit /knit-client
+# The plugin as the nodes run it: the client, an interpreter, the cni package and pyroute2,
+# relocatable (kind's node images do not promise a python3).
+RUN python -m cni.bundle --output /opt/knit/cni-bundle --client /knit-client --plugin /portmap
 
 # ---------------------------------------------------------------- the image
 # The same base as the builder, so the venv's interpreter links resolve; no compiler.

@@ -7,10 +7,11 @@ BUILD := $(ROOT)/build
 # libnftables1: knit-proxyd's nftables mode and the plugin's nftables rules load it (nftables
 # depends on it; named as their own need). debootstrap: the lab builds its images on a Debian rootfs
 # (deploy/lab/image/). containerd and runc: the lab's node3 runs Debian's containerd 1.6 (the
-# other nodes the 2.x that go-tools builds), and its ctr imports the images.
+# other nodes the 2.x that go-tools builds), and its ctr imports the images. gcc and libc6-dev:
+# the plugin's compiled client (cni/client.c), linked statically.
 APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-ping procps util-linux mount \
 	python3 python3-venv curl ca-certificates unzip git openssl \
-	shellcheck debootstrap containerd runc patch
+	shellcheck debootstrap containerd runc patch gcc libc6-dev
 
 .PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit fuzz bench-cni bench-proxy bench-netlink bench-policy lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
@@ -32,16 +33,25 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
-# build/cni is a CNI_PATH directory holding the plugin executable `knit`. The launcher
-# skips site processing (-S) and names its import paths itself (measured: ~3-6 ms per call).
-cni: $(BUILD)/cni/knit
+# build/cni is a CNI_PATH directory holding the plugin executable `knit`: the compiled client
+# (cni/client.c, static so that it runs on any node), its knit.d/launch settings and the Python
+# plugin it execs for in-process calls. That one skips site processing (-S) and names its
+# import paths itself (measured: ~3-6 ms per call). CNI_SOCKET=PATH sends calls to a daemon.
+CLIENT_CFLAGS := -O2 -static -s -Wall -Wextra -Werror
+cni: $(BUILD)/cni/knit $(BUILD)/cni/knit.d/launch
 
-$(BUILD)/cni/knit: venv Makefile
-	mkdir -p $(BUILD)/cni
+$(BUILD)/cni/knit: cni/client.c
+	mkdir -p $(@D)
+	$(CC) $(CLIENT_CFLAGS) -o $@.tmp cni/client.c
+	mv $@.tmp $@
+
+$(BUILD)/cni/knit.d/launch: venv Makefile
+	mkdir -p $(@D)
 	purelib=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	printf '#!%s -IS\nimport sys\nsys.path[:0] = ["%s", "%s"]\nfrom cni.client import main\nmain(%s)\n' \
-		"$(PY)" "$(ROOT)" "$$purelib" "$(if $(CNI_SOCKET),\"$(CNI_SOCKET)\",None)" > $@.tmp
-	chmod 755 $@.tmp
+	printf '#!%s -IS\nimport sys\nsys.path[:0] = ["%s", "%s"]\nfrom cni.client import main\nmain()\n' \
+		"$(PY)" "$(ROOT)" "$$purelib" > $(@D)/knit-in-process
+	chmod 755 $(@D)/knit-in-process
+	printf 'plugin=knit.d/knit-in-process\nsocket=%s\n' "$(CNI_SOCKET)" > $@.tmp
 	mv $@.tmp $@
 
 # libcni driver, the reference plugins (bridge, host-local, portmap, loopback), the control
@@ -73,7 +83,7 @@ test: setup cni go-tools e2e-tools lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # a real cluster in namespaces (docs/lab.md); e.g. ARGS="--mode nftables"
-lab: setup go-tools
+lab: setup cni go-tools
 	cd $(ROOT) && $(PY) -m deploy.lab.lab up $(ARGS)
 
 lab-down:
@@ -81,7 +91,7 @@ lab-down:
 
 # the upstream e2e network specs against a fresh lab in each proxy mode (iptables, nftables);
 # JUnit reports under build/e2e/MODE/. ARGS="--selection conformance" for the CI subset.
-e2e: setup go-tools e2e-tools
+e2e: setup cni go-tools e2e-tools
 	cd $(ROOT) && $(PY) -m deploy.lab.e2e $(ARGS)
 
 # etcd + kube-apiserver on host loopback, left running; kubeconfig and logs in .controlplane/

@@ -54,10 +54,10 @@ def sh(*argv: str, stdin: str | None = None) -> str:
 
 
 def build_launcher(directory: Path, socket_path: str = "") -> Path:
-    """The Makefile's `knit` launcher, built into directory/cni (with the socket baked in)."""
+    """The Makefile's `knit`, built into directory/cni, its launch file naming the socket."""
     target = directory / "cni" / "knit"
     make = ["make", "-s", "-C", str(ROOT), "-o", "venv", f"BUILD={directory}"]
-    sh(*make, f"CNI_SOCKET={socket_path}", str(target))
+    sh(*make, f"CNI_SOCKET={socket_path}", str(target), str(target.parent / "knit.d" / "launch"))
     return target.parent
 
 

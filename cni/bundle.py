@@ -3,7 +3,11 @@
 kind node images do not promise a python3, so the DaemonSet's image carries this tree and the
 node daemon installs it next to the `knit` launcher (`cni.install`). Layout:
 
+    bin/knit               the compiled client the runtime starts (cni/client.c): it hands
+                           calls to the node daemon, and the rest to bin/knit-in-process
+    bin/knit-in-process    a sh launcher running knit.py on the interpreter beside it
     bin/python3.X          the real interpreter binary
+    knit.py                the Python plugin's entry (cni.client)
     lib/python3.X/         its standard library, pruned, with lib-dynload/
     lib/*.so*              the shared libraries the binary and the extension modules link
                            (libpython when the binary links it dynamically), except glibc's own
@@ -15,7 +19,7 @@ Python computes its prefix from the binary's location through the landmark lib/p
 so the tree works wherever it is copied. Every module is precompiled with unchecked-hash .pyc
 files: they do not depend on file times, so a copy never makes a call recompile.
 
-    python -m cni.bundle --output DIR [--plugin PATH ...]
+    python -m cni.bundle --output DIR --client PATH [--plugin PATH ...]
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ import cni
 
 MANIFEST = "manifest.json"
 SITE = "site"
+CLIENT = "bin/knit"
+IN_PROCESS = "bin/knit-in-process"
+ENTRY = "knit.py"
 PLUGINS = "plugins"
 DISTRIBUTIONS = ("pyroute2",)
 PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -247,6 +254,26 @@ def smoke_check(tree: Path) -> None:
         raise BundleError(f"the bundled interpreter cannot import the plugin: {result.stderr}")
 
 
+def write_entry(tree: Path, client: Path) -> None:
+    """The client, and what it execs for a call it does not hand to the daemon."""
+    shutil.copy2(client, tree / CLIENT)
+    (tree / ENTRY).write_text(
+        "import sys\n"
+        f"sys.path.append(__file__.rpartition('/')[0] + {'/' + SITE!r})\n"
+        "from cni.client import main\n"
+        "main()\n"
+    )
+    in_process = tree / IN_PROCESS
+    in_process.write_text(
+        "#!/bin/sh\n"
+        "# knit's Python plugin on the bundled runtime, for the calls bin/knit runs in-process.\n"
+        'd="${0%/*}/.."\n'
+        'export LD_LIBRARY_PATH="$d/lib"\n'
+        f'exec "$d/bin/{PYVER}" -I -S "$d/{ENTRY}" "$@"\n'
+    )
+    in_process.chmod(0o755)
+
+
 def _file_digest(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -281,6 +308,8 @@ def seal(tree: Path) -> dict[str, Any]:
         "version": digest.hexdigest()[:16],
         "python": platform.python_version(),
         "interpreter": f"bin/{PYVER}",
+        "client": CLIENT,
+        "in_process": IN_PROCESS,
         "site": SITE,
         "packages": sorted(p.name.removesuffix(".dist-info") for p in site.glob("*.dist-info")),
         "plugins": plugins,
@@ -295,14 +324,15 @@ def read_manifest(tree: Path) -> dict[str, Any]:
     return manifest
 
 
-def build(output: Path, plugins: Iterable[Path] = ()) -> dict[str, Any]:
-    """Build the tree into `output` (absent or empty); returns its manifest."""
+def build(output: Path, client: Path, plugins: Iterable[Path] = ()) -> dict[str, Any]:
+    """Build the tree into `output` (absent or empty) around the compiled client; returns its
+    manifest."""
     if output.exists() and any(output.iterdir()):
         raise BundleError(f"{output} is not empty")
     plugin_list = list(plugins)
-    for plugin in plugin_list:
-        if not plugin.is_file() or not os.access(plugin, os.X_OK):
-            raise BundleError(f"plugin {plugin} is not an executable file")
+    for executable in [client, *plugin_list]:
+        if not executable.is_file() or not os.access(executable, os.X_OK):
+            raise BundleError(f"{executable} is not an executable file")
     (output / "bin").mkdir(parents=True, exist_ok=True)
     shutil.copy2(interpreter(), output / "bin" / PYVER)
     copy_stdlib(output)
@@ -311,6 +341,7 @@ def build(output: Path, plugins: Iterable[Path] = ()) -> dict[str, Any]:
     strip_binaries(output)
     compile_tree(output)
     smoke_check(output)
+    write_entry(output, client)
     if plugin_list:
         (output / PLUGINS).mkdir()
         for plugin in plugin_list:
@@ -324,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--output", type=Path, required=True, help="directory to build into")
     parser.add_argument(
+        "--client", type=Path, required=True, help="the compiled client (make cni: build/cni/knit)"
+    )
+    parser.add_argument(
         "--plugin",
         type=Path,
         action="append",
@@ -332,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     try:
-        manifest = build(args.output, args.plugin)
+        manifest = build(args.output, args.client, args.plugin)
     except BundleError as err:
         sys.exit(f"cni.bundle: {err}")
     print(

@@ -1,16 +1,19 @@
 """Install the plugin from a bundle (cni.bundle) into a CNI bin directory, e.g. /opt/cni/bin.
 
-    bin_dir/knit                  the launcher, a sh script (replaced by rename)
+    bin_dir/knit                  the bundle's compiled client (replaced by rename)
+    bin_dir/knit.d/launch         its settings: the version's in-process plugin and the daemon's
+                                  socket (replaced by rename; the format is in cni/client.c)
     bin_dir/knit.d/<version>/     the bundle's runtime, one directory per version, never changed
-                                  once in place except for its entry script knit.py
+                                  once in place
     bin_dir/<plugin>              each of the bundle's plugins/ (replaced by rename)
 
 A version directory is copied under a temporary name and renamed when complete, so a
-half-copied version is never used. The launcher finds knit.d beside itself ($0), so the same
-file works when the daemon sees the host's bin directory under another path. Upgrades under
-running pods: a call that started on the old version keeps its files, because install keeps
-the version the previous launcher named and prunes only older ones; a DEL for a pod the old
-version created runs on the new one, which reads no state the old one kept.
+half-copied version is never used; the launch file names it only once its plugin has answered
+VERSION here. The client finds knit.d beside itself (argv[0]), so the same files work when the
+daemon sees the host's bin directory under another path. Upgrades under running pods: a call
+that started on the old version keeps its files, because install keeps the version the
+previous launch file named and prunes only older ones; a DEL for a pod the old version created
+runs on the new one, which reads no state the old one kept.
 
     python -m cni.install --bundle DIR --bin-dir DIR [--socket PATH]
 """
@@ -31,39 +34,24 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cni.bundle import MANIFEST, PLUGINS, read_manifest
+from cni.bundle import CLIENT, ENTRY, IN_PROCESS, MANIFEST, PLUGINS, read_manifest
 
 LAUNCHER = "knit"
 VERSIONS = "knit.d"
-ENTRY = "knit.py"
+LAUNCH = "launch"
 TEMP_PREFIX = ".knit-tmp-"
 VERSION_NAME = re.compile(r"^[0-9a-f]{16}$")
-INTERPRETER = re.compile(r"^bin/python3\.[0-9]+$")
-LAUNCHER_VERSION = re.compile(rf"\b{re.escape(VERSIONS)}/([0-9a-f]{{16}})\b")
+LAUNCH_VERSION = re.compile(rf"^plugin={re.escape(VERSIONS)}/([0-9a-f]{{16}})/", re.M)
+# sockaddr_un's sun_path holds 108 bytes with the terminating NUL
+MAX_SOCKET_PATH = 107
 
 
 class InstallError(Exception):
     pass
 
 
-def launcher_text(version: str, interpreter: str) -> str:
-    return (
-        "#!/bin/sh\n"
-        "# The knit CNI plugin, written by knit-proxyd (cni.install): runs the bundled runtime\n"
-        "# in knit.d beside this file.\n"
-        f"case $0 in */*) d=${{0%/*}}/{VERSIONS}/{version} ;; *) d={VERSIONS}/{version} ;; esac\n"
-        'export LD_LIBRARY_PATH="$d/lib"\n'
-        f'exec "$d/{interpreter}" -I -S "$d/{ENTRY}" "$@"\n'
-    )
-
-
-def entry_text(site: str, socket_path: str | None) -> str:
-    return (
-        "import sys\n"
-        f"sys.path.append(__file__.rpartition('/')[0] + {'/' + site!r})\n"
-        "from cni.client import main\n"
-        f"main({socket_path!r})\n"
-    )
+def launch_text(version: str, socket_path: str | None) -> str:
+    return f"plugin={VERSIONS}/{version}/{IN_PROCESS}\nsocket={socket_path or ''}\n"
 
 
 def install(bundle: Path, bin_dir: Path, socket_path: str | None) -> Path:
@@ -71,36 +59,43 @@ def install(bundle: Path, bin_dir: Path, socket_path: str | None) -> Path:
     one directory take turns."""
     manifest = read_manifest(bundle)
     version: str = manifest["version"]
-    interpreter: str = manifest["interpreter"]
-    site: str = manifest["site"]
-    if not VERSION_NAME.match(version) or not INTERPRETER.match(interpreter):
+    if not VERSION_NAME.match(version) or manifest.get("client") != CLIENT:
         raise InstallError(f"{bundle / MANIFEST} is not a knit bundle's manifest")
+    if socket_path and len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+        raise InstallError(f"the socket path {socket_path} is over {MAX_SOCKET_PATH} bytes")
     versions = bin_dir / VERSIONS
     versions.mkdir(parents=True, exist_ok=True)
     with _locked(versions / ".lock"):
         previous = installed_version(bin_dir)
         target = versions / version
-        entry = entry_text(site, socket_path)
         if not _complete(target, version):
-            _copy_version(bundle, target, entry)
-        elif (target / ENTRY).read_text() != entry:
-            _write_atomically(target / ENTRY, entry.encode(), 0o644)
+            _copy_version(bundle, target)
         for plugin in sorted((bundle / PLUGINS).glob("*")):
             destination = bin_dir / plugin.name
             if not destination.is_file() or not filecmp.cmp(plugin, destination, shallow=False):
                 _write_atomically(destination, plugin.read_bytes(), 0o755)
-        launcher = launcher_text(version, interpreter)
-        path = bin_dir / LAUNCHER
-        if not path.is_file() or path.read_bytes() != launcher.encode():
-            _write_atomically(path, launcher.encode(), 0o755, check=_answers_version)
+        launch = launch_text(version, socket_path).encode()
+        if _read(versions / LAUNCH) != launch:
+            _answers_version(target / IN_PROCESS)
+            _write_atomically(versions / LAUNCH, launch, 0o644)
+        client = (target / CLIENT).read_bytes()
+        if _read(bin_dir / LAUNCHER) != client:
+            _write_atomically(bin_dir / LAUNCHER, client, 0o755, check=_answers_version)
         _prune(bin_dir, keep={version, previous})
     return target
 
 
-def installed_version(bin_dir: Path) -> str | None:
-    """The version the launcher in bin_dir runs, if there is one."""
+def _read(path: Path) -> bytes | None:
     try:
-        match = LAUNCHER_VERSION.search((bin_dir / LAUNCHER).read_text())
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def installed_version(bin_dir: Path) -> str | None:
+    """The version the launch file in bin_dir names, if there is one."""
+    try:
+        match = LAUNCH_VERSION.search((bin_dir / VERSIONS / LAUNCH).read_text())
     except (FileNotFoundError, UnicodeDecodeError):
         return None
     return match[1] if match else None
@@ -120,7 +115,7 @@ def _complete(target: Path, version: str) -> bool:
         return False
 
 
-def _copy_version(bundle: Path, target: Path, entry: str) -> None:
+def _copy_version(bundle: Path, target: Path) -> None:
     """Copy under a temporary name, flush, then rename into place (replacing a damaged copy)."""
     staging = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=target.parent))
 
@@ -128,7 +123,6 @@ def _copy_version(bundle: Path, target: Path, entry: str) -> None:
         return {PLUGINS} & set(names) if Path(directory) == bundle else set()
 
     shutil.copytree(bundle, staging, dirs_exist_ok=True, ignore=ignore)
-    (staging / ENTRY).write_text(entry)
     staging.chmod(0o755)
     os.sync()
     if target.exists():
@@ -158,7 +152,7 @@ def _write_atomically(
 
 
 def _answers_version(launcher: Path) -> None:
-    """Refuse a launcher whose runtime cannot answer VERSION here (a damaged copy, a bundle
+    """Refuse a plugin or client that cannot answer VERSION here (a damaged copy, a bundle
     built for another machine): the one in place keeps serving."""
     try:
         result = subprocess.run(
@@ -189,10 +183,10 @@ def _sync_directory(directory: Path) -> None:
 
 def _prune(bin_dir: Path, keep: set[str | None]) -> None:
     """Remove every version but the kept ones, and whatever an interrupted install left."""
-    for entry in bin_dir.glob(TEMP_PREFIX + "*"):
-        entry.unlink()
-    for entry in (bin_dir / VERSIONS).iterdir():
-        if entry.name.startswith(TEMP_PREFIX) or (
+    for entry in [*bin_dir.glob(TEMP_PREFIX + "*"), *(bin_dir / VERSIONS).iterdir()]:
+        if entry.name.startswith(TEMP_PREFIX) and not entry.is_dir():
+            entry.unlink()
+        elif entry.name.startswith(TEMP_PREFIX) or (
             VERSION_NAME.match(entry.name) and entry.name not in keep
         ):
             shutil.rmtree(entry)

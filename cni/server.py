@@ -1,6 +1,7 @@
-"""The node daemon's side of the CNI fast path: serves the calls cni.client hands over.
+"""The node daemon's side of the CNI fast path: serves the calls the executable `knit`
+(cni/client.c) hands over.
 
-Each connection carries one call (the wire format is in cni.client) and runs in its own
+Each connection carries one call (the wire format is in cni/client.c) and runs in its own
 thread, through cni.plugin.execute: the same code as the in-process path, with the call's
 forwarded CNI_* variables in place of the process environment and the namespace the plugin
 opened in place of CNI_NETNS, which this daemon's mount and PID namespaces may not resolve.
@@ -8,7 +9,7 @@ opened in place of CNI_NETNS, which this daemon's mount and PID namespaces may n
 A stuck or slow plugin must never hold up a real call, so connections are bounded (Limits):
 at most `calls` are served at once, each must deliver its whole request within
 `request_deadline` of being accepted, and a request's fields have byte caps. A connection over
-the first two limits is declined (client.DECLINED): the plugin then runs the call in-process,
+the first two limits is declined (DECLINED): the plugin then runs the call in-process,
 as it would without a daemon. An oversize request is refused with an error.
 """
 
@@ -24,11 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cni import client
 from cni.errors import CniError, Code
 from cni.plugin import error_output, execute
 
 log = logging.getLogger(__name__)
+
+# The wire format's constants; cni/client.c defines the same (a unit test compares them).
+PROTOCOL = 2
+DECLINED = 255  # never an exit code of cni.plugin.execute (0 or 1)
+LENGTH_BYTES = 4
+SERVED = frozenset({"ADD", "CHECK", "DEL"})
 
 # Calls served at once, a thread each. Kubelet and containerd do not throttle CNI calls: at
 # worst every pod of a node (kubelet's default max-pods is 110) has its ADD in flight while its
@@ -50,7 +56,6 @@ CLOSE_WAIT = 5.0
 MAX_ENV_BYTES = 1 << 18
 MAX_STDIN_BYTES = 1 << 20
 BACKLOG = 128
-SERVED = frozenset(verb.decode() for verb in client.FORWARDED)
 LAZY_MODULES = ("cni.bridge", "cni.masq", "cni.spoofcheck", "cni.ipam.hostlocal")
 
 
@@ -130,7 +135,7 @@ class CniServer:
                 time.sleep(0.1)
                 continue
             accepted = time.monotonic()
-            # Declining is safe: cni.client runs a declined call in-process, as without a
+            # Declining is safe: the executable runs a declined call in-process, as without a
             # daemon, so a connection over the limit costs its call ~160 ms, not its success.
             # (A connection closed without an answer would be an error 199 instead: once
             # connected, the client never redoes a call the daemon may have started.)
@@ -175,7 +180,7 @@ class CniServer:
             self.declined += 1
         try:
             connection.setblocking(False)  # a fresh socket's buffer takes the answer at once
-            connection.sendall(encode_response(client.DECLINED, error_json(reason, b"")))
+            connection.sendall(encode_response(DECLINED, error_json(reason, b"")))
         except OSError as err:
             log.warning("CNI server: could not decline a call (%s): %s", reason, err)
 
@@ -292,9 +297,9 @@ def _read_call(
 ) -> tuple[dict[str, str], bytes]:
     if not version:
         raise ProtocolError("the plugin closed the connection before sending its call")
-    if version[0] != client.PROTOCOL:
+    if version[0] != PROTOCOL:
         raise ProtocolError(
-            f"the plugin speaks protocol {version[0]}, this knit daemon speaks {client.PROTOCOL}"
+            f"the plugin speaks protocol {version[0]}, this knit daemon speaks {PROTOCOL}"
         )
     env_size = _receive_length(connection, "environment", MAX_ENV_BYTES, deadline)
     env = _receive_exactly(connection, env_size, deadline)
@@ -308,9 +313,7 @@ def _read_call(
 
 
 def encode_response(code: int, output: bytes) -> bytes:
-    return (
-        bytes((client.PROTOCOL, code)) + len(output).to_bytes(client.LENGTH_BYTES, "big") + output
-    )
+    return bytes((PROTOCOL, code)) + len(output).to_bytes(LENGTH_BYTES, "big") + output
 
 
 def error_json(msg: str, stdin: bytes) -> bytes:
@@ -321,7 +324,7 @@ def error_json(msg: str, stdin: bytes) -> bytes:
 def _receive_length(
     connection: socket.socket, field: str, limit: int, deadline: float | None
 ) -> int:
-    size = int.from_bytes(_receive_exactly(connection, client.LENGTH_BYTES, deadline), "big")
+    size = int.from_bytes(_receive_exactly(connection, LENGTH_BYTES, deadline), "big")
     if size > limit:
         raise ProtocolError(f"the call's {field} of {size} bytes is over the limit of {limit}")
     return size
@@ -357,8 +360,8 @@ def _arm(connection: socket.socket, deadline: float | None) -> None:
 
 def _drain(connection: socket.socket, deadline: float) -> None:
     """Read what the plugin still sends, until the deadline: closing on unread data resets
-    the connection, which fails the plugin's next read after the answer (cni.client takes that
-    for the answer's end, other readers may not)."""
+    the connection, which fails the plugin's next read after the answer (the executable
+    takes that for the answer's end, other readers may not)."""
     connection.shutdown(socket.SHUT_WR)
     try:
         while _receive(connection, 1 << 16, deadline):

@@ -11,7 +11,7 @@ from kubernetes.client import ApiClient
 from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import Kube
 from deploy.lab.netns import Netns
-from deploy.lab.paths import ROOT
+from deploy.lab.paths import PLUGIN_DIR, ROOT
 from tests.conftest import netns_factory
 from tests.integration.cni_env import Node
 from tests.integration.proxy_env import ProxyNode, running_proxy_node
@@ -19,10 +19,12 @@ from tests.integration.proxy_env import ProxyNode, running_proxy_node
 
 @pytest.fixture(scope="session")
 def cni_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The plugin's self-contained bundle, built once from this interpreter."""
+    """The plugin's self-contained bundle, built once from this interpreter around the client
+    `make cni` builds."""
     output = tmp_path_factory.mktemp("bundle") / "cni-bundle"
+    client = PLUGIN_DIR / "knit"
     subprocess.run(
-        [sys.executable, "-m", "cni.bundle", "--output", str(output)],
+        [sys.executable, "-m", "cni.bundle", "--output", str(output), "--client", str(client)],
         cwd=ROOT,
         check=True,
         capture_output=True,

@@ -422,12 +422,13 @@ def test_the_dockerfile_check_reports_problems(tmp_path):
 def test_the_dockerfile_is_multi_stage_on_pinned_bases(dockerfile):
     stages, meta = dockerfile["stages"], dockerfile["metaArgs"]
     names = [stage["name"] for stage in stages]
-    assert names == ["portmap", "builder", ""]
+    assert names == ["portmap", "client", "builder", ""]
     for stage in stages:
         image = base_image(stage, meta)
         assert PINNED_IMAGE.match(image), f"{stage['name'] or 'final'} stage: {image} is not pinned"
     assert base_image(stages[0], meta).startswith("golang:")
     assert base_image(stages[1], meta).startswith("python:3.11.")
+    assert base_image(stages[2], meta).startswith("python:3.11.")
 
 
 def test_the_final_stage_has_no_build_tools(dockerfile):
@@ -458,6 +459,15 @@ def test_the_go_stage_builds_portmap_from_the_pinned_module(dockerfile):
     assert re.search(r"github.com/containernetworking/plugins v\d+\.\d+\.\d+", go_mod)
 
 
+def test_the_client_stage_builds_the_client_as_the_makefile_does(dockerfile):
+    client = dockerfile["stages"][1]
+    assert commands(client, "COPY") == ["COPY Makefile ./", "COPY cni/client.c cni/"]
+    *_, build = commands(client, "RUN")
+    assert build == "RUN make BUILD=/build /build/cni/knit"
+    builder = dockerfile["stages"][2]
+    assert "COPY --from=client /build/cni/knit /knit-client" in commands(builder, "COPY")
+
+
 def test_the_build_context_is_the_project_and_nothing_else(dockerfile):
     sources = [
         path.relative_to(ROOT).as_posix()
@@ -465,24 +475,27 @@ def test_the_build_context_is_the_project_and_nothing_else(dockerfile):
         for path in (ROOT / package).rglob("*")
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
     ]
-    expected = {"pyproject.toml", "README.md", "tests/go/go.mod", "tests/go/go.sum", *sources}
+    expected = {"pyproject.toml", "README.md", "Makefile", "tests/go/go.mod", "tests/go/go.sum"}
+    expected.update(sources)
     assert set(dockerfile["context"]) == expected
 
 
 def test_the_builders_bundle_step_builds_a_bundle_with_portmap(dockerfile, tmp_path):
-    builder = dockerfile["stages"][1]
+    builder = dockerfile["stages"][2]
     (bundle,) = [code for code in commands(builder, "RUN") if "cni.bundle" in code]
     argv = shlex.split(bundle.removeprefix("RUN "))
     assert argv == [
-        *("python", "-m", "cni.bundle"),
-        *("--output", "/opt/knit/cni-bundle", "--plugin", "/portmap"),
+        *("python", "-m", "cni.bundle", "--output", "/opt/knit/cni-bundle"),
+        *("--client", "/knit-client", "--plugin", "/portmap"),
     ]
     output = tmp_path / "cni-bundle"
     argv[0] = sys.executable
     argv[argv.index("/opt/knit/cni-bundle")] = str(output)
+    argv[argv.index("/knit-client")] = str(BUILD / "cni" / "knit")
     argv[argv.index("/portmap")] = str(BUILD / "refcni" / "portmap")
     subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, timeout=300)
     assert (output / "plugins" / "portmap").is_file()
+    assert (output / "bin" / "knit").read_bytes() == (BUILD / "cni" / "knit").read_bytes()
     assert json.loads((output / "manifest.json").read_text())["version"]
 
 

@@ -39,11 +39,13 @@ POD_IP = "10.244.1.10"
 
 
 def build_launcher(directory: Path, socket_path: Path | None) -> Path:
-    """The Makefile's `knit` launcher in directory/cni, with socket_path baked in."""
-    baked = f"CNI_SOCKET={socket_path}" if socket_path else "CNI_SOCKET="
+    """The Makefile's `knit` in directory/cni, its launch file naming socket_path."""
+    named = f"CNI_SOCKET={socket_path}" if socket_path else "CNI_SOCKET="
     target = directory / "cni" / "knit"
+    launch = directory / "cni" / "knit.d" / "launch"
+    make = ["make", "-s", "-C", str(ROOT), "-o", "venv", f"BUILD={directory}", named]
     subprocess.run(
-        ["make", "-s", "-C", str(ROOT), "-o", "venv", f"BUILD={directory}", baked, str(target)],
+        [*make, str(target), str(launch)],
         check=True,
         capture_output=True,
     )

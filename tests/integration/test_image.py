@@ -158,6 +158,8 @@ def test_the_knit_image_holds_the_packages_venv_and_bundle(opened, dockerfile):
     portmap_digest = hashlib.sha256(image.PORTMAP.read_bytes()).hexdigest()
     assert manifest["plugins"] == {"portmap": portmap_digest}
     assert files[f"opt/knit/cni-bundle/{manifest['interpreter']}"][0].isreg()
+    client, _ = files[f"opt/knit/cni-bundle/{manifest['client']}"]
+    assert client.isreg() and client.size == image.CLIENT.stat().st_size and client.mode & 0o111
     assert "gcc" not in packages
     assert not any(path.startswith(("tmp/knit-build", "root/.cache")) for path in files)
 

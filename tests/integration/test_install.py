@@ -1,6 +1,6 @@
 """The plugin installed from its self-contained bundle (cni.bundle, cni.install): it runs with
 no Python of the host's reachable, through libcni; upgrades keep running pods and running calls
-working; the launcher and plugins are replaced by rename only."""
+working; the client, its launch file and the plugins are replaced by rename only."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from cni.bundle import GLIBC, MANIFEST, PLUGINS, read_manifest, seal
-from cni.install import ENTRY, LAUNCHER, TEMP_PREFIX, VERSIONS, InstallError, install
+from cni.install import LAUNCH, LAUNCHER, TEMP_PREFIX, VERSIONS, InstallError, install
 from deploy.lab.netns import Netns
-from deploy.lab.paths import CNIDRIVER, REFERENCE_PLUGINS, ROOT
+from deploy.lab.paths import CNIDRIVER, PLUGIN_DIR, REFERENCE_PLUGINS, ROOT
 from tests.integration.cni_env import NETWORK, Node, bridge_conf
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
@@ -43,15 +43,17 @@ print(json.dumps({
 
 
 def build_bundle(python: Path, output: Path) -> Path:
-    """`python -m cni.bundle` as the image build runs it, with the reference portmap."""
+    """`python -m cni.bundle` as the image build runs it, with the client `make cni` builds and
+    the reference portmap."""
     site = subprocess.run(
         [sys.executable, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
+    executables = ["--client", PLUGIN_DIR / "knit", "--plugin", REFERENCE_PLUGINS / "portmap"]
     built = subprocess.run(
-        [python, "-m", "cni.bundle", "--output", output, "--plugin", REFERENCE_PLUGINS / "portmap"],
+        [python, "-m", "cni.bundle", "--output", output, *executables],
         env={**os.environ, "PYTHONPATH": f"{ROOT}:{site}"},
         capture_output=True,
         text=True,
@@ -325,38 +327,43 @@ def test_upgrade_under_running_pods(bundles, variant, node, make_netns, tmp_path
 
 def test_install_replaces_by_rename_and_a_repeat_changes_nothing(bundles, variant, tmp_path):
     bin_dir = tmp_path / "bin"
+    launch = f"{VERSIONS}/{LAUNCH}"
     version_dir = install(bundles["venv"], bin_dir, "/run/knit/cni.sock")
     before = files(bin_dir)
-    old_launcher = (bin_dir / LAUNCHER).open()
+    old_launch = (bin_dir / launch).open()
     install(bundles["venv"], bin_dir, "/run/knit/cni.sock")
     assert files(bin_dir) == before, "a second install of the same bundle changes nothing"
-    assert "main('/run/knit/cni.sock')" in (version_dir / ENTRY).read_text()
+    assert (bin_dir / launch).read_text() == (
+        f"plugin={VERSIONS}/{version_dir.name}/bin/knit-in-process\nsocket=/run/knit/cni.sock\n"
+    )
 
     install(variant("b"), bin_dir, "/run/knit/cni.sock")
     after = files(bin_dir)
-    assert after[LAUNCHER][0] != before[LAUNCHER][0], "the launcher is replaced by rename"
-    assert before[LAUNCHER][0] == os.fstat(old_launcher.fileno()).st_ino
-    assert old_launcher.read() != (bin_dir / LAUNCHER).read_text(), "the old one is intact"
-    old_launcher.close()
+    assert after[launch][0] != before[launch][0], "the launch file is replaced by rename"
+    assert before[launch][0] == os.fstat(old_launch.fileno()).st_ino
+    assert old_launch.read() != (bin_dir / launch).read_text(), "the old one is intact"
+    old_launch.close()
+    assert after[LAUNCHER] == before[LAUNCHER], "the same client is left alone"
     assert after["portmap"] == before["portmap"], "an unchanged plugin is left alone"
 
-    # Another socket rewrites only the entry script; another portmap replaces portmap.
+    # Another socket rewrites only the launch file; another client or portmap replaces it.
     install(variant("b"), bin_dir, "/run/knit/other.sock")
     resocketed = files(bin_dir)
-    changed = {name for name in resocketed if resocketed[name] != after.get(name)}
-    assert changed == {f"{VERSIONS}/{read_manifest(variant('b'))['version']}/{ENTRY}"}
+    assert {name for name in resocketed if resocketed[name] != after.get(name)} == {launch}
 
-    def other_portmap(tree: Path) -> None:
-        with (tree / PLUGINS / "portmap").open("ab") as f:
-            f.write(b"\0")
+    def another(path: str) -> Callable[[Path], None]:
+        def change(tree: Path) -> None:
+            with (tree / path).open("ab") as f:
+                f.write(b"\0")
 
-    install(variant("portmap", other_portmap), bin_dir, None)
-    final = files(bin_dir)
-    assert final["portmap"][0] != after["portmap"][0]
-    assert (bin_dir / "portmap").read_bytes() == (
-        variant("portmap") / PLUGINS / "portmap"
-    ).read_bytes()
-    assert os.access(bin_dir / "portmap", os.X_OK)
+        return change
+
+    for name, path in [("portmap", f"{PLUGINS}/portmap"), (LAUNCHER, "bin/knit")]:
+        install(variant(name, another(path)), bin_dir, None)
+        replaced = files(bin_dir)
+        assert replaced[name][0] != after[name][0]
+        assert (bin_dir / name).read_bytes() == (variant(name) / path).read_bytes()
+        assert os.access(bin_dir / name, os.X_OK)
     assert leftover_temporaries(bin_dir) == []
 
 
@@ -365,10 +372,11 @@ def test_install_recovers_from_an_interrupted_one_and_refuses_a_runtime_that_doe
 ):
     bin_dir = tmp_path / "bin"
     version_dir = install(bundles["venv"], bin_dir, None)
-    launcher = (bin_dir / LAUNCHER).read_text()
-    # What a killed install leaves: a temporary file, a half-copied version, a version
+    launch = (bin_dir / VERSIONS / LAUNCH).read_text()
+    # What a killed install leaves: temporary files, a half-copied version, a version
     # directory without its manifest.
-    (bin_dir / f"{TEMP_PREFIX}x").write_text("half a launcher")
+    (bin_dir / f"{TEMP_PREFIX}x").write_text("half a client")
+    (bin_dir / VERSIONS / f"{TEMP_PREFIX}z").write_text("half a launch file")
     (bin_dir / VERSIONS / f"{TEMP_PREFIX}y" / "lib").mkdir(parents=True)
     (version_dir / MANIFEST).unlink()
     install(bundles["venv"], bin_dir, None)
@@ -381,10 +389,10 @@ def test_install_recovers_from_an_interrupted_one_and_refuses_a_runtime_that_doe
 
     with pytest.raises(InstallError, match="does not answer VERSION"):
         install(variant("broken", broken_interpreter), bin_dir, None)
-    assert (bin_dir / LAUNCHER).read_text() == launcher, "the working launcher stays"
+    assert (bin_dir / VERSIONS / LAUNCH).read_text() == launch, "the working version stays"
     assert leftover_temporaries(bin_dir) == []
 
-    # The launcher finds its runtime beside itself, wherever the directory is mounted.
+    # The client finds its runtime beside itself, wherever the directory is mounted.
     moved = bin_dir.rename(tmp_path / "elsewhere")
     answer = subprocess.run(
         [moved / LAUNCHER], env=plugin_env("VERSION"), input=b"", capture_output=True, check=True

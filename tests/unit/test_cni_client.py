@@ -1,18 +1,16 @@
-"""The fast path's two ends without a kernel network: the plugin's client (cni.client) in a
-real interpreter against a stand-in daemon, and cni.server on a socket in a temporary dir."""
+"""The fast path's two ends without a kernel network: the plugin's compiled client
+(cni/client.c) against a stand-in daemon, with the Python plugin it execs (cni.client), and
+cni.server on a socket in a temporary dir."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import json
 import os
-import posix
+import re
 import socket
 import stat
 import subprocess
 import sys
-import sysconfig
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,9 +21,26 @@ from cni import client, plugin, version
 from cni.errors import CniError, Code
 from cni.invocation import from_environ
 from cni.ipam.delegate import Delegate
-from cni.server import encode_response, read_request, serve
+from cni.server import (
+    DECLINED,
+    LENGTH_BYTES,
+    PROTOCOL,
+    SERVED,
+    encode_response,
+    read_request,
+    serve,
+)
+from deploy.lab.paths import ROOT
+from tests.fastpath import (
+    IN_PROCESS,
+    compile_client,
+    decode_response,
+    encode_request,
+    receive_all,
+    send_request,
+    set_up_client,
+)
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 # The client opens CNI_NETNS, so the calls name a file every process can open; not a network
 # namespace (the host's own would be the one at hand), so no call served here ever reaches one.
 CALL_NETNS = __file__
@@ -38,25 +53,31 @@ ADD_ENV = {
 CONF = b'{"cniVersion": "1.0.0", "name": "n", "type": "knit"}'
 
 
-def run_client(
-    socket_path: Path | None,
-    env: dict[str, str],
-    stdin: bytes = CONF,
-    prelude: str = "",
-    flags: tuple[str, ...] = (),
-) -> subprocess.CompletedProcess[bytes]:
-    """The plugin as the Makefile's launcher runs it: -I -S, its paths, cni.client.main."""
-    code = (
-        f"import sys; sys.path[:0] = [{str(ROOT)!r}]; {prelude}"
-        f"from cni.client import main; main({str(socket_path) if socket_path else None!r})"
-    )
-    return subprocess.run(
-        [sys.executable, "-I", "-S", *flags, "-c", code],
-        input=stdin,
-        env={"PATH": os.environ["PATH"], **env},
-        capture_output=True,
-        timeout=30,
-    )
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_client(tmp_path_factory.mktemp("client"))
+
+
+@pytest.fixture
+def run_client(compiled: Path, tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[bytes]]:
+    """The client in a CNI bin directory of its own, its daemon's socket being socket_path."""
+
+    def run(
+        socket_path: Path | None,
+        env: dict[str, str],
+        stdin: bytes = CONF,
+        in_process: str = IN_PROCESS,
+    ) -> subprocess.CompletedProcess[bytes]:
+        executable = set_up_client(tmp_path / "bin", compiled, socket_path, in_process)
+        return subprocess.run(
+            [str(executable)],
+            input=stdin,
+            env={"PATH": os.environ["PATH"], **env},
+            capture_output=True,
+            timeout=30,
+        )
+
+    return run
 
 
 @pytest.fixture
@@ -66,7 +87,7 @@ def stand_in(tmp_path: Path) -> Iterator[Callable[[Callable[[socket.socket], Non
     listeners = []
 
     def start(handle: Callable[[socket.socket], None]) -> Path:
-        path = tmp_path / "stand-in.sock"
+        path = tmp_path / f"stand-in-{len(listeners)}.sock"
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(str(path))
         listener.listen()
@@ -92,20 +113,33 @@ def stand_in(tmp_path: Path) -> Iterator[Callable[[Callable[[socket.socket], Non
 Received = list[tuple[dict[str, str], bytes, int | None]]
 
 
-def take(received: Received) -> Callable[[socket.socket], None]:
-    """A stand-in's handler: note the call (its namespace by inode) and answer exit 3."""
+def take(received: Received, code: int = 3) -> Callable[[socket.socket], None]:
+    """A stand-in's handler: note the call (its namespace by inode) and answer `code`."""
 
     def answer(connection: socket.socket) -> None:
         request = read_request(connection)
         inode = None if request.netns_fd is None else os.fstat(request.netns_fd).st_ino
         request.close()
         received.append((request.environ, request.stdin, inode))
-        connection.sendall(encode_response(3, b'{"any": "bytes"}\n'))
+        connection.sendall(encode_response(code, b'{"any": "bytes"}\n'))
 
     return answer
 
 
-def test_the_daemons_answer_is_printed_with_its_exit_code(stand_in):
+def test_the_client_speaks_the_servers_protocol():
+    source = (ROOT / "cni" / "client.c").read_text()
+    defined = dict(re.findall(r"^#define (PROTOCOL|DECLINED|LENGTH_BYTES) (\d+)$", source, re.M))
+    assert defined == {
+        "PROTOCOL": str(PROTOCOL),
+        "DECLINED": str(DECLINED),
+        "LENGTH_BYTES": str(LENGTH_BYTES),
+    }
+    assert f'#define ERROR_VARIABLE "{client.ERROR_VARIABLE}"' in source
+    verbs = set(re.findall(r'strcmp\(command, "(\w+)"\)', source))
+    assert verbs == SERVED
+
+
+def test_the_daemons_answer_is_printed_with_its_exit_code(run_client, stand_in):
     received: Received = []
     path = stand_in(take(received))
     done = run_client(path, {**ADD_ENV, "OTHER": "x", "CNI_ARGS": "K8S_POD_NAME=p"})
@@ -115,7 +149,7 @@ def test_the_daemons_answer_is_printed_with_its_exit_code(stand_in):
     assert stdin == CONF
 
 
-def test_the_plugin_passes_the_namespace_it_opened(stand_in):
+def test_the_plugin_passes_the_namespace_it_opened(run_client, stand_in):
     received: Received = []
     done = run_client(stand_in(take(received)), ADD_ENV)
     assert done.returncode == 3
@@ -123,7 +157,7 @@ def test_the_plugin_passes_the_namespace_it_opened(stand_in):
 
 
 @pytest.mark.parametrize("netns", ["", None])
-def test_a_del_without_a_namespace_is_forwarded_without_a_descriptor(stand_in, netns):
+def test_a_del_without_a_namespace_is_forwarded_without_a_descriptor(run_client, stand_in, netns):
     received: Received = []
     env = {**ADD_ENV, "CNI_COMMAND": "DEL"}
     if netns is None:
@@ -134,46 +168,52 @@ def test_a_del_without_a_namespace_is_forwarded_without_a_descriptor(stand_in, n
     assert received[0][2] is None
 
 
-def test_a_namespace_the_plugin_cannot_open_is_not_forwarded(tmp_path):
+def test_a_namespace_the_plugin_cannot_open_is_not_forwarded(run_client, tmp_path):
     path = tmp_path / "cni.sock"
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(path))
         listener.listen()
         listener.setblocking(False)
         env = {**ADD_ENV, "CNI_NETNS": str(tmp_path / "gone")}
-        with_pyroute2 = f"sys.path.append({sysconfig.get_paths()['purelib']!r}); "
-        done = run_client(path, env, prelude=with_pyroute2)
+        done = run_client(path, env)
         with pytest.raises(BlockingIOError):
             listener.accept()
     assert (done.returncode, done.stdout) == plugin.execute(env, CONF)
     assert json.loads(done.stdout)["code"] == Code.UNKNOWN_CONTAINER
 
 
-def test_a_forwarded_call_imports_only_c_modules(stand_in):
-    def answer(connection: socket.socket) -> None:
-        read_request(connection).close()
-        connection.sendall(encode_response(0, b""))
-
-    path = stand_in(answer)
-    done = run_client(path, ADD_ENV, flags=("-X", "importtime"))
-    assert done.returncode == 0, done.stderr
-    imported = {
-        line.split("|")[-1].strip()
-        for line in done.stderr.decode().splitlines()
-        if line.startswith("import time:") and not line.endswith("imported package")
-    }
-    startup = run_client(
-        None, {}, prelude="import posix; posix._exit(0); ", flags=("-X", "importtime")
-    )
-    baseline = {
-        line.split("|")[-1].strip()
-        for line in startup.stderr.decode().splitlines()
-        if line.startswith("import time:")
-    }
-    assert imported - baseline == {"cni", "cni.client", "_socket"}
+def test_a_fifo_as_cni_netns_does_not_hold_the_client(run_client, stand_in, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    received: Received = []
+    done = run_client(stand_in(take(received)), {**ADD_ENV, "CNI_NETNS": str(fifo)})
+    assert done.returncode == 3
+    assert received[0][2] == os.stat(fifo).st_ino
 
 
-def test_a_daemon_gone_before_answering_gives_the_error_json(stand_in):
+def test_a_served_call_never_starts_the_python_plugin(run_client, stand_in, tmp_path):
+    marker = tmp_path / "started"
+    in_process = f"#!/bin/sh\ntouch {marker}\nexit 9\n"
+    for verb in ("ADD", "CHECK", "DEL"):
+        done = run_client(
+            stand_in(take([])), {**ADD_ENV, "CNI_COMMAND": verb}, in_process=in_process
+        )
+        assert done.returncode == 3
+    assert not marker.exists()
+    done = run_client(None, {"CNI_COMMAND": "VERSION"}, in_process=in_process)
+    assert done.returncode == 9 and marker.exists(), "VERSION runs in the Python plugin"
+
+
+def test_a_declined_call_runs_in_process_with_the_same_stdin(run_client, stand_in):
+    path = stand_in(take([], code=DECLINED))
+    env = {k: v for k, v in ADD_ENV.items() if k != "CNI_IFNAME"}
+    stdin = b'{"cniVersion": "0.4.0", "name": "n", "type": "knit"}'
+    done = run_client(path, env, stdin=stdin)
+    assert (done.returncode, done.stdout) == plugin.execute(env, stdin)
+    assert json.loads(done.stdout)["cniVersion"] == "0.4.0"
+
+
+def test_a_daemon_gone_before_answering_gives_the_error_json(run_client, stand_in):
     path = stand_in(lambda connection: read_request(connection).close())
     done = run_client(path, ADD_ENV)
     assert done.returncode == 1
@@ -186,16 +226,17 @@ def test_a_daemon_gone_before_answering_gives_the_error_json(stand_in):
     assert done.stdout == plugin.encode(CniError(199, error["msg"]).to_json("1.0.0"))
 
 
-def test_an_unreachable_daemon_is_named_in_the_calls_version(tmp_path):
-    too_long = tmp_path / ("d" * 120) / "cni.sock"
-    done = run_client(too_long, ADD_ENV, stdin=b'{"cniVersion": "0.4.0", "name": "n"}')
+def test_an_unreachable_daemon_is_named_in_the_calls_version(run_client, tmp_path):
+    (tmp_path / "file").write_text("")
+    unreachable = tmp_path / "file" / "cni.sock"
+    done = run_client(unreachable, ADD_ENV, stdin=b'{"cniVersion": "0.4.0", "name": "n"}')
     assert done.returncode == 1
     error = json.loads(done.stdout)
     assert error["cniVersion"] == "0.4.0"
-    assert error["msg"].startswith(f"cannot reach the knit daemon at {too_long}: ")
+    assert error["msg"] == f"cannot reach the knit daemon at {unreachable}: Not a directory"
 
 
-def test_a_half_answer_is_not_taken_for_an_answer(stand_in):
+def test_a_half_answer_is_not_taken_for_an_answer(run_client, stand_in):
     def half(connection: socket.socket) -> None:
         read_request(connection).close()
         connection.sendall(encode_response(0, b'{"cniVersion": "1.1.0"}\n')[:-5])
@@ -204,44 +245,65 @@ def test_a_half_answer_is_not_taken_for_an_answer(stand_in):
     assert done.returncode == 1 and json.loads(done.stdout)["code"] == 199
 
 
-def test_a_daemon_of_another_protocol_is_named(stand_in):
+def test_a_daemon_of_another_protocol_is_named(run_client, stand_in):
     def newer(connection: socket.socket) -> None:
         connection.recv(1 << 16)
-        connection.sendall(bytes((client.PROTOCOL + 1, 0)) + b"\0\0\0\0")
+        connection.sendall(bytes((PROTOCOL + 1, 0)) + b"\0\0\0\0")
 
     done = run_client(stand_in(newer), ADD_ENV)
     assert done.returncode == 1
     assert json.loads(done.stdout) == {
         "cniVersion": "1.0.0",
         "code": 199,
-        "msg": (
-            f"the knit daemon speaks protocol {client.PROTOCOL + 1}, "
-            f"this plugin speaks {client.PROTOCOL}"
-        ),
+        "msg": (f"the knit daemon speaks protocol {PROTOCOL + 1}, this plugin speaks {PROTOCOL}"),
     }
 
 
-@pytest.mark.parametrize("situation", ["no socket file", "nobody listening", "no socket baked"])
-def test_the_call_runs_in_process_without_a_daemon(tmp_path, situation):
+@pytest.mark.parametrize("situation", ["no socket file", "nobody listening", "no socket named"])
+def test_the_call_runs_in_process_without_a_daemon(run_client, tmp_path, situation):
     path = tmp_path / "cni.sock"
     if situation == "nobody listening":
         bound = socket.socket(socket.AF_UNIX)
         bound.bind(str(path))
     env = {k: v for k, v in ADD_ENV.items() if k != "CNI_IFNAME"}
-    done = run_client(None if situation == "no socket baked" else path, env)
+    done = run_client(None if situation == "no socket named" else path, env)
     assert (done.returncode, done.stdout) == plugin.execute(env, CONF)
     assert json.loads(done.stdout)["code"] == 4
 
 
-def test_ld_library_path_is_dropped_before_anything_else(tmp_path):
+def test_a_client_without_its_launch_file_says_so(compiled, tmp_path):
+    done = subprocess.run([str(compiled)], env={"CNI_COMMAND": "VERSION"}, capture_output=True)
+    assert done.returncode == 1
+    assert done.stderr.decode() == f"knit: cannot read knit.d/launch beside {compiled}\n"
+
+
+def python_plugin(env: dict[str, str], prelude: str = "") -> subprocess.CompletedProcess[bytes]:
+    """cni.client.main as the in-process launcher runs it."""
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}]; {prelude}from cni.client import main; main()"
+    )
+    return subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], env=env, input=CONF, capture_output=True
+    )
+
+
+def test_ld_library_path_stays_out_of_what_the_python_plugin_runs():
+    """The bundle's launcher sets it for the interpreter alone: iptables and a delegated
+    plugin must not inherit it."""
     show = (
         "import cni.plugin, os, subprocess; "
         "cni.plugin.main = lambda: print(os.environ.get('LD_LIBRARY_PATH'), "
         "subprocess.run(['env'], capture_output=True, text=True).stdout.count('LD_LIBRARY'), "
         "end=''); "
     )
-    done = run_client(None, {"CNI_COMMAND": "VERSION", "LD_LIBRARY_PATH": "/bundle"}, prelude=show)
+    done = python_plugin({"CNI_COMMAND": "VERSION", "LD_LIBRARY_PATH": "/bundle"}, show)
     assert done.stdout == b"None 0"
+
+
+def test_the_clients_error_is_printed_as_the_calls_error_json():
+    done = python_plugin({"CNI_COMMAND": "ADD", client.ERROR_VARIABLE: "went wrong"})
+    assert done.returncode == 1
+    assert done.stdout == plugin.error_output(CniError(Code.UNEXPECTED, "went wrong"), CONF)
 
 
 @pytest.fixture
@@ -255,26 +317,22 @@ def server(tmp_path: Path) -> Iterator[Path]:
 def exchange(path: Path, request: bytes, netns_fd: int | None = None) -> bytes:
     with socket.socket(socket.AF_UNIX) as connection:
         connection.connect(str(path))
-        client.send_request(connection, request, netns_fd)
-        chunks = []
-        while chunk := connection.recv(1 << 16):
-            chunks.append(chunk)
-    return b"".join(chunks)
+        send_request(connection, request, netns_fd)
+        return receive_all(connection)
 
 
 def call(
     path: Path, environ: dict[str, str], stdin: bytes, netns: str | None = None
 ) -> tuple[int, bytes]:
     """A call as the plugin makes it, with a descriptor of netns (by default CNI_NETNS)."""
-    env = b"\0".join(f"{k}={v}".encode() for k, v in environ.items())
     netns = environ.get("CNI_NETNS") if netns is None else netns
     netns_fd = os.open(netns, os.O_RDONLY) if netns else None
     try:
-        answer = exchange(path, client.encode_request(env, stdin), netns_fd)
+        answer = exchange(path, encode_request(environ, stdin), netns_fd)
     finally:
         if netns_fd is not None:
             os.close(netns_fd)
-    return client.decode_response(answer, stdin)
+    return decode_response(answer)
 
 
 def test_the_server_answers_as_the_plugin_does(server):
@@ -318,11 +376,10 @@ def test_the_server_serves_only_attachment_verbs(server):
 
 
 def test_the_server_names_a_mismatching_protocol(server):
-    answer = exchange(server, bytes((client.PROTOCOL + 1,)) + b"\0" * 8)
-    assert answer[0] == client.PROTOCOL and answer[1] == 1
+    answer = exchange(server, bytes((PROTOCOL + 1,)) + b"\0" * 8)
+    assert answer[0] == PROTOCOL and answer[1] == 1
     assert json.loads(answer[6:])["msg"] == (
-        f"the plugin speaks protocol {client.PROTOCOL + 1}, "
-        f"this knit daemon speaks {client.PROTOCOL}"
+        f"the plugin speaks protocol {PROTOCOL + 1}, this knit daemon speaks {PROTOCOL}"
     )
 
 
@@ -425,19 +482,3 @@ def test_a_delegated_add_without_addresses_is_given_back(tmp_path):
     assert err.value.code == Code.DELEGATE_FAILURE
     assert err.value.msg == "IPAM plugin empty-ipam returned missing IP config"
     assert (tmp_path / "calls").read_text().split() == ["ADD", "DEL"]
-
-
-def test_a_fifo_as_cni_netns_does_not_hold_the_fast_path_client(tmp_path, monkeypatch):
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    monkeypatch.setitem(posix.environ, b"CNI_NETNS", bytes(fifo))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        opened = pool.submit(client.open_netns)
-        try:
-            fd = opened.result(timeout=5)
-        finally:
-            # a blocked open() ends once a writer shows up
-            with contextlib.suppress(OSError):
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-    assert fd is not None
-    os.close(fd)

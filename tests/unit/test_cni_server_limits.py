@@ -8,7 +8,6 @@ import os
 import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,18 +15,28 @@ from pathlib import Path
 
 import pytest
 
-from cni import client, plugin
+from cni import plugin
 from cni.server import (
+    DECLINED,
     MAX_ENV_BYTES,
     MAX_STDIN_BYTES,
+    PROTOCOL,
     REQUEST_DEADLINE,
     CniServer,
     Limits,
     serve,
 )
 from deploy.lab.process import eventually
+from tests.fastpath import (
+    HEADER_BYTES,
+    compile_client,
+    decode_response,
+    encode_request,
+    receive_all,
+    send_request,
+    set_up_client,
+)
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 # An ADD without CNI_NETNS: both paths refuse it (code 4) at once, with no namespace to open.
 ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_IFNAME": "eth0"}
 CONF = b'{"cniVersion": "1.0.0", "name": "n", "type": "knit"}'
@@ -58,45 +67,39 @@ def connect(path: Path) -> socket.socket:
     return connection
 
 
-def receive_all(connection: socket.socket) -> bytes:
-    """The answer as cni.client reads it: up to the end, or a reset (the daemon closing on what
-    it did not read); a timeout raises."""
-    chunks = []
-    try:
-        while chunk := connection.recv(1 << 16):
-            chunks.append(chunk)
-    except ConnectionResetError:
-        pass
-    return b"".join(chunks)
-
-
 def call(path: Path, environ: dict[str, str], stdin: bytes) -> tuple[int, bytes]:
     """A call as the plugin makes it: the whole request, then the answer."""
-    env = b"\0".join(f"{k}={v}".encode() for k, v in environ.items())
     with connect(path) as connection:
-        client.send_request(connection, client.encode_request(env, stdin), None)
-        return client.decode_response(receive_all(connection), stdin)
+        send_request(connection, encode_request(environ, stdin), None)
+        return decode_response(receive_all(connection))
 
 
-def run_plugin(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
-    """The `knit` executable as the Makefile's launcher runs it, its socket being path."""
-    code = (
-        f"import sys; sys.path[:0] = [{str(ROOT)!r}]; "
-        f"from cni.client import main; main({str(path)!r})"
-    )
-    return subprocess.run(
-        [sys.executable, "-I", "-S", "-c", code],
-        input=CONF,
-        env={"PATH": os.environ["PATH"], **env},
-        capture_output=True,
-        timeout=30,
-    )
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_client(tmp_path_factory.mktemp("client"))
+
+
+@pytest.fixture
+def run_plugin(compiled: Path, tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[bytes]]:
+    """The `knit` executable, its daemon's socket being path."""
+
+    def run(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+        executable = set_up_client(tmp_path / "bin", compiled, path)
+        return subprocess.run(
+            [str(executable)],
+            input=CONF,
+            env={"PATH": os.environ["PATH"], **env},
+            capture_output=True,
+            timeout=30,
+        )
+
+    return run
 
 
 def declined(answer: bytes) -> str:
     """The reason a DECLINED answer gives, which plugins before DECLINED print."""
-    code, output = client.decode_response(answer, b"")
-    assert code == client.DECLINED, answer
+    code, output = decode_response(answer)
+    assert code == DECLINED, answer
     msg: str = json.loads(output)["msg"]
     return msg
 
@@ -110,7 +113,7 @@ def test_a_trickling_plugin_is_cut_off_at_the_deadline_while_a_call_is_served(st
     def trickle() -> None:
         with connect(path) as connection:
             accepted = time.monotonic()
-            connection.sendall(bytes((client.PROTOCOL,)) + (100).to_bytes(4, "big"))
+            connection.sendall(bytes((PROTOCOL,)) + (100).to_bytes(4, "big"))
             # 100 bytes of environment, one a second, until the daemon answers and closes
             while not select.select([connection], [], [], 1.0)[0]:
                 if time.monotonic() - accepted > REQUEST_DEADLINE + 3 * SLACK:
@@ -136,7 +139,7 @@ def test_a_trickling_plugin_is_cut_off_at_the_deadline_while_a_call_is_served(st
     assert (server.calls, server.declined) == (1, 1)
 
 
-def test_idle_connections_hold_no_more_threads_than_the_cap_and_calls_still_run(start):
+def test_idle_connections_hold_no_more_threads_than_the_cap_and_calls_still_run(start, run_plugin):
     cap = 4
     path, server = start(Limits(calls=cap, request_deadline=60.0, admission_wait=0.5))
     baseline = threading.active_count()
@@ -198,11 +201,11 @@ def test_an_oversize_length_alone_is_answered_and_the_connection_ended(start):
     baseline = threading.active_count()
     with connect(path) as connection:
         sent = time.monotonic()
-        connection.sendall(bytes((client.PROTOCOL,)) + (MAX_ENV_BYTES + 1).to_bytes(4, "big"))
-        header = connection.recv(client.HEADER_BYTES)
+        connection.sendall(bytes((PROTOCOL,)) + (MAX_ENV_BYTES + 1).to_bytes(4, "big"))
+        header = connection.recv(HEADER_BYTES)
         assert time.monotonic() - sent < SLACK
         size = int.from_bytes(header[2:], "big")
-        code, output = client.decode_response(header + receive_all(connection), b"")
+        code, output = decode_response(header + receive_all(connection))
         # Still connected, and still sending nothing: the daemon's thread ends all the same.
         eventually(lambda: threading.active_count() == baseline, deadline + SLACK, "thread ends")
     assert code == 1 and len(output) == size

@@ -16,7 +16,7 @@ from deploy.lab.image.steps import BASE_ENV
 
 def test_the_repository_dockerfile_final_stage():
     dockerfile = read_dockerfile(DOCKERFILE)
-    assert [stage.name for stage in dockerfile.stages] == ["portmap", "builder", ""]
+    assert [stage.name for stage in dockerfile.stages] == ["portmap", "client", "builder", ""]
     final = dockerfile.final
     assert final.base == dockerfile.args["PYTHON_IMAGE"]
     assert final.apt_packages() == ["iptables", "nftables", "kmod"]

@@ -33,9 +33,12 @@ from deploy.lab.image.errors import ImageError
 from deploy.lab.image.layers import write_layer
 from deploy.lab.image.oci import ImageSpec, config_env
 from deploy.lab.image.steps import BASE_ENV, base_step, chroot, copy_tree, packages_step, run
-from deploy.lab.paths import REFERENCE_PLUGINS, ROOT
+from deploy.lab.paths import PLUGIN_DIR, REFERENCE_PLUGINS, ROOT
 
 PORTMAP = REFERENCE_PLUGINS / "portmap"
+# the Dockerfile's client stage runs the Makefile's rule; `make cni` runs it here (static, so
+# the build machine's binary is the image's)
+CLIENT = PLUGIN_DIR / "knit"
 KNIT_REPOSITORY = "docker.io/library/knit"
 KNIT_IMAGE = f"{KNIT_REPOSITORY}:dev"
 # python:3.11-slim has python and venv built in; Debian splits venv (ensurepip) out.
@@ -131,6 +134,8 @@ def knit_image(log: Callable[[str], None], release: str = "") -> ImageSpec:
     packages = [*KNIT_BASE_PACKAGES, *final.apt_packages()]
     if not PORTMAP.is_file():
         raise ImageError(f"{PORTMAP} is missing (make go-tools builds it)")
+    if not CLIENT.is_file():
+        raise ImageError(f"{CLIENT} is missing (make cni builds it)")
 
     system = packages_step("knit-packages", base_step(log), packages, log)
     lower = system.rootfs()
@@ -151,6 +156,7 @@ def knit_image(log: Callable[[str], None], release: str = "") -> ImageSpec:
             (build_dir / "src" / "cni" / "_release.py").write_text(f"RELEASE = {release!r}\n")
         shutil.copytree(wheels, build_dir / "wheels")
         shutil.copy2(PORTMAP, build_dir / "portmap")
+        shutil.copy2(CLIENT, build_dir / "knit-client")
         inside = "/" + BUILD_DIR
         chroot(rootfs, "python3", "-m", "venv", VENV)
         chroot(
@@ -171,6 +177,8 @@ def knit_image(log: Callable[[str], None], release: str = "") -> ImageSpec:
             "cni.bundle",
             "--output",
             BUNDLE,
+            "--client",
+            f"{inside}/knit-client",
             "--plugin",
             f"{inside}/portmap",
         )
@@ -182,7 +190,9 @@ def knit_image(log: Callable[[str], None], release: str = "") -> ImageSpec:
 
     # a release is a step of its own: a step keeps one key, and each image must stay cached
     name = f"knit-{release}" if release else "knit"
-    knit_key = key(name, system.key, wheels.name, inputs, file_digest(PORTMAP), pip_env)
+    knit_key = key(
+        name, system.key, wheels.name, inputs, file_digest(PORTMAP), file_digest(CLIENT), pip_env
+    )
     step = cached_step(name, knit_key, build, keep_tree=False, log=log)
     config: dict[str, Any] = {
         "Env": config_env(final.env(BASE_ENV)),
