@@ -9,7 +9,7 @@ import ipaddress
 from typing import NoReturn
 
 from pyroute2 import IPRoute
-from pyroute2.netlink.rtnl.ifinfmsg import IFF_PROMISC
+from pyroute2.netlink.rtnl.ifinfmsg import IFF_PROMISC, IFF_UP
 
 from cni import netns, sysctl
 from cni.errors import CniError, Code
@@ -17,6 +17,7 @@ from cni.links import (
     MAIN_TABLE,
     Link,
     addresses,
+    delete_link,
     ignoring,
     link_by_name,
     netlink_errors,
@@ -64,20 +65,20 @@ def container_routes(conf: NetConf, ipam: Result) -> list[Route]:
 
 def ensure_bridge(ipr: IPRoute, conf: NetConf) -> Link:
     with netlink_errors(f"cannot create bridge {conf.bridge}"):
-        if link_by_name(ipr, conf.bridge) is None:
+        if link_by_name(conf.bridge) is None:
             options = {"br_vlan_filtering": 1} if conf.vlan else {}
             ignoring(
                 errno.EEXIST,
                 lambda: ipr.link("add", ifname=conf.bridge, kind="bridge", **options),
             )
-    bridge = link_by_name(ipr, conf.bridge)
+    bridge = link_by_name(conf.bridge)
     if bridge is None or bridge.kind != "bridge":
         raise CniError(Code.INVALID_NETWORK_CONFIG, f"{conf.bridge} exists and is not a bridge")
     with netlink_errors(f"cannot configure bridge {conf.bridge}"):
         if conf.promisc_mode and not bridge.flags & IFF_PROMISC:
             # A request of its own: pyroute2 takes flags= in place of the UP bit state= sets.
             ipr.link("set", index=bridge.index, flags=IFF_PROMISC, mask=IFF_PROMISC)
-        changes: dict[str, object] = {"state": "up"}
+        changes: dict[str, object] = {} if bridge.flags & IFF_UP else {"state": "up"}
         if conf.mtu and bridge.mtu != conf.mtu:
             # the bridge is every pod's: an MTU under IPv6's minimum would turn IPv6 off on it
             global6 = [a for a in addresses(bridge.index) if a.version == 6 and not a.is_link_local]
@@ -88,7 +89,8 @@ def ensure_bridge(ipr: IPRoute, conf: NetConf) -> Link:
                     "IPv6 addresses",
                 )
             changes["mtu"] = conf.mtu
-        ipr.link("set", index=bridge.index, **changes)
+        if changes:
+            ipr.link("set", index=bridge.index, **changes)
     return bridge
 
 
@@ -135,10 +137,8 @@ def enable_forwarding(ips: list[IPConfig]) -> None:
 def create_veth(
     ipr: IPRoute, conf: NetConf, host_name: str, ifname: str, netns_fd: int, mac: str
 ) -> None:
-    stale = link_by_name(ipr, host_name)
+    delete_link(host_name)  # a stale pair of an earlier, interrupted ADD
     with netlink_errors(f"cannot create veth {host_name}"):
-        if stale is not None:
-            ipr.link("del", index=stale.index)
         peer: dict[str, object] = {"ifname": ifname, "net_ns_fd": netns_fd}
         extra: dict[str, object] = {}
         if conf.mtu:
@@ -163,7 +163,7 @@ def configure_container(
 ) -> Link:
     """Addresses, link state and routes inside the pod; returns the pod's interface."""
     with netns.entered(netns_fd), IPRoute() as ipc:
-        link = link_by_name(ipc, ifname)
+        link = link_by_name(ifname)
         if link is None:
             raise CniError(Code.NETLINK_FAILURE, f"{ifname} vanished from the container")
         if any(ip.address.version == 6 for ip in ips):
@@ -199,26 +199,13 @@ def _route_spec(route: Route, oif: int) -> dict[str, object]:
 
 
 def container_has_interface(netns_fd: int, ifname: str) -> bool:
-    with netns.entered(netns_fd), IPRoute() as ipc:
-        return link_by_name(ipc, ifname) is not None
-
-
-def delete_veth(ipr: IPRoute, host_name: str) -> bool:
-    """Remove the pair by its host end; False when it was already gone."""
-    host = link_by_name(ipr, host_name)
-    if host is None:
-        return False
-    with netlink_errors(f"cannot delete {host_name}"):
-        ignoring(errno.ENODEV, lambda: ipr.link("del", index=host.index))
-    return True
+    with netns.entered(netns_fd):
+        return link_by_name(ifname) is not None
 
 
 def delete_container_interface(netns_fd: int, ifname: str) -> None:
-    with netns.entered(netns_fd), IPRoute() as ipc:
-        link = link_by_name(ipc, ifname)
-        if link is not None:
-            with netlink_errors(f"cannot delete {ifname} in the container"):
-                ignoring(errno.ENODEV, lambda: ipc.link("del", index=link.index))
+    with netns.entered(netns_fd):
+        delete_link(ifname)
 
 
 def setup(
@@ -239,11 +226,11 @@ def setup(
         if conf.is_gateway:
             ensure_gateway_addresses(ipr, bridge, gateways, conf.force_address)
         create_veth(ipr, conf, host_name, ifname, netns_fd, mac)
-        host = link_by_name(ipr, host_name)
+        host = link_by_name(host_name)
         if host is None:
             raise CniError(Code.NETLINK_FAILURE, f"veth {host_name} vanished")
         attach_to_bridge(ipr, conf, host, bridge)
-        bridge = link_by_name(ipr, conf.bridge) or bridge
+        bridge = link_by_name(conf.bridge) or bridge
     container = configure_container(netns_fd, conf, ifname, ipam.ips, route_list)
     if conf.is_gateway:
         enable_forwarding(ipam.ips)
@@ -259,18 +246,17 @@ def setup(
 
 def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Result) -> None:
     """Compare the kernel with prevResult; raise naming the first thing that differs."""
-    with IPRoute() as ipr:
-        bridge = link_by_name(ipr, conf.bridge)
-        if bridge is None or bridge.kind != "bridge":
-            check_failed(f"bridge {conf.bridge} is missing")
-        host_names = [i.name for i in prev.interfaces if not i.sandbox and i.name != conf.bridge]
-        if not host_names:
-            check_failed("prevResult names no host veth")
-        host = link_by_name(ipr, host_names[0])
-        if host is None:
-            check_failed(f"host veth {host_names[0]} is missing")
-        if host.master != bridge.index:
-            check_failed(f"host veth {host.name} is not attached to bridge {conf.bridge}")
+    bridge = link_by_name(conf.bridge)
+    if bridge is None or bridge.kind != "bridge":
+        check_failed(f"bridge {conf.bridge} is missing")
+    host_names = [i.name for i in prev.interfaces if not i.sandbox and i.name != conf.bridge]
+    if not host_names:
+        check_failed("prevResult names no host veth")
+    host = link_by_name(host_names[0])
+    if host is None:
+        check_failed(f"host veth {host_names[0]} is missing")
+    if host.master != bridge.index:
+        check_failed(f"host veth {host.name} is not attached to bridge {conf.bridge}")
     index, expected = next(
         ((n, i) for n, i in enumerate(prev.interfaces) if i.sandbox and i.name == ifname),
         (None, None),
@@ -278,7 +264,7 @@ def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Resu
     if expected is None:
         check_failed(f"prevResult has no interface {ifname} in {netns_path}")
     with netns.entered(netns_fd), IPRoute() as ipc:
-        link = link_by_name(ipc, ifname)
+        link = link_by_name(ifname)
         if link is None:
             check_failed(f"container interface {ifname} is missing")
         if link.kind != "veth":

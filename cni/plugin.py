@@ -158,14 +158,13 @@ def _attachment_families(raw: dict[str, Any]) -> Collection[int]:
 
 
 def _delete_attachment_links(conf: NetConf, invocation: Invocation, netns_fd: int | None) -> None:
-    from pyroute2 import IPRoute
-
     from cni import bridge
+    from cni.links import delete_link
 
-    with IPRoute() as ipr:
-        removed = bridge.delete_veth(
-            ipr, bridge.host_veth_name(conf.name, invocation.container_id, invocation.ifname)
-        )
+    # the host end takes the pod's with it
+    removed = delete_link(
+        bridge.host_veth_name(conf.name, invocation.container_id, invocation.ifname)
+    )
     if not removed and netns_fd is not None:
         bridge.delete_container_interface(netns_fd, invocation.ifname)
 
