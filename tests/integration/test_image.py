@@ -35,6 +35,7 @@ def archives(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     assert not missing, f"{missing} missing: apt-get install debootstrap containerd"
     for binary in (image.PORTMAP, PAUSE, AGNHOST):
         assert binary.is_file(), f"{binary} is missing (make go-tools)"
+    assert image.CLIENT.is_file(), f"{image.CLIENT} is missing (make cni)"
     return image.build(tmp_path_factory.mktemp("images"), PAUSE, AGNHOST, log=lambda _: None)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from deploy.lab.image.cache import mounts_under
 from deploy.lab.image.dockerfile import Dockerfile, read_dockerfile
-from deploy.lab.image.knit import KNIT_BASE_PACKAGES, KNIT_IMAGE, PORTMAP
+from deploy.lab.image.knit import CLIENT, KNIT_BASE_PACKAGES, KNIT_IMAGE, PORTMAP
 from deploy.lab.image.oci import image_names, import_images
 from deploy.lab.image.recipes import (
     AGNHOST_BINARY,
@@ -55,6 +55,7 @@ __all__ = [
     "AGNHOST_PACKAGES",
     "BASE_ENV",
     "BUSYBOX_IMAGE",
+    "CLIENT",
     "DISTROLESS_IPTABLES_IMAGE",
     "GLIBC_DNS_TESTING_IMAGE",
     "KNIT_BASE_PACKAGES",
