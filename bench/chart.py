@@ -26,26 +26,33 @@ MORE_IS_BETTER = "TCP connections/s"
 """The figure whose ratio is inverted, so that every bar reads the same way."""
 
 
-def costs(figures: list[dict[str, Any]]) -> tuple[int, dict[str, dict[str, float]]]:
-    """(the largest N, figure -> mode -> knit's cost against kube-proxy's) of the rows set
-    beside kube-proxy."""
+def costs(figures: list[dict[str, Any]]) -> tuple[int, dict[str, dict[str, float]], list[str]]:
+    """(the largest N, figure -> mode -> knit's cost against kube-proxy's, the rows without a
+    ratio as text) of the rows set beside kube-proxy."""
     rows = [row for row in figures if row["figure"].startswith(BESIDE)]
     if not rows:
         raise SystemExit("no figures beside kube-proxy in this file")
     largest = max(row["size"] for row in rows)
     by_figure: dict[str, dict[str, float]] = {}
+    unmeasured = []
     for row in rows:
-        if row["size"] == largest:
-            name = row["figure"].removeprefix(BESIDE)
-            factor = float(row["ratio"].removesuffix("x"))
-            cost = 1 / factor if name.startswith(MORE_IS_BETTER) else factor
-            by_figure.setdefault(name, {})[row["mode"]] = cost
-    return largest, by_figure
+        if row["size"] != largest:
+            continue
+        name = row["figure"].removeprefix(BESIDE)
+        # A row kube-proxy did not finish ("not done within 600 s") has no ratio: it is
+        # written under the chart rather than drawn as a bar of a made-up length.
+        if not row["ratio"]:
+            unmeasured.append(f"{row['mode']} mode, {name}: knit {row['knit']}, {row['anchor']}")
+            continue
+        factor = float(row["ratio"].removesuffix("x"))
+        cost = 1 / factor if name.startswith(MORE_IS_BETTER) else factor
+        by_figure.setdefault(name, {})[row["mode"]] = cost
+    return largest, by_figure, unmeasured
 
 
 def draw(result: Path, out: Path) -> None:
     record = json.loads(result.read_text())
-    largest, by_figure = costs(record["figures"])
+    largest, by_figure, unmeasured = costs(record["figures"])
     names = list(by_figure)
     modes = sorted({mode for values in by_figure.values() for mode in values})
     height = 0.8 / len(modes)
@@ -70,6 +77,8 @@ def draw(result: Path, out: Path) -> None:
         fontsize=10,
     )
     axes.legend(fontsize=8)
+    if unmeasured:
+        axes.set_xlabel(f"{axes.get_xlabel()}\nnot drawn: " + "; ".join(unmeasured), fontsize=8)
     figure.tight_layout()
     figure.savefig(out, dpi=110)
     plt.close(figure)
