@@ -8,26 +8,23 @@ import hashlib
 import ipaddress
 from typing import NoReturn
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.rtnl.ifinfmsg import IFF_PROMISC, IFF_UP
-
-from cni import netns, sysctl
+from cni import links, netns, sysctl
 from cni.errors import CniError, Code
 from cni.links import (
-    MAIN_TABLE,
+    IFF_PROMISC,
+    IFF_UP,
     Link,
     addresses,
     delete_link,
     ignoring,
     link_by_name,
     netlink_errors,
-    routes,
 )
 from cni.netconf import IPV6_MIN_MTU, NetConf
 from cni.result import Interface, IPAddress, IPConfig, IPInterface, Result, Route
+from cni.routes import MAIN_TABLE, add_route, routes
 
 HOST_VETH_PREFIX = "knit"
-HAIRPIN = 1
 DEFAULT_ROUTES = {4: ipaddress.ip_network("0.0.0.0/0"), 6: ipaddress.ip_network("::/0")}
 
 
@@ -63,22 +60,20 @@ def container_routes(conf: NetConf, ipam: Result) -> list[Route]:
     return filled
 
 
-def ensure_bridge(ipr: IPRoute, conf: NetConf) -> Link:
+def ensure_bridge(conf: NetConf) -> Link:
     with netlink_errors(f"cannot create bridge {conf.bridge}"):
         if link_by_name(conf.bridge) is None:
-            options = {"br_vlan_filtering": 1} if conf.vlan else {}
             ignoring(
                 errno.EEXIST,
-                lambda: ipr.link("add", ifname=conf.bridge, kind="bridge", **options),
+                functools.partial(links.create_bridge, conf.bridge, vlan_filtering=bool(conf.vlan)),
             )
     bridge = link_by_name(conf.bridge)
     if bridge is None or bridge.kind != "bridge":
         raise CniError(Code.INVALID_NETWORK_CONFIG, f"{conf.bridge} exists and is not a bridge")
     with netlink_errors(f"cannot configure bridge {conf.bridge}"):
-        if conf.promisc_mode and not bridge.flags & IFF_PROMISC:
-            # A request of its own: pyroute2 takes flags= in place of the UP bit state= sets.
-            ipr.link("set", index=bridge.index, flags=IFF_PROMISC, mask=IFF_PROMISC)
-        changes: dict[str, object] = {} if bridge.flags & IFF_UP else {"state": "up"}
+        promisc = conf.promisc_mode and not bridge.flags & IFF_PROMISC
+        up = not bridge.flags & IFF_UP
+        mtu = 0
         if conf.mtu and bridge.mtu != conf.mtu:
             # the bridge is every pod's: an MTU under IPv6's minimum would turn IPv6 off on it
             global6 = [a for a in addresses(bridge.index) if a.version == 6 and not a.is_link_local]
@@ -88,15 +83,13 @@ def ensure_bridge(ipr: IPRoute, conf: NetConf) -> Link:
                     f"mtu {conf.mtu} would turn IPv6 off on bridge {conf.bridge}, which has "
                     "IPv6 addresses",
                 )
-            changes["mtu"] = conf.mtu
-        if changes:
-            ipr.link("set", index=bridge.index, **changes)
+            mtu = conf.mtu
+        if promisc or up or mtu:
+            links.set_link(bridge.index, up=up, promisc=promisc, mtu=mtu)
     return bridge
 
 
-def ensure_gateway_addresses(
-    ipr: IPRoute, bridge: Link, gateways: list[IPInterface], force: bool
-) -> None:
+def ensure_gateway_addresses(bridge: Link, gateways: list[IPInterface], force: bool) -> None:
     present = addresses(bridge.index)
     for gateway in gateways:
         if gateway in present:
@@ -114,19 +107,8 @@ def ensure_gateway_addresses(
             )
         with netlink_errors(f"cannot set {gateway} on bridge {bridge.name}"):
             for old in clashing:
-                ipr.addr(
-                    "del", index=bridge.index, address=str(old.ip), prefixlen=old.network.prefixlen
-                )
-            ignoring(
-                errno.EEXIST,
-                functools.partial(
-                    ipr.addr,
-                    "add",
-                    index=bridge.index,
-                    address=str(gateway.ip),
-                    prefixlen=gateway.network.prefixlen,
-                ),
-            )
+                links.delete_address(bridge.index, old)
+            ignoring(errno.EEXIST, functools.partial(links.add_address, bridge.index, gateway))
 
 
 def enable_forwarding(ips: list[IPConfig]) -> None:
@@ -134,35 +116,26 @@ def enable_forwarding(ips: list[IPConfig]) -> None:
         sysctl.write("net/ipv4/ip_forward" if version == 4 else "net/ipv6/conf/all/forwarding", "1")
 
 
-def create_veth(
-    ipr: IPRoute, conf: NetConf, host_name: str, ifname: str, netns_fd: int, mac: str
-) -> None:
+def create_veth(conf: NetConf, host_name: str, ifname: str, netns_fd: int, mac: str) -> None:
     delete_link(host_name)  # a stale pair of an earlier, interrupted ADD
     with netlink_errors(f"cannot create veth {host_name}"):
-        peer: dict[str, object] = {"ifname": ifname, "net_ns_fd": netns_fd}
-        extra: dict[str, object] = {}
-        if conf.mtu:
-            peer["mtu"] = extra["mtu"] = conf.mtu
-        if mac:
-            peer["address"] = mac
-        ipr.link("add", ifname=host_name, kind="veth", peer=peer, **extra)
+        links.create_veth(host_name, ifname, netns_fd, conf.mtu or 0, mac)
 
 
-def attach_to_bridge(ipr: IPRoute, conf: NetConf, host: Link, bridge: Link) -> None:
+def attach_to_bridge(conf: NetConf, host: Link, bridge: Link) -> None:
     with netlink_errors(f"cannot attach {host.name} to {bridge.name}"):
-        ipr.link("set", index=host.index, master=bridge.index, state="up")
+        links.set_link(host.index, up=True, master=bridge.index)
         if conf.hairpin_mode:
-            ipr.brport("set", index=host.index, mode=HAIRPIN)
+            links.set_hairpin(host.index)
         if conf.vlan:
-            ipr.vlan_filter("add", index=host.index, vlan_info={"vid": conf.vlan, "pvid": True})
-            ipr.vlan_filter("del", index=host.index, vlan_info={"vid": 1})
+            links.set_port_vlan(host.index, conf.vlan)
 
 
 def configure_container(
     netns_fd: int, conf: NetConf, ifname: str, ips: list[IPConfig], route_list: list[Route]
 ) -> Link:
     """Addresses, link state and routes inside the pod; returns the pod's interface."""
-    with netns.entered(netns_fd), IPRoute() as ipc:
+    with netns.entered(netns_fd):
         link = link_by_name(ifname)
         if link is None:
             raise CniError(Code.NETLINK_FAILURE, f"{ifname} vanished from the container")
@@ -173,29 +146,11 @@ def configure_container(
             )
         with netlink_errors(f"cannot configure {ifname} in the container"):
             for ip in ips:
-                ipc.addr(
-                    "add",
-                    index=link.index,
-                    address=str(ip.address.ip),
-                    prefixlen=ip.address.network.prefixlen,
-                )
-            ipc.link("set", index=link.index, state="up")
+                links.add_address(link.index, ip.address)
+            links.set_link(link.index, up=True)
             for route in route_list:
-                ipc.route("add", **_route_spec(route, link.index))
+                add_route(route, link.index)
         return link
-
-
-def _route_spec(route: Route, oif: int) -> dict[str, object]:
-    spec: dict[str, object] = {"dst": str(route.dst), "oif": oif}
-    if route.gw is not None:
-        spec["gateway"] = str(route.gw)
-    for key in ("priority", "table", "scope"):
-        if key in route.extras:
-            spec[key] = route.extras[key]
-    metrics = {f"RTAX_{k.upper()}": route.extras[k] for k in ("mtu", "advmss") if k in route.extras}
-    if metrics:
-        spec["metrics"] = metrics
-    return spec
 
 
 def container_has_interface(netns_fd: int, ifname: str) -> bool:
@@ -221,16 +176,15 @@ def setup(
     host_name = host_veth_name(conf.name, container_id, ifname)
     gateways = gateway_interfaces(ipam.ips)
     route_list = container_routes(conf, ipam)
-    with IPRoute() as ipr:
-        bridge = ensure_bridge(ipr, conf)
-        if conf.is_gateway:
-            ensure_gateway_addresses(ipr, bridge, gateways, conf.force_address)
-        create_veth(ipr, conf, host_name, ifname, netns_fd, mac)
-        host = link_by_name(host_name)
-        if host is None:
-            raise CniError(Code.NETLINK_FAILURE, f"veth {host_name} vanished")
-        attach_to_bridge(ipr, conf, host, bridge)
-        bridge = link_by_name(conf.bridge) or bridge
+    bridge = ensure_bridge(conf)
+    if conf.is_gateway:
+        ensure_gateway_addresses(bridge, gateways, conf.force_address)
+    create_veth(conf, host_name, ifname, netns_fd, mac)
+    host = link_by_name(host_name)
+    if host is None:
+        raise CniError(Code.NETLINK_FAILURE, f"veth {host_name} vanished")
+    attach_to_bridge(conf, host, bridge)
+    bridge = link_by_name(conf.bridge) or bridge
     container = configure_container(netns_fd, conf, ifname, ipam.ips, route_list)
     if conf.is_gateway:
         enable_forwarding(ipam.ips)
@@ -263,7 +217,7 @@ def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Resu
     )
     if expected is None:
         check_failed(f"prevResult has no interface {ifname} in {netns_path}")
-    with netns.entered(netns_fd), IPRoute() as ipc:
+    with netns.entered(netns_fd):
         link = link_by_name(ifname)
         if link is None:
             check_failed(f"container interface {ifname} is missing")
@@ -276,7 +230,7 @@ def check(conf: NetConf, ifname: str, netns_path: str, netns_fd: int, prev: Resu
             if ip.interface in (None, index) and ip.address not in present:
                 check_failed(f"address {ip.address} is missing from {ifname}")
         for route in prev.routes:
-            installed = routes(ipc, link.index, route.extras.get("table", MAIN_TABLE))
+            installed = routes(link.index, route.extras.get("table", MAIN_TABLE))
             if not any(
                 dst == route.dst and (route.gw is None or gw == str(route.gw))
                 for dst, gw in installed

@@ -2,10 +2,11 @@
 only), for the plugin and the node daemon, where one message per address, flow or packet must
 be cheap: a link's addresses or every link's (cni.addresses: the plugin's bridge, IPVS mode's
 dummy link, node networking's uplink MTU), the UDP conntrack clean-up's conversation (its
-dumps, the table's size, its deletes) and NetworkPolicy's NFLOG denials. pyroute2 decodes every
-attribute of every message into objects, ~85 µs an address and ~320 µs a conntrack entry here
-(`make bench-netlink`); what these callers need is two to six attributes of each, read here in
-3-15 µs. Links, routes, neighbours, IPVS and ipsets stay with pyroute2."""
+dumps, the table's size, its deletes), NetworkPolicy's NFLOG denials, and every request of the
+plugin's (cni.links, cni.routes). pyroute2 decodes every attribute of every message into
+objects, ~85 µs an address and ~320 µs a conntrack entry here (`make bench-netlink`), and
+spends ~0.9 ms on a request; what these callers need is two to six attributes of each, read
+here in 3-15 µs. The daemon's links, routes, neighbours, IPVS and ipsets stay with pyroute2."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ ATTRIBUTE = struct.Struct("=HH")
 ERROR_CODE = struct.Struct("=i")
 
 REQUEST, ACK, DUMP, DUMP_INTERRUPTED = 0x1, 0x4, 0x300, 0x10
+CREATE_NEW = 0x400 | 0x200
+"""NLM_F_CREATE | NLM_F_EXCL: create the object, refused with EEXIST when it exists."""
 DONE, ERROR = 3, 2
 DUMP_ATTEMPTS = 3
 """Times a dump is asked for while the kernel marks it interrupted (its objects changed under
@@ -160,6 +163,7 @@ class NetlinkSocket:
         for kind, _, _, payload in self._received():
             yield kind, payload
 
-    def request(self, kind: int, body: bytes) -> list[tuple[int, memoryview]]:
-        """(type, payload) of the messages one acknowledged request returns (often none)."""
-        return list(self._replies(self._send(kind, ACK, body)))
+    def request(self, kind: int, body: bytes, flags: int = 0) -> list[tuple[int, memoryview]]:
+        """(type, payload) of the messages one acknowledged request returns (often none);
+        flags: CREATE_NEW for an object that must not exist yet."""
+        return list(self._replies(self._send(kind, ACK | flags, body)))
