@@ -11,7 +11,7 @@ node daemon installs it next to the `knit` launcher (`cni.install`). Layout:
     lib/python3.X/         its standard library, pruned, with lib-dynload/
     lib/*.so*              the shared libraries the binary and the extension modules link
                            (libpython when the binary links it dynamically), except glibc's own
-    site/                  the cni package and pyroute2 (with its dependencies, if any)
+    site/                  the cni package (standard library only: it speaks netlink itself)
     plugins/               extra executables installed beside `knit` (the reference portmap)
     manifest.json          the version (a content hash) and what install needs to know
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import compileall
 import hashlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -37,7 +36,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +48,12 @@ CLIENT = "bin/knit"
 IN_PROCESS = "bin/knit-in-process"
 ENTRY = "knit.py"
 PLUGINS = "plugins"
-DISTRIBUTIONS = ("pyroute2",)
 PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
 
 # Parts of the standard library the plugin never uses: tests, GUIs, interactive tools,
 # installers, dbm and NIS, the static libpython and Makefile (config-*), and the base's own
 # packages. Dropping an extension module also drops the libraries only it links (readline,
-# ncurses, gdbm, libnsl and Kerberos). sqlite3 stays: `import pyroute2` imports it.
+# ncurses, gdbm, libnsl, Kerberos and SQLite).
 PRUNED_STDLIB = {
     "test",
     "idlelib",
@@ -66,6 +64,7 @@ PRUNED_STDLIB = {
     "lib2to3",
     "pydoc_data",
     "curses",
+    "sqlite3",
     "site-packages",
     "dist-packages",
     "lib-dynload",  # copied on its own, pruned below
@@ -74,7 +73,7 @@ PRUNED_STDLIB = {
 PRUNED_STDLIB_PREFIXES = ("config-",)
 PRUNED_EXTENSIONS = re.compile(
     r"^(_test|_ctypes_test|_xxtestfuzz|xxlimited|_tkinter|_curses|readline"
-    r"|_dbm|_gdbm|nis)[._]"
+    r"|_dbm|_gdbm|nis|_sqlite3)[._]"
 )
 # glibc's libraries must come from the node (they go with its ld.so); everything else the
 # binary or an extension module links travels with the tree.
@@ -125,53 +124,9 @@ def copy_stdlib(tree: Path) -> None:
             shutil.copy2(module, dynload / module.name)
 
 
-def _requirement_names(dist: importlib.metadata.Distribution) -> Iterator[str]:
-    """Names of what a distribution needs at run time: extras are left out, and a requirement
-    behind any other marker counts only when it is installed here."""
-    for requirement in dist.requires or []:
-        spec, _, marker = requirement.partition(";")
-        if "extra" in marker:
-            continue
-        name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.strip())
-        if name is None:
-            raise BundleError(f"cannot read requirement {requirement!r} of {dist.name}")
-        if marker.strip():
-            try:
-                importlib.metadata.distribution(name.group())
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        yield name.group()
-
-
-def distributions(names: Iterable[str]) -> list[importlib.metadata.Distribution]:
-    """The named distributions and everything they need, each once."""
-    found: dict[str, importlib.metadata.Distribution] = {}
-    pending = list(names)
-    while pending:
-        name = pending.pop()
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError as err:
-            raise BundleError(f"{name} is not installed in this environment") from err
-        key = re.sub(r"[-_.]+", "-", dist.name).lower()
-        if key not in found:
-            found[key] = dist
-            pending.extend(_requirement_names(dist))
-    return [found[key] for key in sorted(found)]
-
-
-def copy_packages(tree: Path) -> None:
-    """The cni package and the distributions it needs (with their metadata) into site/."""
-    site = tree / SITE
-    shutil.copytree(Path(cni.__file__).parent, site / "cni", ignore=_ignore_caches)
-    for dist in distributions(DISTRIBUTIONS):
-        root = Path(str(dist.locate_file("")))
-        for file in dist.files or []:
-            if file.parts[0] == ".." or "__pycache__" in file.parts or file.suffix == ".pyc":
-                continue
-            target = site / file
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / file, target)
+def copy_package(tree: Path) -> None:
+    """The cni package into site/."""
+    shutil.copytree(Path(cni.__file__).parent, tree / SITE / "cni", ignore=_ignore_caches)
 
 
 def linked_libraries(binary: Path) -> dict[str, Path]:
@@ -221,13 +176,13 @@ def compile_tree(tree: Path) -> None:
             raise BundleError(f"some modules under {directory} do not compile")
 
 
-# Run by the bundled interpreter: every module of the cni package and pyroute2 imports from
+# Run by the bundled interpreter: every module of the cni package imports from
 # inside the tree, and nothing comes from outside it.
 SMOKE_CHECK = """
 import pkgutil, sys
 tree = sys.argv[1]
 sys.path.append(tree + "/site")
-import cni, pyroute2
+import cni
 for module in pkgutil.walk_packages(cni.__path__, "cni."):
     if not module.name.endswith(".__main__"):
         __import__(module.name)
@@ -336,7 +291,7 @@ def build(output: Path, client: Path, plugins: Iterable[Path] = ()) -> dict[str,
     (output / "bin").mkdir(parents=True, exist_ok=True)
     shutil.copy2(interpreter(), output / "bin" / PYVER)
     copy_stdlib(output)
-    copy_packages(output)
+    copy_package(output)
     copy_libraries(output)
     strip_binaries(output)
     compile_tree(output)

@@ -31,7 +31,7 @@ CONTAINERD_ARGS = "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}
 DEBUG = r"""
 import json, shutil, sys
 sys.path.append(sys.argv[1])
-import cni.bridge, cni.ipam.hostlocal, cni.masq, cni.plugin, pyroute2
+import cni.bridge, cni.ipam.hostlocal, cni.masq, cni.plugin
 print(json.dumps({
     "prefix": sys.prefix,
     "path": sys.path,
