@@ -4,6 +4,7 @@ own, with its knit.d/launch naming an in-process plugin and a socket."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -47,6 +48,19 @@ def set_up_client(
     launch = f"plugin=knit.d/knit-in-process\nsocket={socket_path or ''}\n"
     (directory / "knit.d" / "launch").write_text(launch)
     return executable
+
+
+def call_plugin(
+    executable: Path, env: dict[str, str], stdin: bytes
+) -> subprocess.CompletedProcess[bytes]:
+    """The plugin executable called as a runtime calls it: env and PATH, stdin, output kept."""
+    return subprocess.run(
+        [str(executable)],
+        input=stdin,
+        env={"PATH": os.environ["PATH"], **env},
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def encode_request(environ: dict[str, str], stdin: bytes) -> bytes:

@@ -33,6 +33,7 @@ from cni.server import (
 from deploy.lab.paths import ROOT
 from tests.fastpath import (
     IN_PROCESS,
+    call_plugin,
     compile_client,
     decode_response,
     encode_request,
@@ -69,13 +70,7 @@ def run_client(compiled: Path, tmp_path: Path) -> Callable[..., subprocess.Compl
         in_process: str = IN_PROCESS,
     ) -> subprocess.CompletedProcess[bytes]:
         executable = set_up_client(tmp_path / "bin", compiled, socket_path, in_process)
-        return subprocess.run(
-            [str(executable)],
-            input=stdin,
-            env={"PATH": os.environ["PATH"], **env},
-            capture_output=True,
-            timeout=30,
-        )
+        return call_plugin(executable, env, stdin)
 
     return run
 

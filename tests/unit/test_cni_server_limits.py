@@ -4,7 +4,6 @@ none of them holds a thread past the request deadline or keeps a real call from 
 from __future__ import annotations
 
 import json
-import os
 import select
 import socket
 import subprocess
@@ -29,6 +28,7 @@ from cni.server import (
 from deploy.lab.process import eventually
 from tests.fastpath import (
     HEADER_BYTES,
+    call_plugin,
     compile_client,
     decode_response,
     encode_request,
@@ -84,14 +84,7 @@ def run_plugin(compiled: Path, tmp_path: Path) -> Callable[..., subprocess.Compl
     """The `knit` executable, its daemon's socket being path."""
 
     def run(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
-        executable = set_up_client(tmp_path / "bin", compiled, path)
-        return subprocess.run(
-            [str(executable)],
-            input=CONF,
-            env={"PATH": os.environ["PATH"], **env},
-            capture_output=True,
-            timeout=30,
-        )
+        return call_plugin(set_up_client(tmp_path / "bin", compiled, path), env, CONF)
 
     return run
 
