@@ -2,15 +2,18 @@
 and knit through the node daemon's fast path, side by side.
 
 All three run with the same settings (a gateway bridge each, host-local over a /24, one veth
-per pod) in one node namespace, on the same pod namespaces, alternating rounds. The fast path's
+per pod) in one node namespace, on the same pod namespaces, alternating rounds. The node holds
+kubelet's iptables hint chain, as kubelet makes it on every node. The fast path's
 daemon (cni.server) runs inside the node namespace. Prints the medians, the ratio against the
-reference (1.0 = as fast, above 1 = slower), and where the fast path's time goes.
+reference (1.0 = as fast, above 1 = slower), and where the fast path's time goes: the
+daemon's work (from its log) against the rest (the client and the transport), the client alone
+against a daemon that answers at once, and the daemon's work by step (bench.cni_steps).
 
 Run as root, from the checkout: .venv/bin/python -m bench.cni_bench [--pods 20] [--rounds 3]
 [--ip-masq] [--nat-rules N] [--node-addresses N]. --ip-masq: every contender masquerades its pods'
 outgoing traffic, so ADD, CHECK and DEL also write, verify and remove those rules, knit and the
 reference both through iptables. --nat-rules: the node's nat table first holds N other rules,
-as kube-proxy's iptables mode fills it, 8 to a chain, with kubelet's hint chain in mangle.
+as kube-proxy's iptables mode fills it, 8 to a chain.
 --node-addresses: a link of the node first holds N other addresses, as IPVS mode's dummy
 device holds service addresses.
 """
@@ -21,16 +24,19 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from bench import record
+from cni.server import encode_response, read_request
 from deploy.lab.paths import CNIDRIVER, REFERENCE_PLUGINS, ROOT
 from deploy.lab.process import exit_on_termination
 
@@ -82,7 +88,7 @@ def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path, ip_masq
 
 
 def fill_nat(node: str, rules: int) -> None:
-    """N DNAT rules, 8 to a chain, in the node's nat table, and kubelet's iptables hint."""
+    """N DNAT rules, 8 to a chain, in the node's nat table."""
     chains = range((rules + 7) // 8)
     lines = ["*nat", *(f":KUBE-SEP-BENCH{c:06d} - [0:0]" for c in chains)]
     lines += [
@@ -90,8 +96,14 @@ def fill_nat(node: str, rules: int) -> None:
         f" -j DNAT --to-destination 10.244.{i % 8}.{i % 250}:80"
         for i in range(rules)
     ]
-    lines += ["COMMIT", "*mangle", ":KUBE-IPTABLES-HINT - [0:0]", "COMMIT", ""]
+    lines += ["COMMIT", ""]
     sh("ip", "netns", "exec", node, "iptables-nft-restore", "--noflush", stdin="\n".join(lines))
+
+
+def add_kubelet_hint(node: str) -> None:
+    """The chain kubelet makes in mangle at start (pkg/kubelet/kubelet_network_linux.go) to
+    tell the node's other programs which iptables flavour it uses, here nft."""
+    sh("ip", "netns", "exec", node, "iptables-nft", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT")
 
 
 def add_node_addresses(node: str, count: int) -> None:
@@ -137,10 +149,10 @@ def fast_path_server(node: str, socket_path: Path) -> Iterator[dict[str, list[fl
 
 
 def startup_breakdown(launcher_dir: Path) -> dict[str, float]:
-    """Median seconds: a bare interpreter (-I -S), the plugin answering VERSION in-process
-    (interpreter + the plugin's modules), and importing pyroute2's IPRoute."""
+    """Median seconds: a bare interpreter (-I -S), and the plugin answering VERSION in-process
+    (interpreter + the plugin's modules)."""
     env = {"CNI_COMMAND": "VERSION", "PATH": os.environ["PATH"]}
-    bare, version, pyroute2 = [], [], []
+    bare, version = [], []
     for _ in range(10):
         start = time.perf_counter()
         subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], check=True)
@@ -150,16 +162,47 @@ def startup_breakdown(launcher_dir: Path) -> dict[str, float]:
             [launcher_dir / "knit"], input=b"{}", env=env, capture_output=True, check=True
         )
         version.append(time.perf_counter() - start)
-        code = (
-            "import time; t = time.perf_counter(); from pyroute2 import IPRoute; "
-            "print(time.perf_counter() - t)"
-        )
-        pyroute2.append(float(sh(sys.executable, "-I", "-c", code)))
-    return {
-        "interpreter": statistics.median(bare),
-        "version_call": statistics.median(version),
-        "pyroute2_import": statistics.median(pyroute2),
-    }
+    return {"interpreter": statistics.median(bare), "version_call": statistics.median(version)}
+
+
+def client_alone(directory: Path, calls: int = 50) -> float:
+    """Median seconds of a DEL through the compiled client to a daemon that answers at once:
+    the fast path's cost outside the daemon's work (exec, connect, transport, print)."""
+    socket_path = directory / "answering.sock"
+    client = build_launcher(directory, str(socket_path)) / "knit"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(socket_path))
+    listener.listen(calls)
+
+    def answer() -> None:
+        for _ in range(calls):
+            connection, _ = listener.accept()
+            with connection:
+                read_request(connection).close()
+                connection.sendall(encode_response(0, b""))
+
+    answering = threading.Thread(target=answer, daemon=True)
+    answering.start()
+    env = {"CNI_COMMAND": "DEL", "CNI_CONTAINERID": "c", "CNI_IFNAME": "eth0"}
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        subprocess.run([client], input=b"{}", env=env, capture_output=True, check=True)
+        times.append(time.perf_counter() - start)
+    answering.join(10)
+    listener.close()
+    return statistics.median(times)
+
+
+def daemon_steps(node: str, conf: dict, pods: list[str]) -> dict[str, dict[str, float]]:
+    """bench.cni_steps in the node namespace: the daemon's work per verb by step (ms)."""
+    plugin = {**conf["plugins"][0], "cniVersion": conf["cniVersion"], "name": conf["name"]}
+    argv = [sys.executable, "-m", "bench.cni_steps", json.dumps(plugin), *pods]
+    out = subprocess.run(
+        ["ip", "netns", "exec", node, *argv], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    steps: dict[str, dict[str, float]] = json.loads(out)
+    return steps
 
 
 def figures(samples: dict, served: dict, breakdown: dict) -> list[dict[str, object]]:
@@ -206,11 +249,22 @@ def report(options: argparse.Namespace, rows: list[dict[str, object]]) -> None:
             f"  {row['verb']:6} {row['knit_fast_ms']} = {row['knit_fast_daemon_ms']}"
             f" + {row['knit_fast_rest_ms']}"
         )
+    print(f"  the client alone, to a daemon answering at once: {breakdown['client_alone']} ms")
     print(
         f"bare interpreter (-I -S): {breakdown['interpreter']} ms; in-process "
-        f"VERSION call (interpreter + plugin modules): {breakdown['version_call']} ms; "
-        f"importing pyroute2: {breakdown['pyroute2_import']} ms"
+        f"VERSION call (interpreter + plugin modules): {breakdown['version_call']} ms"
     )
+
+
+def report_steps(steps: dict[str, dict[str, float]]) -> None:
+    print("the daemon's work by step (cni.plugin.execute in the node namespace), median ms:")
+    for verb, by_step in steps.items():
+        listed = ", ".join(
+            f"{label} {ms}"
+            for label, ms in sorted(by_step.items(), key=lambda item: -item[1])
+            if label != "total"
+        )
+        print(f"  {verb} {by_step['total']}: {listed}")
 
 
 def variant(options: argparse.Namespace) -> str:
@@ -255,6 +309,7 @@ def main() -> None:
         try:
             for ns in [node, *pods]:
                 sh("ip", "netns", "add", ns)
+            add_kubelet_hint(node)
             if options.nat_rules:
                 fill_nat(node, options.nat_rules)
             if options.node_addresses:
@@ -270,12 +325,16 @@ def main() -> None:
                         )
                         for verb, times in run_driver(node, work, name, conf, cni_path).items():
                             samples[name].setdefault(verb, []).extend(times)
+            steps = daemon_steps(node, confs["knit-fast"], pods)
         finally:
             for ns in [node, *pods]:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         breakdown = startup_breakdown(plain)
+        breakdown["client_alone"] = client_alone(work / "answering")
     rows = figures(samples, served, breakdown)
     report(options, rows)
+    report_steps(steps)
+    rows.append({"daemon_steps_ms": steps})
     record.write(record.result_path(options.json, "cni", variant(options)), rows, began_at)
 
 
