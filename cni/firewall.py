@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
+import struct
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,6 +111,24 @@ def _mangle_chains(flavour: str) -> set[str]:
     return {line.split()[1] for line in listed if line.startswith("-N ")}
 
 
+SO_NETNS_COOKIE = 71
+"""Not among the socket module's constants: a network namespace's 64-bit id, never reused
+while the machine runs (Linux 5.14 and later)."""
+_hinted_flavours: dict[int, str] = {}
+"""Network namespace cookie -> the flavour kubelet's hint named there."""
+
+
+def _netns_cookie() -> int | None:
+    """The calling thread's network namespace's cookie; None where the kernel has none."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+            return int(
+                struct.unpack("=Q", probe.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8))[0]
+            )
+    except OSError:
+        return None
+
+
 def detect_iptables_flavour() -> str:
     """'nft' or 'legacy', decided as kind's node image and iptables-wrappers decide.
 
@@ -116,10 +136,19 @@ def detect_iptables_flavour() -> str:
     more rules; a tie (a fresh node) goes to nft. Legacy's mangle table is read only when it
     exists: asking legacy xtables for a table creates it, with hooks every packet then passes.
     """
+    # Kubelet makes its hint at start and keeps it, so a hint's answer holds for the
+    # namespace's life: the daemon's fast path, serving every call of its node, lists the
+    # mangle table once instead of per call (~3 ms, 20-25 ms beside 160,000 nat rules). An
+    # answer from counting rules is not kept: kubelet's hint may come after it.
+    cookie = _netns_cookie()
+    if cookie is not None and cookie in _hinted_flavours:
+        return _hinted_flavours[cookie]
     for flavour in ("nft", "legacy"):
         if flavour == "legacy" and "mangle" not in _legacy_tables(4):
             continue
         if not _mangle_chains(flavour).isdisjoint(KUBELET_HINT_CHAINS):
+            if cookie is not None:
+                _hinted_flavours[cookie] = flavour
             return flavour
     counts = {}
     for flavour in ("nft", "legacy"):

@@ -96,6 +96,22 @@ def test_kubelets_hint_chain_decides_the_iptables_flavour(make_netns, hinted):
         assert detect_iptables_flavour() == hinted, "the hint wins over the other's more rules"
 
 
+def test_a_hints_answer_is_kept_for_its_namespace_a_counts_is_not(make_netns):
+    hinted, counted = make_netns("flavour"), make_netns("flavour")
+    hinted.run("iptables-legacy", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT")
+    with hinted.entered():
+        assert detect_iptables_flavour() == "legacy"
+    hinted.run("iptables-legacy", "-t", "mangle", "-X", "KUBE-IPTABLES-HINT")
+    with hinted.entered():
+        assert detect_iptables_flavour() == "legacy", "kept, though the hint is gone"
+    counted.run("iptables-legacy", "-A", "INPUT", "-j", "ACCEPT")
+    with counted.entered():
+        assert detect_iptables_flavour() == "legacy", "more legacy rules, no hint"
+    counted.run("iptables-nft", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT")
+    with counted.entered():
+        assert detect_iptables_flavour() == "nft", "kubelet's hint, once made, decides"
+
+
 def test_a_fresh_node_is_nft_and_keeps_no_legacy_table(make_netns):
     ns = make_netns("flavour")
     with ns.entered():
