@@ -45,7 +45,7 @@ MAX_CALLS = 256
 # costs no call its success, and a stuck client holds a thread for 2 s at most.
 REQUEST_DEADLINE = 2.0
 # How long a connection that finds every slot taken waits for one before it is declined: a
-# call in the daemon takes 10 to 30 ms, and running in-process costs ~160 ms more than the
+# call in the daemon takes 2 to 40 ms, and running in-process costs ~90-100 ms more than the
 # fast path (docs/benchmarks.md), so a longer wait could cost more than declining does.
 ADMISSION_WAIT = 0.1
 # For sending an answer; a few KB, which the socket's buffer takes at once.
