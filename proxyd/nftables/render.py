@@ -43,6 +43,9 @@ MASQUERADE_IPS = "masquerade-ips"
 MASQUERADE_NODEPORTS = "masquerade-nodeports"
 CLUSTER_IPS = "cluster-ips"
 """Cluster-IP frontends, masqueraded when the source is outside the cluster CIDR."""
+CLUSTER_ADDRESSES = "cluster-addresses"
+"""Every cluster IP, whatever its ports: a new connection still addressed to one after DNAT
+went to a port no Service declares, and is rejected, as kube-proxy's nftables mode does."""
 
 SERVICES = "services"
 NODEPORTS = "nodeports"
@@ -50,6 +53,7 @@ MARK_MASQ = "mark-for-masquerade"
 MASQUERADING = "masquerading"
 REJECT = "reject-chain"
 CLUSTER_IPS_CHECK = "cluster-ips-check"
+UNDECLARED_PORTS_CHECK = "undeclared-ports-check"
 EXTERNAL_CHECK = "external-services-check"
 FIREWALL_CHECK = "firewall-check"
 
@@ -316,6 +320,7 @@ def render_service(plan: PortPlan, ctx: PortContext) -> ServiceObjects:
     no_endpoints = "drop" if plan.no_endpoint_verdict == "drop" else f"goto {REJECT}"
 
     cluster_key = f"{plan.cluster_ip} . {proto} . {port.port}"
+    member(CLUSTER_ADDRESSES, plan.cluster_ip)
     if plan.has_internal:
         to_endpoints = spread(IPS, f"{plan.cluster_ip} . {port.port}", port.internal_policy_local)
         element(SERVICE_IPS, cluster_key, to_endpoints)
@@ -399,6 +404,7 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         MASQUERADE_IPS: f"{{ type {addr_type} . inet_proto . inet_service ; }}",
         MASQUERADE_NODEPORTS: "{ type inet_proto . inet_service ; }",
         CLUSTER_IPS: f"{{ type {addr_type} . inet_proto . inet_service ; }}",
+        CLUSTER_ADDRESSES: f"{{ type {addr_type} ; }}",
     }
     for kind, declaration in ((IPS, by_address), (NODEPORT_KIND, by_port)):
         for local in (False, True):
@@ -443,6 +449,7 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         ),
         REJECT: ("reject",),
         CLUSTER_IPS_CHECK: (f"{address_key} vmap @{NO_ENDPOINT_SERVICES}",),
+        UNDECLARED_PORTS_CHECK: (f"{l3} daddr @{CLUSTER_ADDRESSES} reject",),
         EXTERNAL_CHECK: (f"{address_key} vmap @{NO_ENDPOINT_EXTERNAL}",),
         FIREWALL_CHECK: (f"{address_key} vmap @{FIREWALL_IPS}",),
         "nat-prerouting": (f"jump {SERVICES}",),
@@ -454,8 +461,12 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
             *(("ct state invalid drop",) if ctx.drop_invalid else ()),
             f"{new} jump {CLUSTER_IPS_CHECK}",
             f"{new} jump {EXTERNAL_CHECK}",
+            f"{new} jump {UNDECLARED_PORTS_CHECK}",
         ),
         "filter-output": tuple(output_rules),
+        # After nat-output's DNAT (-100), unlike filter-output: a declared port's connection
+        # no longer goes to the cluster IP there.
+        "filter-output-post-dnat": (f"{new} jump {UNDECLARED_PORTS_CHECK}",),
     }
     hooks = {
         "nat-prerouting": "type nat hook prerouting priority dstnat",
@@ -465,6 +476,7 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         "filter-input": "type filter hook input priority filter - 10",
         "filter-forward": "type filter hook forward priority filter - 10",
         "filter-output": "type filter hook output priority -110",
+        "filter-output-post-dnat": "type filter hook output priority -90",
     }
     return BaseObjects(maps=maps, chains=chains, hooks=hooks)
 

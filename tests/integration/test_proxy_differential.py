@@ -47,7 +47,6 @@ DIFFERENCES: dict[tuple[str, str], dict[str, str]] = {
         KNIT: f"answered by backend-a, source {GATEWAY}",
         KUBE_PROXY: "refused",
     },
-    ("nftables", UNDECLARED_PORT): {KNIT: "no answer", KUBE_PROXY: "refused"},
 }
 """(mode, question) -> each side's verdict, where they differ (docs/proxy.md says why)."""
 

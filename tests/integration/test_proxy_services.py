@@ -235,6 +235,23 @@ def test_no_endpoints_is_rejected_at_once(
     assert eventually(lambda: refused(proxy_node.outside, UPLINK_NODE, node_port))
 
 
+def test_nftables_mode_refuses_a_port_the_service_does_not_declare(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    if proxy_node.mode != "nftables":
+        pytest.skip("kube-proxy's iptables and IPVS modes route such a connection on")
+    svc = create_backed(
+        kube, "declared", endpoints=[endpoint(pods["a"].address(), proxy_node.name)]
+    )
+    ip = svc["spec"]["clusterIP"]
+    assert eventually(lambda: pods["client"].ns.exchange(ip, 80))[1] == "backend-a"
+    assert eventually(lambda: proxy_node.ns.exchange(ip, 80))[1] == "backend-a", (
+        "the node's own connection to a declared port is DNATed before the check"
+    )
+    assert refused(pods["client"].ns, ip, 81), "from a pod"
+    assert refused(proxy_node.ns, ip, 81), "from the node"
+
+
 def test_node_port_from_outside_is_masqueraded_and_nodeport_addresses_restrict_it(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:

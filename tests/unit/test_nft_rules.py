@@ -283,3 +283,17 @@ def test_invalid_packets_are_dropped_unless_conntrack_is_liberal() -> None:
     assert "ct state invalid drop" in render_base(CTX).chains["filter-forward"]
     liberal = dataclasses.replace(CTX, drop_invalid=False)
     assert "ct state invalid drop" not in render_base(liberal).chains["filter-forward"]
+
+
+def test_a_cluster_ip_stays_in_the_undeclared_port_set_while_a_port_holds_it() -> None:
+    assert objects(PORT, ()).members["cluster-addresses"] == {"10.96.0.10"}
+    other_port = ServicePort(ServicePortName("ns", "web", "https", "TCP"), ("10.96.0.10",), 443)
+    table = state((PORT, READY), (other_port, READY))
+    text = partial_transaction(4, table, {NAME: None})
+    assert "cluster-addresses" not in text, "the https port still holds 10.96.0.10"
+    text = partial_transaction(4, table, {other_port.name: None})
+    assert "delete element ip knit cluster-addresses" in text and "10.96.0.10 }" in text
+    base = render_base(CTX)
+    assert base.chains["undeclared-ports-check"] == ("ip daddr @cluster-addresses reject",)
+    assert base.hooks["filter-output-post-dnat"] == "type filter hook output priority -90"
+    assert "ct state new jump undeclared-ports-check" in base.chains["filter-forward"]
