@@ -18,7 +18,7 @@ from typing import Any
 from cni.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, link_addresses
 from cni.errors import CniError, Code
 from cni.families import ADDRESS_FAMILIES
-from cni.rawnetlink import CREATE_NEW, NetlinkSocket, RawNetlinkError, attribute, attributes
+from cni.rawnetlink import CREATE_NEW, U32, RawNetlinkError, attribute, attributes, request
 from cni.result import IPInterface
 
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK, RTM_SETLINK = 16, 17, 18, 19
@@ -37,7 +37,7 @@ BRIDGE_VLAN_INFO = struct.Struct("=HH")
 """bridge_vlan_info: flags, VLAN id."""
 BRIDGE_VLAN_INFO_PVID = 0x2
 IFF_UP, IFF_PROMISC = 0x1, 0x100
-U8, U32 = struct.Struct("=B"), struct.Struct("=I")
+U8 = struct.Struct("=B")
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ def ignoring(code: int, call: Callable[[], Any]) -> None:
 
 
 def _request(kind: int, body: bytes, flags: int = 0) -> list[tuple[int, memoryview]]:
-    with NetlinkSocket(socket.NETLINK_ROUTE) as sock:
-        return sock.request(kind, body, flags)
+    return request(socket.NETLINK_ROUTE, kind, body, flags)
 
 
 def link_by_name(name: str) -> Link | None:

@@ -24,6 +24,8 @@ HEADER = struct.Struct("=IHHII")
 ATTRIBUTE = struct.Struct("=HH")
 """nlattr: length, type."""
 ERROR_CODE = struct.Struct("=i")
+U32 = struct.Struct("=I")
+"""A native-order u32 attribute's payload."""
 
 REQUEST, ACK, DUMP, DUMP_INTERRUPTED = 0x1, 0x4, 0x300, 0x10
 CREATE_NEW = 0x400 | 0x200
@@ -167,3 +169,9 @@ class NetlinkSocket:
         """(type, payload) of the messages one acknowledged request returns (often none);
         flags: CREATE_NEW for an object that must not exist yet."""
         return list(self._replies(self._send(kind, ACK | flags, body)))
+
+
+def request(protocol: int, kind: int, body: bytes, flags: int = 0) -> list[tuple[int, memoryview]]:
+    """One acknowledged request on a socket of its own (NetlinkSocket.request)."""
+    with NetlinkSocket(protocol) as sock:
+        return sock.request(kind, body, flags)

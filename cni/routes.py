@@ -9,7 +9,7 @@ import socket
 import struct
 
 from cni.families import ADDRESS_FAMILIES
-from cni.rawnetlink import CREATE_NEW, NetlinkSocket, attribute, attributes
+from cni.rawnetlink import CREATE_NEW, U32, NetlinkSocket, attribute, attributes, request
 from cni.result import IPNetwork, Route
 
 RTM_NEWROUTE, RTM_GETROUTE = 24, 26
@@ -23,7 +23,6 @@ MAIN_TABLE = 254
 RT_TABLE_COMPAT = 252
 """rtmsg's table field for tables above 255, which only RTA_TABLE can name."""
 RTPROT_STATIC, RTN_UNICAST = 4, 1
-U32 = struct.Struct("=I")
 
 
 def add_route(route: Route, oif: int) -> None:
@@ -53,8 +52,7 @@ def add_route(route: Route, oif: int) -> None:
     )
     if metrics:
         body += attribute(RTA_METRICS, metrics, nested=True)
-    with NetlinkSocket(socket.NETLINK_ROUTE) as sock:
-        sock.request(RTM_NEWROUTE, body, CREATE_NEW)
+    request(socket.NETLINK_ROUTE, RTM_NEWROUTE, body, CREATE_NEW)
 
 
 def routes(oif: int, table: int) -> list[tuple[IPNetwork, str | None]]:
@@ -79,6 +77,6 @@ def routes(oif: int, table: int) -> list[tuple[IPNetwork, str | None]]:
             socket.inet_ntop(family, gateway) if gateway is not None else None,
         )
 
-    request = RTMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0, 0, 0)
+    every_family = RTMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0, 0, 0)
     with NetlinkSocket(socket.NETLINK_ROUTE) as sock:
-        return sock.dump(RTM_GETROUTE, request, read)
+        return sock.dump(RTM_GETROUTE, every_family, read)
