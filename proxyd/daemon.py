@@ -239,6 +239,13 @@ class Daemon:
                 self.stop,
             ),
             watch.Reflector(api, watch.nodes(), self._replace_nodes, self._node_event, self.stop),
+            watch.Reflector(
+                api,
+                watch.service_cidrs(),
+                self.state.replace_service_cidrs,
+                self.state.service_cidr_event,
+                self.stop,
+            ),
         ]
         if self.config.network_policy:
             reflectors += self._policy_reflectors(api)

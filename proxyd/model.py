@@ -352,6 +352,14 @@ def endpoints_for(port: ServicePort, slices: list[EndpointSlice]) -> tuple[Endpo
     return tuple(sorted(chosen.values(), key=lambda e: (e.ip, e.port)))
 
 
+def parse_service_cidr(obj: Obj) -> tuple[str, ...]:
+    """A ServiceCIDR's ranges (networking.k8s.io/v1 `spec.cidrs`), each validated."""
+    cidrs = (obj.get("spec") or {}).get("cidrs") or []
+    if not isinstance(cidrs, list):
+        raise InvalidObject("spec.cidrs is not a list")
+    return tuple(_cidr(cidr, "service CIDR") for cidr in cidrs)
+
+
 def parse_node(obj: Obj) -> NodeInfo:
     """The node's addresses are its InternalIPs, then its ExternalIPs (so the first of a family
     is the node IP kube-proxy picks); it is being deleted once it has a deletionTimestamp or

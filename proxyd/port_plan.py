@@ -28,6 +28,8 @@ class FamilyContext:
     """Node addresses NodePorts answer on; None: every local address."""
     localhost_nodeports: bool = True
     drop_invalid: bool = True
+    service_cidrs: tuple[str, ...] = ()
+    """The ranges of this family cluster IPs come from (the ServiceCIDR objects')."""
 
     def of_family(self, address: str) -> bool:
         """For addresses and CIDRs the model already validated."""

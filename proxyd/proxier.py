@@ -99,7 +99,9 @@ class Proxier(ABC):
             self._on_links[family] = link_addresses(family)
         return self._on_links[family]
 
-    def context(self, family: int, node: NodeInfo) -> FamilyContext:
+    def context(
+        self, family: int, node: NodeInfo, service_cidrs: tuple[str, ...] = ()
+    ) -> FamilyContext:
         cidr = next((c for c in self.options.cluster_cidrs if family_of(c) == family), "")
         selected = nodeport_addresses(
             self.options.nodeport_address_cidrs, family, node, lambda: self.link_addresses(family)
@@ -113,6 +115,7 @@ class Proxier(ABC):
             nodeport_addresses=selected,
             localhost_nodeports=self.options.localhost_nodeports,
             drop_invalid=self.options.drop_invalid,
+            service_cidrs=tuple(c for c in service_cidrs if family_of(c) == family),
         )
 
     def sync(self, changes: Changes) -> SyncResult:
@@ -144,7 +147,7 @@ class Proxier(ABC):
         for family in self.families:
             start = time.monotonic()
             metrics = self.metrics.for_family(family)
-            ctx = self.context(family, node)
+            ctx = self.context(family, node, changes.service_cidrs)
             family_full = full or not self._in_sync[family]
             plans = self._plans[family]
             if family_full:

@@ -29,6 +29,7 @@ from proxyd.model import (
     parse_node,
     parse_or_skip,
     parse_service,
+    parse_service_cidr,
 )
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class Changes:
     services: dict[ServiceKey, ServiceView]
     """The changed services; a deleted one has no ports."""
     node: NodeInfo
+    service_cidrs: tuple[str, ...] = ()
+    """Every range of the cluster's ServiceCIDR objects, sorted."""
     trigger_times: dict[int, list[float]] = field(default_factory=dict)
     """Per IP family, when the changes to program were made, from the slices'
     last-change-trigger-time annotations (kube-proxy's network programming latency); one per
@@ -91,6 +94,8 @@ class ClusterState:
         self._slices: dict[ServiceKey, dict[str, EndpointSlice]] = {}
         self._slice_owner: dict[tuple[str, str], ServiceKey] = {}
         self.node = NodeInfo(node_name)
+        self._service_cidrs: dict[str, tuple[str, ...]] = {}
+        """ServiceCIDR name -> its ranges."""
         self._pending_services: set[ServiceKey] = set()
         self._pending_endpoints: dict[int, set[ServiceKey]] = {}
         """Per IP family, the services whose slices of that family changed."""
@@ -210,6 +215,29 @@ class ClusterState:
             self.node = node
         self._notify(families)
 
+    def _set_service_cidr(self, name: str, obj: Obj | None) -> frozenset[int]:
+        """The IP families whose ranges changed."""
+        old = self._service_cidrs.pop(name, ())
+        new = parse_or_skip(parse_service_cidr, obj, "ServiceCIDR") if obj is not None else None
+        if new:
+            self._service_cidrs[name] = new
+        return frozenset(family_of(cidr) for cidr in set(old) ^ set(new or ()))
+
+    def service_cidr_event(self, kind: str, obj: Obj) -> None:
+        with self._lock:
+            families = self._set_service_cidr(key_of(obj)[1], None if kind == "DELETED" else obj)
+        self._notify(families)
+
+    def replace_service_cidrs(self, objs: list[Obj]) -> None:
+        with self._lock:
+            present = {key_of(obj)[1]: obj for obj in objs}
+            families: set[int] = set()
+            for name in list(self._service_cidrs.keys() - present.keys()):
+                families |= self._set_service_cidr(name, None)
+            for name, obj in present.items():
+                families |= self._set_service_cidr(name, obj)
+        self._notify(frozenset(families))
+
     # ------------------------------------------------------------ taking
     def _view(self, key: ServiceKey) -> ServiceView:
         ports = self._services.get(key, [])
@@ -226,6 +254,7 @@ class ClusterState:
             changes = Changes(
                 services={key: self._view(key) for key in changed},
                 node=self.node,
+                service_cidrs=tuple(sorted({c for cs in self._service_cidrs.values() for c in cs})),
                 trigger_times=trigger_times,
                 service_changes=self._service_events,
                 endpoint_changes=self._endpoint_events,

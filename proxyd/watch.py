@@ -64,6 +64,11 @@ def nodes() -> Resource:
     return Resource("Node", "/api/v1/nodes")
 
 
+def service_cidrs() -> Resource:
+    """Optional: API servers before Kubernetes 1.33 do not serve networking.k8s.io/v1."""
+    return Resource("ServiceCIDR", "/apis/networking.k8s.io/v1/servicecidrs", optional=True)
+
+
 def pods(trim: Callable[[Obj], Obj] = _whole) -> Resource:
     return Resource("Pod", "/api/v1/pods", trim=trim)
 

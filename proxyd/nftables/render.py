@@ -19,6 +19,7 @@ none here, the same masquerade marks, the firewall, and affinity.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -430,6 +431,13 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         # A NodePort left without endpoints is a packet for the node itself: input sees it.
         input_rules.append(f"{new} {nodeports} {port_key} vmap @{NO_ENDPOINT_NODEPORTS}")
     output_rules = [f"{new} jump {FIREWALL_CHECK}", f"{new} jump {CLUSTER_IPS_CHECK}"]
+    # An address of the service ranges no Service holds would be routed on, maybe to a host
+    # outside that happens to own it: dropped, as kube-proxy's nftables mode does.
+    unallocated = (
+        (f"{l3} daddr {{ {', '.join(_collapsed(ctx.service_cidrs))} }} drop",)
+        if ctx.service_cidrs
+        else ()
+    )
     if ctx.family == 4 and ctx.localhost_nodeports:
         input_rules.append(f"{new} ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 drop")
     chains: dict[str, Rules] = {
@@ -449,7 +457,7 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         ),
         REJECT: ("reject",),
         CLUSTER_IPS_CHECK: (f"{address_key} vmap @{NO_ENDPOINT_SERVICES}",),
-        UNDECLARED_PORTS_CHECK: (f"{l3} daddr @{CLUSTER_ADDRESSES} reject",),
+        UNDECLARED_PORTS_CHECK: (f"{l3} daddr @{CLUSTER_ADDRESSES} reject", *unallocated),
         EXTERNAL_CHECK: (f"{address_key} vmap @{NO_ENDPOINT_EXTERNAL}",),
         FIREWALL_CHECK: (f"{address_key} vmap @{FIREWALL_IPS}",),
         "nat-prerouting": (f"jump {SERVICES}",),
@@ -479,6 +487,16 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
         "filter-output-post-dnat": "type filter hook output priority -90",
     }
     return BaseObjects(maps=maps, chains=chains, hooks=hooks)
+
+
+def _collapsed(cidrs: Iterable[str]) -> list[str]:
+    """The ranges without overlaps, which an anonymous interval set refuses."""
+    networks = [ipaddress.ip_network(cidr) for cidr in cidrs]
+    v4 = [net for net in networks if isinstance(net, ipaddress.IPv4Network)]
+    v6 = [net for net in networks if isinstance(net, ipaddress.IPv6Network)]
+    return [
+        str(net) for net in (*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6))
+    ]
 
 
 def _external_local(kind: FrontendKind, ctx: FamilyContext) -> Rules:

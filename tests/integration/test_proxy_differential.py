@@ -35,7 +35,8 @@ from tests.integration.test_proxy_services import SLICE_HTTP, create_service
 KNIT, KUBE_PROXY = "knit-proxyd", "kube-proxy"
 PORTS = ((8080, "tcp"), (8080, "udp"))
 UNALLOCATED_CLUSTER_IP = "10.96.255.254"
-"""Inside the API server's service CIDR (10.96.0.0/16), held by no Service."""
+"""Inside the API server's service CIDR (10.96.0.0/16), held by no Service; the outside host
+of each world owns it."""
 LOCALHOST_NODE_PORT = "a NodePort on 127.0.0.1, from the node"
 UNDECLARED_PORT = "a port the Service does not declare, on its cluster IP"
 BRIDGE_NODE_PORT = "a pod to a NodePort on the node's bridge address"
@@ -66,6 +67,12 @@ class World:
             "b": proxy.add_pod("backend-b", *PORTS),
             "client": proxy.add_pod("client"),
         }
+        # A host outside owns an address of the service CIDR and can answer the client pod:
+        # routed on, a connection to that address is answered; dropped, it is not.
+        outside = proxy.outside
+        outside.run("ip", "address", "add", f"{UNALLOCATED_CLUSTER_IP}/32", "dev", "lo")
+        outside.run("ip", "route", "add", self.pods["client"].address(), "via", UPLINK_NODE)
+        outside.serve(UNALLOCATED_CLUSTER_IP, 80, "tcp", "outside")
 
     def settled(self, moment: float) -> bool:
         """An IPv4 sync ended after moment (the tests' objects are IPv4; each proxy syncs
@@ -206,8 +213,11 @@ def test_cluster_ip_from_pods_and_from_the_node(
             "the node to a cluster IP": lambda w: backends(w.proxy.ns, ip, 80),
             "outside to a cluster IP": lambda w: backends(w.proxy.outside, ip, 80),
             UNDECLARED_PORT: lambda w: outcome(w.pods["client"].ns, ip, 81),
-            "an address of the service CIDR no Service holds": lambda w: outcome(
+            "a pod to an address of the service CIDR no Service holds": lambda w: outcome(
                 w.pods["client"].ns, UNALLOCATED_CLUSTER_IP, 80
+            ),
+            "the node to an address of the service CIDR no Service holds": lambda w: outcome(
+                w.proxy.ns, UNALLOCATED_CLUSTER_IP, 80
             ),
         },
     )

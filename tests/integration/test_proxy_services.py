@@ -33,6 +33,7 @@ from deploy.lab.kube import (
 from deploy.lab.netns import ECHO
 from deploy.lab.process import eventually
 from proxyd.model import ZONE_LABEL
+from proxyd.nftables.render import UNDECLARED_PORTS_CHECK
 from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE
 from tests.integration.proxy_env import (
     REMOTE_NODE,
@@ -136,8 +137,8 @@ def backends_seen(client: Any, host: str, port: int, tries: int, proto: str = "t
     return {client.exchange(host, port, proto)[1] for _ in range(tries)}
 
 
-def refused(ns: Any, host: str, port: int) -> bool:
-    """True when the connection is refused at once (an ICMP reject), not timed out."""
+def connect_outcome(ns: Any, host: str, port: int) -> str:
+    """ "open", "refused" at once (an ICMP reject), "timeout" after 3 s, or the error."""
     result = ns.run(
         sys.executable,
         "-c",
@@ -148,7 +149,11 @@ def refused(ns: Any, host: str, port: int) -> bool:
         "except OSError as e: print('timeout' if isinstance(e, TimeoutError) else e)\n",
         check=False,
     )
-    return result.stdout.strip() == "refused"
+    return str(result.stdout.strip())
+
+
+def refused(ns: Any, host: str, port: int) -> bool:
+    return connect_outcome(ns, host, port) == "refused"
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +255,31 @@ def test_nftables_mode_refuses_a_port_the_service_does_not_declare(
     )
     assert refused(pods["client"].ns, ip, 81), "from a pod"
     assert refused(proxy_node.ns, ip, 81), "from the node"
+
+
+UNALLOCATED_CLUSTER_IP = "10.96.255.254"
+"""In the API server's default ServiceCIDR (10.96.0.0/16); no Service holds it."""
+
+
+def test_nftables_mode_drops_what_goes_to_an_address_of_the_service_cidr_no_service_holds(
+    proxy_node: ProxyNode,
+) -> None:
+    """A host outside owns an address of the service range: the iptables and IPVS modes route
+    the node's connection there, as kube-proxy's do; the nftables mode drops it, as
+    kube-proxy's does, from the ranges of the ServiceCIDR objects."""
+    outside = proxy_node.outside
+    outside.run("ip", "address", "add", f"{UNALLOCATED_CLUSTER_IP}/32", "dev", "lo")
+    outside.serve(UNALLOCATED_CLUSTER_IP, 8088, "tcp", "outside")
+    try:
+        outcome = connect_outcome(proxy_node.ns, UNALLOCATED_CLUSTER_IP, 8088)
+        assert outcome == ("timeout" if proxy_node.mode == "nftables" else "open")
+        if proxy_node.mode == "nftables":
+            listing = proxy_node.ns.run(
+                "nft", "list", "chain", "ip", "knit", UNDECLARED_PORTS_CHECK
+            )
+            assert "ip daddr 10.96.0.0/16 drop" in listing.stdout
+    finally:
+        outside.run("ip", "address", "del", f"{UNALLOCATED_CLUSTER_IP}/32", "dev", "lo")
 
 
 def test_node_port_from_outside_is_masqueraded_and_nodeport_addresses_restrict_it(

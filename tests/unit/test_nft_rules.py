@@ -297,3 +297,17 @@ def test_a_cluster_ip_stays_in_the_undeclared_port_set_while_a_port_holds_it() -
     assert base.chains["undeclared-ports-check"] == ("ip daddr @cluster-addresses reject",)
     assert base.hooks["filter-output-post-dnat"] == "type filter hook output priority -90"
     assert "ct state new jump undeclared-ports-check" in base.chains["filter-forward"]
+
+
+def test_unallocated_addresses_of_the_service_ranges_are_dropped_after_the_port_check() -> None:
+    assert render_base(CTX).chains["undeclared-ports-check"] == (
+        "ip daddr @cluster-addresses reject",
+    ), "no ServiceCIDR known: nothing dropped"
+    ranges = dataclasses.replace(
+        CTX, service_cidrs=("10.96.0.0/16", "10.96.4.0/24", "10.98.0.0/16")
+    )
+    assert render_base(ranges).chains["undeclared-ports-check"] == (
+        "ip daddr @cluster-addresses reject",
+        "ip daddr { 10.96.0.0/16, 10.98.0.0/16 } drop",
+    ), "nested ranges merged: an anonymous interval set refuses overlaps"
+    assert render_base(ranges) != render_base(CTX), "a new range makes the next sync full"

@@ -193,3 +193,30 @@ def test_an_object_not_in_the_api_shape_is_skipped_and_the_rest_kept(
     assert [e.ip for e in next(iter(views[("ns", "good")].endpoints.values()))] == ["10.244.1.5"]
     assert "skipping Service" in caplog.text and "skipping EndpointSlice" in caplog.text
     assert "skipping Node node-a" in caplog.text
+
+
+def service_cidr(name: str, *cidrs: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "spec": {"cidrs": list(cidrs)}}
+
+
+def test_service_cidrs_are_every_objects_ranges_and_a_bad_object_is_skipped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    heard: list[frozenset[int]] = []
+    state = ClusterState("node-a", on_change=heard.append)
+    with caplog.at_level(logging.WARNING):
+        state.replace_service_cidrs(
+            [
+                service_cidr("kubernetes", "10.96.0.0/16", "fd00:10:96::/112"),
+                service_cidr("bad", "10.97.0.0/33"),
+            ]
+        )
+    assert "skipping ServiceCIDR bad" in caplog.text
+    assert heard == [frozenset({4, 6})]
+    state.service_cidr_event("ADDED", service_cidr("extra", "10.100.0.0/24"))
+    state.service_cidr_event("MODIFIED", service_cidr("extra", "10.100.0.0/24"))
+    assert heard[1:] == [frozenset({4})], "an unchanged object queues nothing"
+    assert state.take().service_cidrs == ("10.100.0.0/24", "10.96.0.0/16", "fd00:10:96::/112")
+    state.replace_service_cidrs([service_cidr("extra", "10.100.0.0/24")])
+    assert heard[-1] == frozenset({4, 6}), "a relist names what it deleted"
+    assert state.take().service_cidrs == ("10.100.0.0/24",)
