@@ -51,6 +51,10 @@ class Nft:
             self._opened = Context()
         return self._opened
 
+    def open(self) -> None:
+        """Open the context now (a few ms), ahead of the first transaction."""
+        _ = self._context
+
     def run(self, text: str) -> None:
         """One transaction."""
         if text:

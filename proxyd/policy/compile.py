@@ -100,11 +100,42 @@ class FamilyPolicy:
 
 @dataclass(frozen=True)
 class Cluster:
+    """One snapshot of what policies depend on; both families compile the same one."""
+
     node: str
     pods: Mapping[PodKey, Pod]
     namespaces: Mapping[str, Namespace]
     policies: tuple[NetworkPolicy, ...]
     cluster_policies: tuple[ClusterNetworkPolicy, ...] = ()
+    by_namespace: Mapping[str, Mapping[PodKey, Pod]] = field(kw_only=True)
+    """The pods of each namespace: where a new peer set looks for its members."""
+    local: Mapping[PodKey, Pod] = field(kw_only=True)
+    """The pods of this node: the pods that get chains."""
+
+    @classmethod
+    def of(
+        cls,
+        node: str,
+        pods: Mapping[PodKey, Pod],
+        namespaces: Mapping[str, Namespace],
+        policies: tuple[NetworkPolicy, ...],
+        cluster_policies: tuple[ClusterNetworkPolicy, ...] = (),
+    ) -> Cluster:
+        """The snapshot with its views made from `pods` (the state keeps them as pods
+        change instead)."""
+        by_namespace: dict[str, dict[PodKey, Pod]] = {}
+        for key, pod in pods.items():
+            by_namespace.setdefault(pod.namespace, {})[key] = pod
+        local = {key: pod for key, pod in pods.items() if pod.node == node}
+        return cls(
+            node,
+            pods,
+            namespaces,
+            policies,
+            cluster_policies,
+            by_namespace=by_namespace,
+            local=local,
+        )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -185,7 +216,7 @@ class _PeerSet:
         self.intervals = self.blocks
 
     def selects(self, pod: Pod, value: int, namespaces: Mapping[str, Namespace]) -> bool:
-        if _inside(value, self.blocks):
+        if self.blocks and _inside(value, self.blocks):
             return True
         for peer in self.peers:
             if peer.pods is None or not peer.pods.matches(pod.labels):
@@ -197,7 +228,7 @@ class _PeerSet:
                 return True
         return False
 
-    def candidates(self, namespaces: Mapping[str, Namespace], index: _PodIndex) -> list[Pod]:
+    def candidates(self, cluster: Cluster, index: _AddressIndex) -> list[Pod]:
         """The pods that may be members: those inside the blocks, and those of the
         namespaces the pod peers may select."""
         names: set[str] = set()
@@ -208,10 +239,12 @@ class _PeerSet:
                 names.add(self.namespace)
             else:
                 selector = peer.namespaces
-                names.update(n for n, ns in namespaces.items() if selector.matches(ns.labels))
-        found = {(pod.namespace, pod.name): pod for pod in index.inside(self.blocks)}
+                names.update(
+                    n for n, ns in cluster.namespaces.items() if selector.matches(ns.labels)
+                )
+        found = {(pod.namespace, pod.name): pod for pod in index.inside(self.blocks, cluster.pods)}
         for name in names:
-            found.update(index.by_namespace.get(name, {}))
+            found.update(cluster.by_namespace.get(name, {}))
         return list(found.values())
 
     def fill(self, members: Iterable[tuple[PodKey, Pod, int]]) -> None:
@@ -252,45 +285,45 @@ class _PeerSet:
         return self.named_ports[key]
 
 
-class _PodIndex:
-    """The pods by namespace and, for one family, by address, kept from compile to compile
-    and changed pod by pod, so that a new peer set finds its candidates without going over
-    every pod."""
+class _AddressIndex:
+    """One family's pod addresses in order, for the pods inside an ipBlock: made when an
+    ipBlock first asks (policies without ipBlocks never pay for sorting every pod), then kept
+    from compile to compile pod by pod."""
 
     def __init__(self, family: int) -> None:
         self.family = family
-        self.by_namespace: dict[str, dict[PodKey, Pod]] = {}
-        self._by_address: list[tuple[int, str, str]] = []
-        """(address, namespace, name), sorted."""
-        self._held: dict[PodKey, Pod] = {}
+        self._sorted: list[tuple[int, str, str]] | None = None
+        """(address, namespace, name); None until asked for."""
 
-    def rebuild(self, pods: Mapping[PodKey, Pod]) -> None:
-        self.by_namespace, self._by_address, self._held = {}, [], dict(pods)
-        for key, pod in pods.items():
-            self.by_namespace.setdefault(pod.namespace, {})[key] = pod
-            if (address := _address(pod, self.family)) is not None:
-                self._by_address.append((address[1], *key))
-        self._by_address.sort()
+    def forget(self) -> None:
+        self._sorted = None
 
-    def change(self, key: PodKey, pod: Pod | None) -> None:
-        old = self._held.pop(key, None)
-        if old is not None:
-            del self.by_namespace[old.namespace][key]
-            if (address := _address(old, self.family)) is not None:
-                del self._by_address[bisect.bisect_left(self._by_address, (address[1], *key))]
-        if pod is not None:
-            self._held[key] = pod
-            self.by_namespace.setdefault(pod.namespace, {})[key] = pod
-            if (address := _address(pod, self.family)) is not None:
-                bisect.insort(self._by_address, (address[1], *key))
+    def change(self, key: PodKey, old: Pod | None, new: Pod | None) -> None:
+        if self._sorted is None:
+            return
+        if old is not None and (address := _address(old, self.family)) is not None:
+            del self._sorted[bisect.bisect_left(self._sorted, (address[1], *key))]
+        if new is not None and (address := _address(new, self.family)) is not None:
+            bisect.insort(self._sorted, (address[1], *key))
 
-    def inside(self, intervals: Iterable[Interval]) -> list[Pod]:
-        found = []
+    def inside(self, intervals: Iterable[Interval], pods: Mapping[PodKey, Pod]) -> list[Pod]:
+        """The pods with an address in the intervals; `pods` is the snapshot the index was
+        last changed to."""
+        found: list[Pod] = []
+        if not intervals:
+            return found
+        if self._sorted is None:
+            family = self.family
+            self._sorted = sorted(
+                (pod.by_family[family][1], *key)
+                for key, pod in pods.items()
+                if family in pod.by_family
+            )
         for first, last in intervals:
-            at = bisect.bisect_left(self._by_address, (first, "", ""))
-            while at < len(self._by_address) and self._by_address[at][0] <= last:
-                _, namespace, name = self._by_address[at]
-                found.append(self._held[(namespace, name)])
+            at = bisect.bisect_left(self._sorted, (first, "", ""))
+            while at < len(self._sorted) and self._sorted[at][0] <= last:
+                _, namespace, name = self._sorted[at]
+                found.append(pods[(namespace, name)])
                 at += 1
         return found
 
@@ -312,17 +345,20 @@ class FamilyCompiler:
         """The last compile's pods of this node."""
         self._last: FamilyPolicy | None = None
         self._last_policies: tuple[NetworkPolicy | ClusterNetworkPolicy, ...] = ()
-        self.index = _PodIndex(family)
+        self.index = _AddressIndex(family)
+        self._pods: Mapping[PodKey, Pod] = {}
+        """The snapshot of the last compile."""
 
     def compile(self, cluster: Cluster, changed_pods: Iterable[PodKey] | None) -> FamilyPolicy:
+        last_pods, self._pods = self._pods, cluster.pods
         if changed_pods is None:
             self._peer_sets.clear()
             self._last = None
-            self.index.rebuild(cluster.pods)
+            self.index.forget()
         else:
             changed = set(changed_pods)
             for key in changed:
-                self.index.change(key, cluster.pods.get(key))
+                self.index.change(key, last_pods.get(key), cluster.pods.get(key))
             self._update(cluster, changed)
             if self._last is not None and self._chains_hold(cluster, changed):
                 self._last = self._refreshed(self._last, cluster, bool(changed))
@@ -392,7 +428,7 @@ class FamilyCompiler:
             entry = _PeerSet(f"peers-{short_hash(repr(key))}", key[0], peers, blocks)
             entry.fill(
                 ((pod.namespace, pod.name), pod, address[1])
-                for pod in entry.candidates(cluster.namespaces, self.index)
+                for pod in entry.candidates(cluster, self.index)
                 if (address := _address(pod, self.family)) is not None
                 and entry.selects(pod, address[1], cluster.namespaces)
             )
@@ -528,11 +564,10 @@ class _Run:
         local: dict[str, list[tuple[Pod, str]]] = {}
         self.compiler.local = set()
         self.compiler.port_sets = {}
-        for key, pod in self.cluster.pods.items():
-            if pod.node == self.cluster.node:
-                self.compiler.local.add(key)
-                if found := _address(pod, self.family):
-                    local.setdefault(pod.namespace, []).append((pod, found[0]))
+        for key, pod in self.cluster.local.items():
+            self.compiler.local.add(key)
+            if found := _address(pod, self.family):
+                local.setdefault(pod.namespace, []).append((pod, found[0]))
         self.out.local = frozenset(a for pods in local.values() for _, a in pods)
         isolation: dict[tuple[str, PodKey], tuple[list[str], list[Match]]] = {}
         for policy in sorted(self.cluster.policies, key=lambda p: (p.namespace, p.name)):

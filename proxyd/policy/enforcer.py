@@ -123,6 +123,10 @@ class PolicyEnforcer:
         return None
 
     def start(self) -> threading.Thread:
+        """Sync from now on, on a thread of its own; the nft contexts open here, while the
+        watches list, rather than in the first sync."""
+        for nft in self._nft.values():
+            nft.open()
         self.metrics.count_denied(self.denied)
         if self.denial_log is not None:
             self.denial_log.start()

@@ -52,7 +52,11 @@ class Selector:
     requirements: tuple[Requirement, ...] = ()
 
     def matches(self, labels: Labels) -> bool:
-        return all(requirement.matches(labels) for requirement in self.requirements)
+        # a loop rather than all() over a generator: this runs once per candidate pod
+        for requirement in self.requirements:  # noqa: SIM110
+            if not requirement.matches(labels):
+                return False
+        return True
 
 
 EVERYTHING = Selector()

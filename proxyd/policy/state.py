@@ -33,11 +33,18 @@ Parsed = TypeVar("Parsed", Pod, Namespace, NetworkPolicy, ClusterNetworkPolicy)
 
 
 class _Store(Generic[Parsed]):
-    """One kind of object by (namespace, name)."""
+    """One kind of object by (namespace, name); `on_set` hears each change, with the object
+    it replaced and the one that replaced it."""
 
-    def __init__(self, kind: str, parse: Callable[[Obj], Parsed | None]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        parse: Callable[[Obj], Parsed | None],
+        on_set: Callable[[PodKey, Parsed | None, Parsed | None], None] = lambda *_: None,
+    ) -> None:
         self.kind = kind
         self._parse: Callable[[Obj], Parsed | None] = parse
+        self._on_set: Callable[[PodKey, Parsed | None, Parsed | None], None] = on_set
         self.items: dict[PodKey, Parsed] = {}
         self.listed = False
 
@@ -54,6 +61,7 @@ class _Store(Generic[Parsed]):
             del self.items[key]
         else:
             self.items[key] = parsed
+        self._on_set(key, old, parsed)
         return True
 
     def replace(self, objs: list[Obj]) -> bool:
@@ -62,6 +70,43 @@ class _Store(Generic[Parsed]):
         changed += [self.set(key, obj) for key, obj in present.items()]
         self.listed = True
         return any(changed)
+
+
+class _PodViews:
+    """The pods by namespace and the pods of this node, kept as pods change, so that a
+    snapshot need not go over every pod to make them: it takes the namespaces' dicts as they
+    are, and a namespace's dict is copied only when it next changes."""
+
+    def __init__(self, node_name: str) -> None:
+        self.node_name = node_name
+        self._by_namespace: dict[str, dict[PodKey, Pod]] = {}
+        self._local: dict[PodKey, Pod] = {}
+        self._taken: set[str] = set()
+        """Namespaces whose dict the last snapshot holds."""
+
+    def _pods_of(self, namespace: str) -> dict[PodKey, Pod]:
+        pods = self._by_namespace.get(namespace)
+        if pods is None or namespace in self._taken:
+            pods = self._by_namespace[namespace] = dict(pods or {})
+            self._taken.discard(namespace)
+        return pods
+
+    def change(self, key: PodKey, old: Pod | None, new: Pod | None) -> None:
+        if old is not None:
+            pods = self._pods_of(old.namespace)
+            del pods[key]
+            if not pods:
+                del self._by_namespace[old.namespace]
+        if new is not None:
+            self._pods_of(new.namespace)[key] = new
+        if new is not None and new.node == self.node_name:
+            self._local[key] = new
+        else:
+            self._local.pop(key, None)
+
+    def snapshot(self) -> tuple[dict[str, dict[PodKey, Pod]], dict[PodKey, Pod]]:
+        self._taken = set(self._by_namespace)
+        return dict(self._by_namespace), dict(self._local)
 
 
 class PolicyState:
@@ -74,7 +119,8 @@ class PolicyState:
         self._changed_pods: set[PodKey] | None = None
         """The pods changed since the last take; None when anything may have (a namespace's
         labels, a fresh list of pods)."""
-        self._pods = _Store[Pod]("Pod", parse_pod)
+        self._views = _PodViews(node_name)
+        self._pods = _Store[Pod]("Pod", parse_pod, self._views.change)
         self._namespaces = _Store[Namespace]("Namespace", parse_namespace)
         self._policies = _Store[NetworkPolicy]("NetworkPolicy", parse_policy)
         self._cluster_policies = _Store[ClusterNetworkPolicy](
@@ -90,12 +136,15 @@ class PolicyState:
         """The cluster now, and the pods changed since the last take (None: anything may
         have)."""
         with self._lock:
+            by_namespace, local = self._views.snapshot()
             cluster = Cluster(
                 self.node_name,
                 dict(self._pods.items),
                 {name: ns for (_, name), ns in self._namespaces.items.items()},
                 tuple(self._policies.items.values()),
                 tuple(self._cluster_policies.items.values()),
+                by_namespace=by_namespace,
+                local=local,
             )
             changed, self._changed_pods = self._changed_pods, set()
             return cluster, changed

@@ -45,7 +45,7 @@ NAMESPACES = {n: Namespace(n, {"kubernetes.io/metadata.name": n}) for n in ("x",
 
 
 def cluster(*policies: NetworkPolicy, pods: list[Pod] = PODS) -> Cluster:
-    return Cluster("n1", {(p.namespace, p.name): p for p in pods}, NAMESPACES, policies)
+    return Cluster.of("n1", {(p.namespace, p.name): p for p in pods}, NAMESPACES, policies)
 
 
 def test_only_local_selected_pods_get_chains() -> None:
@@ -174,7 +174,7 @@ def test_a_kept_compile_after_pod_changes_equals_a_fresh_one() -> None:
         made = pod(ns, f"p{i}", f"10.0.0.{i + 1}", node="n1" if i % 3 else "n2", web=8000 + i)
         pods[(ns, made.name)] = dataclasses.replace(made, labels={"app": f"a{i % 3}"})
     kept = FamilyCompiler(4)
-    kept.compile(Cluster("n1", pods, NAMESPACES, policies), None)
+    kept.compile(Cluster.of("n1", pods, NAMESPACES, policies), None)
     for turn in range(30):
         if turn % 10 == 9:
             block = {"ipBlock": {"cidr": f"10.0.0.{turn * 4}/28"}}
@@ -196,7 +196,7 @@ def test_a_kept_compile_after_pod_changes_equals_a_fresh_one() -> None:
                 pods[key] = dataclasses.replace(
                     pods[key], addresses=(f"10.0.0.{last}",), numbers=(value(f"10.0.0.{last}"),)
                 )
-        state = Cluster("n1", dict(pods), NAMESPACES, policies)
+        state = Cluster.of("n1", dict(pods), NAMESPACES, policies)
         assert kept.compile(state, changed) == compile_family(state, 4)
 
 

@@ -176,3 +176,41 @@ def test_policy_state_skips_objects_not_in_the_api_shape() -> None:
     assert list(cluster.namespaces) == ["ok"] and not cluster.pods
     (parsed,) = cluster.policies
     assert parsed.ingress == () and parsed.problems
+
+
+def test_policy_state_snapshots_keep_their_pod_views_while_pods_change() -> None:
+    """Each snapshot's pods by namespace and pods of this node are what its pods say, even
+    after later changes (the state hands out a namespace's dict and copies it when it next
+    changes)."""
+    import random
+
+    from proxyd.policy.compile import Cluster
+    from proxyd.policy.state import PolicyState
+
+    def pod_obj(namespace: str, name: str, node: str) -> dict[str, Any]:
+        return {
+            "metadata": {"namespace": namespace, "name": name, "uid": name},
+            "spec": {"nodeName": node},
+            "status": {"phase": "Running", "podIPs": [{"ip": "10.0.0.1"}]},
+        }
+
+    rng = random.Random(3)
+    state = PolicyState("n1")
+    state.replace_pods([pod_obj(f"ns{i % 3}", f"p{i}", f"n{i % 2}") for i in range(12)])
+    snapshots = []
+    for _ in range(40):
+        name = f"p{rng.randrange(16)}"
+        if rng.random() < 0.3:
+            state.pod_event("DELETED", pod_obj("ns0", name, "n1"))
+            state.pod_event("DELETED", pod_obj("ns1", name, "n1"))
+        else:
+            state.pod_event(
+                "MODIFIED", pod_obj(f"ns{rng.randrange(3)}", name, f"n{rng.randrange(2)}")
+            )
+        if rng.random() < 0.4:
+            snapshots.append(state.take()[0])
+    snapshots.append(state.take()[0])
+    for cluster in snapshots:
+        made = Cluster.of(cluster.node, cluster.pods, cluster.namespaces, cluster.policies)
+        assert cluster.by_namespace == made.by_namespace
+        assert cluster.local == made.local
