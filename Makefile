@@ -105,7 +105,7 @@ bench-cni: setup cni go-tools
 	cd $(ROOT) && $(PY) -m bench.cni_bench $(ARGS)
 
 # NetworkPolicy at 1,000 and 10,000 pods with 1,000 policies (~10 min)
-bench-policy: setup go-tools
+bench-policy: setup cni go-tools
 	cd $(ROOT) && $(PY) -m bench.policy_bench $(ARGS)
 
 # the daemon's address and UDP conntrack reads and VXLAN peers, against the old ways (~2 min)

@@ -47,6 +47,7 @@ from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane, start
 from deploy.lab.kube import Kube, pod_object
 from deploy.lab.netns import Netns, unique_name
+from deploy.lab.paths import PLUGIN_DIR
 from deploy.lab.process import eventually, exit_on_termination, in_ns
 from proxyd.nftables.kernel import Nft
 from proxyd.policy.render import TABLE
@@ -359,7 +360,11 @@ def client_peer_set(bench: PolicyBench, client: LabPod) -> str:
 def run(options: argparse.Namespace, folder: Path) -> list[Figure]:
     plane: ControlPlane = start(folder / "controlplane")
     bundle = folder / "cni-bundle"
-    subprocess.run([sys.executable, "-m", "cni.bundle", "--output", str(bundle)], check=True)
+    client = PLUGIN_DIR / "knit"
+    subprocess.run(
+        [sys.executable, "-m", "cni.bundle", "--output", str(bundle), "--client", str(client)],
+        check=True,
+    )
     try:
         with Cluster(unique_name("pb"), folder / "lab", plane, bundle) as cluster:
             lan = cluster.add_segment("lan", "10.79.1.0/24", "fd79:1::/64")
