@@ -65,8 +65,8 @@ class PolicyEnforcer:
                 in_kernel += self._sync_family(family, cluster, changed_pods)
         elapsed, cpu = time.monotonic() - start, time.thread_time() - cpu
         self.metrics.policy_sync_duration.observe(elapsed)
-        # CPU time beside wall time: a sync that waited for the CPU or the GIL (the proxy
-        # syncs at the same moment after a start) shows as wall time without CPU time
+        # CPU time beside wall time: a sync that waited for the CPU or the GIL (other threads
+        # work too after a start) shows as wall time without CPU time
         log.info(
             "policy sync: %d policies, %d cluster policies, %d pods in %.1f ms "
             "(%.1f ms of it loading nft; %.1f ms of CPU)",
