@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +100,11 @@ def run(
     report_dir.mkdir(parents=True, exist_ok=True)
     for old in report_dir.glob("junit*.xml"):
         old.unlink()
-    with (report_dir / "e2e.log").open("w") as log:
+    # e2e.test leaves its kubectl configs (test-kuberc*) in TMPDIR: a folder removed after
+    with (
+        (report_dir / "e2e.log").open("w") as log,
+        tempfile.TemporaryDirectory(prefix="tmp-", dir=report_dir) as scratch,
+    ):
         subprocess.run(
             [
                 str(E2E / "ginkgo"),
@@ -114,6 +119,7 @@ def run(
             stderr=subprocess.STDOUT,
             check=False,
             cwd=report_dir,
+            env={**os.environ, "TMPDIR": scratch},
         )  # fmt: skip
     reports = sorted(report_dir.glob("junit*.xml"))
     if not reports:
