@@ -98,6 +98,44 @@ class FamilyPolicy:
     """Addresses of this node's pods: a pod's traffic to itself always passes."""
 
 
+class PodViews:
+    """The pods by namespace and the pods of this node, kept as pods change (by the policy
+    state), so that a snapshot need not go over every pod to make them: it takes the
+    namespaces' dicts as they are, and a namespace's dict is copied only when it next
+    changes."""
+
+    def __init__(self, node_name: str) -> None:
+        self.node_name = node_name
+        self._by_namespace: dict[str, dict[PodKey, Pod]] = {}
+        self._local: dict[PodKey, Pod] = {}
+        self._taken: set[str] = set()
+        """Namespaces whose dict the last snapshot holds."""
+
+    def _pods_of(self, namespace: str) -> dict[PodKey, Pod]:
+        pods = self._by_namespace.get(namespace)
+        if pods is None or namespace in self._taken:
+            pods = self._by_namespace[namespace] = dict(pods or {})
+            self._taken.discard(namespace)
+        return pods
+
+    def change(self, key: PodKey, old: Pod | None, new: Pod | None) -> None:
+        if old is not None:
+            pods = self._pods_of(old.namespace)
+            del pods[key]
+            if not pods:
+                del self._by_namespace[old.namespace]
+        if new is not None:
+            self._pods_of(new.namespace)[key] = new
+        if new is not None and new.node == self.node_name:
+            self._local[key] = new
+        else:
+            self._local.pop(key, None)
+
+    def snapshot(self) -> tuple[dict[str, dict[PodKey, Pod]], dict[PodKey, Pod]]:
+        self._taken = set(self._by_namespace)
+        return dict(self._by_namespace), dict(self._local)
+
+
 @dataclass(frozen=True)
 class Cluster:
     """One snapshot of what policies depend on; both families compile the same one."""
@@ -121,12 +159,12 @@ class Cluster:
         policies: tuple[NetworkPolicy, ...],
         cluster_policies: tuple[ClusterNetworkPolicy, ...] = (),
     ) -> Cluster:
-        """The snapshot with its views made from `pods` (the state keeps them as pods
-        change instead)."""
-        by_namespace: dict[str, dict[PodKey, Pod]] = {}
+        """The snapshot with its views made from `pods` at once (the policy state keeps a
+        PodViews as pods change instead)."""
+        views = PodViews(node)
         for key, pod in pods.items():
-            by_namespace.setdefault(pod.namespace, {})[key] = pod
-        local = {key: pod for key, pod in pods.items() if pod.node == node}
+            views.change(key, None, pod)
+        by_namespace, local = views.snapshot()
         return cls(
             node,
             pods,
@@ -315,9 +353,9 @@ class _AddressIndex:
         if self._sorted is None:
             family = self.family
             self._sorted = sorted(
-                (pod.by_family[family][1], *key)
+                (address[1], *key)
                 for key, pod in pods.items()
-                if family in pod.by_family
+                if (address := _address(pod, family)) is not None
             )
         for first, last in intervals:
             at = bisect.bisect_left(self._sorted, (first, "", ""))

@@ -56,14 +56,14 @@ class PolicyEnforcer:
         if not self.state.ready():
             log.debug("waiting for the first lists of the objects policies depend on")
             return
-        start, cpu = time.monotonic(), time.thread_time()
+        start, cpu_at_start = time.monotonic(), time.thread_time()
         in_kernel = 0.0
         cluster, changed_pods = self.state.take()
         # a full compile allocates an object per pod and set element: see gc_pause
         with gc_pause.paused():
             for family in self.families:
                 in_kernel += self._sync_family(family, cluster, changed_pods)
-        elapsed, cpu = time.monotonic() - start, time.thread_time() - cpu
+        elapsed, cpu = time.monotonic() - start, time.thread_time() - cpu_at_start
         self.metrics.policy_sync_duration.observe(elapsed)
         # CPU time beside wall time: a sync that waited for the CPU or the GIL (other threads
         # work too after a start) shows as wall time without CPU time

@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 from proxyd.model import Obj, key_of, parse_or_skip
 from proxyd.policy.cluster_model import ClusterNetworkPolicy, parse_cluster_policy
-from proxyd.policy.compile import Cluster, PodKey
+from proxyd.policy.compile import Cluster, PodKey, PodViews
 from proxyd.policy.model import (
     Namespace,
     NetworkPolicy,
@@ -72,43 +72,6 @@ class _Store(Generic[Parsed]):
         return any(changed)
 
 
-class _PodViews:
-    """The pods by namespace and the pods of this node, kept as pods change, so that a
-    snapshot need not go over every pod to make them: it takes the namespaces' dicts as they
-    are, and a namespace's dict is copied only when it next changes."""
-
-    def __init__(self, node_name: str) -> None:
-        self.node_name = node_name
-        self._by_namespace: dict[str, dict[PodKey, Pod]] = {}
-        self._local: dict[PodKey, Pod] = {}
-        self._taken: set[str] = set()
-        """Namespaces whose dict the last snapshot holds."""
-
-    def _pods_of(self, namespace: str) -> dict[PodKey, Pod]:
-        pods = self._by_namespace.get(namespace)
-        if pods is None or namespace in self._taken:
-            pods = self._by_namespace[namespace] = dict(pods or {})
-            self._taken.discard(namespace)
-        return pods
-
-    def change(self, key: PodKey, old: Pod | None, new: Pod | None) -> None:
-        if old is not None:
-            pods = self._pods_of(old.namespace)
-            del pods[key]
-            if not pods:
-                del self._by_namespace[old.namespace]
-        if new is not None:
-            self._pods_of(new.namespace)[key] = new
-        if new is not None and new.node == self.node_name:
-            self._local[key] = new
-        else:
-            self._local.pop(key, None)
-
-    def snapshot(self) -> tuple[dict[str, dict[PodKey, Pod]], dict[PodKey, Pod]]:
-        self._taken = set(self._by_namespace)
-        return dict(self._by_namespace), dict(self._local)
-
-
 class PolicyState:
     """`on_change` is called after each change that matters, and after every fresh list."""
 
@@ -119,7 +82,7 @@ class PolicyState:
         self._changed_pods: set[PodKey] | None = None
         """The pods changed since the last take; None when anything may have (a namespace's
         labels, a fresh list of pods)."""
-        self._views = _PodViews(node_name)
+        self._views = PodViews(node_name)
         self._pods = _Store[Pod]("Pod", parse_pod, self._views.change)
         self._namespaces = _Store[Namespace]("Namespace", parse_namespace)
         self._policies = _Store[NetworkPolicy]("NetworkPolicy", parse_policy)
