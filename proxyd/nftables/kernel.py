@@ -101,10 +101,21 @@ class Nft:
         """One chain's listing (its rules)."""
         return self._context.run(f"list chain {self.table} {name}")
 
+    def exists(self) -> bool:
+        """Whether the table is in the kernel."""
+        listing = self._context.run(f"list tables {family_name(self.family)}")
+        return f"table {self.table}" in listing.splitlines()
+
     def delete_table(self) -> bool:
+        """Delete the table; whether it existed. Asked first, since the kernel aborts a
+        transaction deleting an absent table, and each abort waits for an RCU grace period
+        (5-30 ms) holding the namespace's nf_tables lock, which every other writer of rules
+        (iptables-nft-restore included) then waits for."""
+        if not self.exists():
+            return False
         try:
             self._context.run(f"delete table {self.table}")
-        except NftError:
+        except NftError:  # deleted by another since
             return False
         return True
 

@@ -255,3 +255,24 @@ def test_the_context_follows_what_others_wrote_and_writes_where_it_was_opened(
         "the context writes where it was opened; a refused transaction leaves nothing"
     )
     assert other.run("nft", "list", "tables").stdout == ""
+
+
+def test_a_table_is_deleted_only_when_it_exists(make_netns: Callable[[str], Netns]) -> None:
+    ns = make_netns("knit-nft")
+    ns.run("nft", "add table ip knit; add table ip6 other; add table ip knit-policy")
+    ran: list[str] = []
+    run = Context.run
+
+    def recorded(self: Context, text: str) -> str:
+        ran.append(text)
+        return run(self, text)
+
+    with ns.entered(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Context, "run", recorded)
+        assert (Nft(4).exists(), Nft(6).exists(), Nft(6, "other").exists()) == (True, False, True)
+        assert Nft(6).delete_table() is False
+        assert not [text for text in ran if text.startswith("delete")], (
+            "an absent table is not deleted: the kernel would abort that transaction"
+        )
+        assert Nft(4).delete_table() is True
+    assert sorted(ns.run("nft", "list", "tables").stdout.split()[2::3]) == ["knit-policy", "other"]
