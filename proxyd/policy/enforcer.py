@@ -87,7 +87,12 @@ class PolicyEnforcer:
         changed = changed_pods if written is not None else None
         try:
             wanted = self._compilers[family].compile(cluster, changed)
-            transaction = self._renderers[family].partial(written, wanted)
+            renderer = self._renderers[family]
+            transaction = (
+                renderer.full(wanted, replacing=self._nft[family].exists())
+                if written is None
+                else renderer.partial(written, wanted)
+            )
             began = time.monotonic()
             self._nft[family].run(transaction)
             loading = time.monotonic() - began

@@ -46,6 +46,10 @@ def _interval(family: int, interval: Interval) -> str:
     return f"{_address(family, first)}-{_address(family, last)}"
 
 
+def _text(lines: list[str]) -> str:
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 class Renderer:
     """`log_rate`: denied packets handed to NFLOG per second (0: none)."""
 
@@ -141,12 +145,15 @@ class Renderer:
         return lines
 
     # ------------------------------------------------------------ transactions
-    def base(self) -> list[str]:
+    def base(self, replacing: bool) -> list[str]:
+        """The table's fixed part; `replacing`: a table is in the kernel, to go in the same
+        transaction. (Deleting one that is not there would cost an RCU grace period after
+        the commit, which the next iptables-nft rule with a match waits for, holding the
+        kernel's nf_tables lock that our other family's transaction then waits for.)"""
         t = self.table
         limit = f"rate {self.log_rate}/second burst {self.log_rate} packets"
         return [
-            f"add table {t}",
-            f"delete table {t}",
+            *([f"add table {t}", f"delete table {t}"] if replacing else []),
             f'add table {t} {{ comment "knit NetworkPolicy"; }}',
             *([f"add limit {t} {LIMIT} {{ {limit}; }}"] if self.log_rate else []),
             f"add map {t} {INGRESS_MAP} {{ type {self.addr} : verdict; }}",
@@ -159,13 +166,16 @@ class Renderer:
             f"add rule {t} {FORWARD} {self.l3} daddr vmap @{INGRESS_MAP}",
         ]
 
-    def full(self, policy: FamilyPolicy) -> str:
-        return self.partial(None, policy)
+    def full(self, policy: FamilyPolicy, *, replacing: bool) -> str:
+        """The whole table; `replacing`: one is in the kernel (whatever it holds)."""
+        return _text(self.base(replacing) + self._changes(FamilyPolicy(), policy))
 
-    def partial(self, old: FamilyPolicy | None, new: FamilyPolicy) -> str:
-        """The transaction from `old` (None: a table to create from scratch) to `new`."""
-        lines = self.base() if old is None else []
-        before = old or FamilyPolicy()
+    def partial(self, old: FamilyPolicy, new: FamilyPolicy) -> str:
+        """The transaction from the table `old` describes to `new`."""
+        return _text(self._changes(old, new))
+
+    def _changes(self, before: FamilyPolicy, new: FamilyPolicy) -> list[str]:
+        lines: list[str] = []
         t = self.table
         lines += [self._peer_set_decl(n) for n in new.peers.keys() - before.peers.keys()]
         lines += [
@@ -216,4 +226,4 @@ class Renderer:
         lines += [f"delete counter {t} {c}" for c in gone if before.chains[c].counter == c]
         lines += [f"delete set {t} {n}" for n in before.peers.keys() - new.peers.keys()]
         lines += [f"delete set {t} {n}" for n in before.peer_ports.keys() - new.peer_ports.keys()]
-        return "\n".join(lines) + "\n" if lines else ""
+        return lines

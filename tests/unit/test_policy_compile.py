@@ -133,6 +133,16 @@ def test_a_label_change_changes_set_elements_only() -> None:
     assert Renderer(4).partial(after, after) == ""
 
 
+def test_a_full_transaction_deletes_the_table_only_when_one_is_in_the_kernel() -> None:
+    spec = {"podSelector": {}, "ingress": [{"from": [{"podSelector": {}}]}]}
+    wanted = compile_family(cluster(policy("x", spec)), 4)
+    fresh = Renderer(4).full(wanted, replacing=False).splitlines()
+    replacing = Renderer(4).full(wanted, replacing=True).splitlines()
+    assert not [line for line in fresh if line.startswith("delete")]
+    assert replacing[:2] == ["add table ip knit-policy", "delete table ip knit-policy"]
+    assert replacing[2:] == fresh
+
+
 def test_removing_the_last_policy_removes_its_chains_after_their_map_elements() -> None:
     spec = {"podSelector": {}, "ingress": [{"from": [{"podSelector": {}}]}]}
     before = compile_family(cluster(policy("x", spec)), 4)
@@ -241,7 +251,7 @@ def test_an_admin_pass_goes_to_a_next_chain_holding_the_networkpolicy_rules() ->
     assert [match.verdict for match in rest.matches] == [ALLOW]
     assert (rest.otherwise, rest.counter) == (DROP, first)
     assert list(out.chains) == [f"{first}-next", first]  # made before what goes to it
-    text = Renderer(4).full(out)
+    text = Renderer(4).full(out, replacing=False)
     assert text.index(f"add chain ip knit-policy {first}-next") < text.index(
         f"add chain ip knit-policy {first} "
     )
