@@ -15,19 +15,29 @@ it ended.
 
 from __future__ import annotations
 
+import errno
 import re
 import socket
 import struct
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from cni import rawnetlink
 from cni.nftables import Context, NftError, malloc_trim
-from cni.rawnetlink import NETLINK_NETFILTER, NFGENMSG, NetlinkSocket, attribute, attributes
+from cni.rawnetlink import (
+    NETLINK_NETFILTER,
+    NFGENMSG,
+    NetlinkSocket,
+    RawNetlinkError,
+    attribute,
+    attributes,
+)
 from proxyd.nftables.render import TABLE, family_name, table_of
 
 CHAIN_LINE = re.compile(r"^\s*chain (\S+) \{", re.MULTILINE)
-NFT_MSG_GETOBJ = (10 << 8) | 19
-"""nf_tables' subsystem, and its message asking for stateful objects."""
+NFT_MSG_GETTABLE, NFT_MSG_GETOBJ = (10 << 8) | 1, (10 << 8) | 19
+"""nf_tables' subsystem, and its messages asking for a table and for stateful objects."""
+NFTA_TABLE_NAME = 1
 NFTA_OBJ_TABLE, NFTA_OBJ_NAME, NFTA_OBJ_TYPE, NFTA_OBJ_DATA = 1, 2, 3, 4
 NFT_OBJECT_COUNTER = 1
 NFTA_COUNTER_PACKETS = 2
@@ -42,6 +52,7 @@ class Nft:
 
     def __init__(self, family: int, table: str = TABLE) -> None:
         self.family = family
+        self.name = table
         self.table = table_of(family, table)
         self._opened: Context | None = None
 
@@ -102,9 +113,18 @@ class Nft:
         return self._context.run(f"list chain {self.table} {name}")
 
     def exists(self) -> bool:
-        """Whether the table is in the kernel."""
-        listing = self._context.run(f"list tables {family_name(self.family)}")
-        return f"table {self.table}" in listing.splitlines()
+        """Whether the table is in the kernel, asked with one netlink request naming it (nft's
+        `list tables` first caches every rule of every table: 17 ms beside 900 iptables-nft
+        rules)."""
+        request = NFGENMSG.pack(NFPROTO[self.family], 0, 0)
+        request += attribute(NFTA_TABLE_NAME, self.name.encode() + b"\0")
+        try:
+            rawnetlink.request(NETLINK_NETFILTER, NFT_MSG_GETTABLE, request)
+        except RawNetlinkError as err:
+            if err.errno == errno.ENOENT:
+                return False
+            raise
+        return True
 
     def delete_table(self) -> bool:
         """Delete the table; whether it existed. Asked first, since the kernel aborts a
