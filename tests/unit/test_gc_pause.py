@@ -33,3 +33,21 @@ def test_overlapping_pauses_hold_it_off_until_the_last_ends() -> None:
     finally:
         sync.__exit__(None, None, None)
     assert gc.isenabled()
+
+
+def test_the_put_off_collection_is_left_to_the_collector_while_another_pause_lasts() -> None:
+    generations: list[int] = []
+
+    def started(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(started)
+    try:
+        with gc_pause.paused():
+            gc_pause.collect_deferred()
+            assert generations == [], "another sync is held off from the collector: none now"
+        gc_pause.collect_deferred()
+        assert 2 in generations
+    finally:
+        gc.callbacks.remove(started)
