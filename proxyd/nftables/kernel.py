@@ -22,7 +22,6 @@ import struct
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from cni import rawnetlink
 from cni.nftables import Context, NftError, malloc_trim
 from cni.rawnetlink import (
     NETLINK_NETFILTER,
@@ -119,7 +118,8 @@ class Nft:
         request = NFGENMSG.pack(NFPROTO[self.family], 0, 0)
         request += attribute(NFTA_TABLE_NAME, self.name.encode() + b"\0")
         try:
-            rawnetlink.request(NETLINK_NETFILTER, NFT_MSG_GETTABLE, request)
+            with NetlinkSocket(NETLINK_NETFILTER) as sock:
+                sock.request(NFT_MSG_GETTABLE, request)
         except RawNetlinkError as err:
             if err.errno == errno.ENOENT:
                 return False
