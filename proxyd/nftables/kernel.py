@@ -131,11 +131,11 @@ class Nft:
         transaction deleting an absent table, and each abort waits for an RCU grace period
         (5-30 ms) holding the namespace's nf_tables lock, which every other writer of rules
         (iptables-nft-restore included) then waits for."""
-        if not self.exists():
-            return False
         try:
+            if not self.exists():
+                return False
             self._context.run(f"delete table {self.table}")
-        except NftError:  # deleted by another since
+        except (OSError, NftError):  # a kernel without nf_tables, or deleted by another since
             return False
         return True
 
