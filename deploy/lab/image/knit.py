@@ -98,7 +98,6 @@ def _wheelhouse(python: str, glibc: tuple[int, int], log: Callable[[str], None])
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     requirements = [
         *project["build-system"]["requires"],
-        "wheel",  # setuptools before 70.1 asks for it to build a wheel
         *project["project"]["dependencies"],
     ]
     machine = platform.machine()
