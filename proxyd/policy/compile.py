@@ -8,10 +8,11 @@ direction, anything else dropped, or, when none isolates it, the Baseline tier's
 anything else allowed. An Admin Pass jumps over the Admin rules after it, to a second chain
 holding the rest. The packet reaches the pod's chain through a verdict map keyed by the pod's
 address, so the cost of the first packet does not grow with the number of pods. A rule's
-peers are a named interval set of addresses (pods by selector and ipBlocks or networks, with
-`except` carved out), named after what the peers say, so every rule of every policy with the
-same peers shares one set (computed once), and a pod's label change adds or removes elements
-and leaves the chains as they are.
+peers are a named set of addresses (pods by selector and ipBlocks or networks, with `except`
+carved out: an interval set where the peers have an ipBlock of the family, a hash set of
+addresses, cheaper to load, where they do not), named after what the peers say, so every
+rule of every policy with the same peers shares one set (computed once), and a pod's label
+change adds or removes elements and leaves the chains as they are.
 
 Named ports resolve against the pod that receives the traffic: for ingress that is the
 chain's own pod, so they become numbers in its chain; for egress it is the peer, so they
@@ -88,6 +89,9 @@ class FamilyPolicy:
     egress: dict[str, str] = field(default_factory=dict)
     peers: dict[str, frozenset[Interval]] = field(default_factory=dict)
     """Peer set name -> its address intervals (inclusive, as integers)."""
+    ranged: set[str] = field(default_factory=set)
+    """The peer sets with an ipBlock of the family: the only ones whose intervals may be
+    ranges (the others hold single addresses, whatever their pods)."""
     peer_ports: dict[str, frozenset[tuple[str, str, int]]] = field(default_factory=dict)
     """Peer-port set name -> (address, protocol, port) elements."""
     owners: dict[str, PodKey] = field(default_factory=dict)
@@ -504,6 +508,8 @@ class _Run:
         if rule_peers is not None:
             entry = self.compiler.peer_set(self.cluster, namespace, rule_peers, self)
             self.out.peers[entry.name] = entry.intervals
+            if entry.blocks:
+                self.out.ranged.add(entry.name)
         peers = entry.name if entry is not None else None
         if rule_ports is None:
             return [Match(peers, verdict=verdict)]

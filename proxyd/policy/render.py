@@ -111,8 +111,9 @@ class Renderer:
             deletions += self._elements("delete", name, written(was - now))
             additions += self._elements("add", name, written(now - was))
 
-    def _peer_set_decl(self, name: str) -> str:
-        return f"add set {self.table} {name} {{ type {self.addr}; flags interval; }}"
+    def _peer_set_decl(self, name: str, policy: FamilyPolicy) -> str:
+        flags = " flags interval;" if name in policy.ranged else ""
+        return f"add set {self.table} {name} {{ type {self.addr};{flags} }}"
 
     def _peer_port_set_decl(self, name: str) -> str:
         return f"add set {self.table} {name} {{ type {self.addr} . inet_proto . inet_service; }}"
@@ -177,7 +178,7 @@ class Renderer:
     def _changes(self, before: FamilyPolicy, new: FamilyPolicy) -> list[str]:
         lines: list[str] = []
         t = self.table
-        lines += [self._peer_set_decl(n) for n in new.peers.keys() - before.peers.keys()]
+        lines += [self._peer_set_decl(n, new) for n in new.peers.keys() - before.peers.keys()]
         lines += [
             self._peer_port_set_decl(n) for n in new.peer_ports.keys() - before.peer_ports.keys()
         ]

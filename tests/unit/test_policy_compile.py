@@ -102,6 +102,35 @@ def test_ip_block_except_and_selected_pods_merge_into_intervals() -> None:
     assert compile_family(cluster(policy("x", spec)), 6).ingress == {}
 
 
+def test_only_peers_with_an_ip_block_of_the_family_make_an_interval_set() -> None:
+    def declared(spec: dict[str, Any], family: int) -> str:
+        text = Renderer(family).full(
+            compile_family(cluster(policy("x", spec)), family), replacing=False
+        )
+        (line,) = [
+            line for line in text.splitlines() if line.startswith("add set") and "peers-" in line
+        ]
+        return line
+
+    def from_(*peers: dict[str, Any]) -> dict[str, Any]:
+        return {"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{"from": list(peers)}]}
+
+    pods_only = from_({"podSelector": {"matchLabels": {"app": "other"}}})
+    block = from_({"ipBlock": {"cidr": "192.168.0.0/16"}}, {"podSelector": {}})
+    assert "flags interval" not in declared(pods_only, 4)
+    assert "flags interval" in declared(block, 4)
+    # the block is IPv4's: in IPv6 the same peers are pod addresses only
+    pod6 = [
+        dataclasses.replace(p, addresses=(f"fd00::{i}",), numbers=(value(f"fd00::{i}"),))
+        for i, p in enumerate(PODS, 1)
+    ]
+    text = Renderer(6).full(
+        compile_family(cluster(policy("x", block), pods=pod6), 6), replacing=False
+    )
+    assert "add set ip6 knit-policy peers-" in text
+    assert "flags interval" not in text
+
+
 def test_merged_joins_overlapping_and_adjacent_intervals() -> None:
     assert merged([(5, 9), (1, 3), (4, 4), (20, 30), (25, 26)]) == {(1, 9), (20, 30)}
 
