@@ -270,31 +270,33 @@ class _PeerSet:
                 return True
         return False
 
-    def candidates(self, cluster: Cluster, index: _AddressIndex) -> list[Pod]:
-        """The pods that may be members: those inside the blocks, and those of the
-        namespaces the pod peers may select."""
-        names: set[str] = set()
+    def fill(self, cluster: Cluster, index: _AddressIndex, family: int) -> None:
+        """The first members: the pods inside the blocks, and those the pod peers select,
+        looked for namespace by namespace (a namespace selector is matched once per
+        namespace, not once per pod; adding members one by one would copy the set each
+        time)."""
+        for pod in index.inside(self.blocks, cluster.pods):
+            if (address := _address(pod, family)) is not None:
+                self.members[pod.namespace, pod.name] = (pod, address[1])
         for peer in self.peers:
-            if peer.block is not None:
+            if peer.pods is None:
                 continue
             if peer.namespaces is None:
-                names.add(self.namespace)
+                names = [self.namespace]
             else:
                 selector = peer.namespaces
-                names.update(
-                    n for n, ns in cluster.namespaces.items() if selector.matches(ns.labels)
-                )
-        found = {(pod.namespace, pod.name): pod for pod in index.inside(self.blocks, cluster.pods)}
-        for name in names:
-            found.update(cluster.by_namespace.get(name, {}))
-        return list(found.values())
-
-    def fill(self, members: Iterable[tuple[PodKey, Pod, int]]) -> None:
-        """The first members, all at once (adding one by one copies the set each time)."""
-        for key, pod, value in members:
-            self.members[key] = (pod, value)
-            if not _inside(value, self.blocks):
-                self.holders[value] += 1
+                names = [n for n, ns in cluster.namespaces.items() if selector.matches(ns.labels)]
+            matches = peer.pods.matches
+            for name in names:
+                for key, pod in cluster.by_namespace.get(name, {}).items():
+                    if (
+                        key not in self.members
+                        and matches(pod.labels)
+                        and (address := _address(pod, family)) is not None
+                    ):
+                        self.members[key] = (pod, address[1])
+                        if not _inside(address[1], self.blocks):
+                            self.holders[address[1]] += 1
         self.intervals = self.blocks | {(value, value) for value in self.holders}
 
     def add(self, key: PodKey, pod: Pod, value: int) -> None:
@@ -468,12 +470,7 @@ class FamilyCompiler:
                 for interval in _intervals(peer.block, self.family)
             )
             entry = _PeerSet(f"peers-{short_hash(repr(key))}", key[0], peers, blocks)
-            entry.fill(
-                ((pod.namespace, pod.name), pod, address[1])
-                for pod in entry.candidates(cluster, self.index)
-                if (address := _address(pod, self.family)) is not None
-                and entry.selects(pod, address[1], cluster.namespaces)
-            )
+            entry.fill(cluster, self.index, self.family)
             self._peer_sets[key] = entry
         run.used.add(key)
         return entry
@@ -614,8 +611,11 @@ class _Run:
                 local.setdefault(pod.namespace, []).append((pod, found[0]))
         self.out.local = frozenset(a for pods in local.values() for _, a in pods)
         isolation: dict[tuple[str, PodKey], tuple[list[str], list[Match]]] = {}
-        for policy in sorted(self.cluster.policies, key=lambda p: (p.namespace, p.name)):
-            for pod, _ in local.get(policy.namespace, []):
+        # only the policies of namespaces with a pod here select one: the others are not
+        # sorted, nor looked at again
+        judging = [policy for policy in self.cluster.policies if policy.namespace in local]
+        for policy in sorted(judging, key=lambda p: (p.namespace, p.name)):
+            for pod, _ in local[policy.namespace]:
                 if not policy.pods.matches(pod.labels):
                     continue
                 for direction in sorted(policy.directions):
