@@ -98,6 +98,9 @@ class NotServed(Exception):
 
 
 class Reflector:
+    """Lists, then watches, one resource. `on_replace` gets each fresh list and may empty
+    it: the reflector reads nothing of it afterwards."""
+
     def __init__(
         self,
         api: ApiClient,

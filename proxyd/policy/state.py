@@ -124,9 +124,14 @@ class PolicyState:
             self._on_change()
 
     def _replace(self, store: _Store[Parsed], objs: list[Obj]) -> None:
+        """Take a fresh list's objects; the list is emptied, so that the watch's objects
+        are freed here, before the sync is queued, rather than by the watch thread while
+        that sync runs (10,000 pods: 25-30 ms holding the interpreter, which the sync
+        waited for)."""
         with self._lock:
             if store.replace(objs) and store in (self._pods, self._namespaces):
                 self._changed_pods = None
+        objs.clear()
         self._on_change()
 
     def pod_event(self, kind: str, obj: Obj) -> None:

@@ -214,3 +214,23 @@ def test_policy_state_snapshots_keep_their_pod_views_while_pods_change() -> None
         made = Cluster.of(cluster.node, cluster.pods, cluster.namespaces, cluster.policies)
         assert cluster.by_namespace == made.by_namespace
         assert cluster.local == made.local
+
+
+def test_policy_state_lets_a_list_go_before_it_queues_the_sync() -> None:
+    """The watch's objects are freed before the sync is queued, not while it runs."""
+    from proxyd.policy.state import PolicyState
+
+    objs: list[dict[str, Any]] = [
+        {
+            "metadata": {"namespace": "ns", "name": f"p{i}"},
+            "spec": {"nodeName": "n1"},
+            "status": {"phase": "Running", "podIPs": [{"ip": f"10.0.0.{i}"}]},
+        }
+        for i in range(1, 4)
+    ]
+    held_at_change: list[int] = []
+    state = PolicyState("n1", on_change=lambda: held_at_change.append(len(objs)))
+    state.replace_pods(objs)
+    assert held_at_change == [0]
+    cluster, _ = state.take()
+    assert len(cluster.pods) == 3
