@@ -40,6 +40,7 @@ from proxyd.policy.model import (
     Peer,
     Pod,
     PortMatch,
+    Selector,
 )
 
 PodKey = tuple[str, str]
@@ -153,6 +154,21 @@ class Cluster:
     """The pods of each namespace: where a new peer set looks for its members."""
     local: Mapping[PodKey, Pod] = field(kw_only=True)
     """The pods of this node: the pods that get chains."""
+    _selected: dict[tuple[str, Selector], list[tuple[PodKey, Pod]]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+
+    def selected(self, namespace: str, selector: Selector) -> list[tuple[PodKey, Pod]]:
+        """The pods of the namespace that the selector selects. Remembered: both families
+        compile the same snapshot, and peer sets of either family share their selectors,
+        so the labels of a namespace's pods are matched once per selector and sync."""
+        found = self._selected.get((namespace, selector))
+        if found is None:
+            matches = selector.matches
+            pods = self.by_namespace.get(namespace, {})
+            found = [(key, pod) for key, pod in pods.items() if matches(pod.labels)]
+            self._selected[namespace, selector] = found
+        return found
 
     @classmethod
     def of(
@@ -286,14 +302,9 @@ class _PeerSet:
             else:
                 selector = peer.namespaces
                 names = [n for n, ns in cluster.namespaces.items() if selector.matches(ns.labels)]
-            matches = peer.pods.matches
             for name in names:
-                for key, pod in cluster.by_namespace.get(name, {}).items():
-                    if (
-                        key not in self.members
-                        and matches(pod.labels)
-                        and (address := _address(pod, family)) is not None
-                    ):
+                for key, pod in cluster.selected(name, peer.pods):
+                    if key not in self.members and (address := _address(pod, family)) is not None:
                         self.members[key] = (pod, address[1])
                         if not _inside(address[1], self.blocks):
                             self.holders[address[1]] += 1
