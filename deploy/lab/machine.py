@@ -85,12 +85,16 @@ class Cgroup:
                             (current / name).write_text((parent / name).read_text())
 
     def pids(self) -> set[int]:
-        """Every process in the cgroup or below it, in any hierarchy."""
+        """Every process in the cgroup or below it, in any hierarchy. Cgroups below may go
+        while this looks (runc removes a killed container's): os.walk passes over a folder
+        that is gone, where Path.rglob raised."""
         found: set[int] = set()
         for directory in self.dirs():
-            for procs in directory.rglob("cgroup.procs") if directory.is_dir() else ():
-                with contextlib.suppress(OSError):
-                    found.update(int(pid) for pid in procs.read_text().split())
+            for below, _, files in os.walk(directory):
+                if "cgroup.procs" in files:
+                    with contextlib.suppress(OSError):
+                        text = (Path(below) / "cgroup.procs").read_text()
+                        found.update(int(pid) for pid in text.split())
         return found
 
     def kill(self, timeout: float = 30.0) -> None:
