@@ -6,7 +6,8 @@ the others change only what differs from what was last written (set and map elem
 chains of pods whose rules changed). Syncs run on their own thread, so a policy change never
 waits for a proxy sync, nor the reverse, and without the proxy's --min-sync-period: a sync
 costs what changed (about a millisecond for a pod's change), and the changes that arrive
-while one runs are taken together by the next.
+while one runs are taken together by the next. Each family's transaction is loaded by a thread
+of its own (ctypes lets go of the GIL) while the sync compiles the next family.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from proxyd import gc_pause
 from proxyd.metrics import Metrics
@@ -51,19 +53,36 @@ class PolicyEnforcer:
         self._renderers = {family: Renderer(family, log_rate) for family in self.families}
         self._compilers = {family: FamilyCompiler(family) for family in self.families}
         self._written: dict[int, FamilyPolicy | None] = dict.fromkeys(self.families)
+        self._loader = ThreadPoolExecutor(len(self.families), thread_name_prefix="policy-nft")
 
     def sync(self) -> None:
         if not self.state.ready():
             log.debug("waiting for the first lists of the objects policies depend on")
             return
         start, cpu_at_start = time.monotonic(), time.thread_time()
-        in_kernel = 0.0
         cluster, changed_pods = self.state.take()
+        loads: list[tuple[int, FamilyPolicy, Future[tuple[float, float]]]] = []
         # a full compile allocates an object per pod and set element: see gc_pause
         with gc_pause.paused():
             for family in self.families:
-                in_kernel += self._sync_family(family, cluster, changed_pods)
-        elapsed, cpu = time.monotonic() - start, time.thread_time() - cpu_at_start
+                made = self._make(family, cluster, changed_pods)
+                if made is not None:
+                    wanted, transaction = made
+                    loads.append(
+                        (family, wanted, self._loader.submit(self._load, family, transaction))
+                    )
+        in_kernel = loader_cpu = 0.0
+        for family, wanted, load in loads:
+            try:
+                loading, cpu = load.result()
+            except Exception:
+                self._failed(family)
+                continue
+            self._written[family] = wanted
+            in_kernel += loading
+            loader_cpu += cpu
+        elapsed = time.monotonic() - start
+        cpu = time.thread_time() - cpu_at_start + loader_cpu
         self.metrics.policy_sync_duration.observe(elapsed)
         # CPU time beside wall time: a sync that waited for the CPU or the GIL (other threads
         # work too after a start) shows as wall time without CPU time
@@ -78,31 +97,35 @@ class PolicyEnforcer:
             cpu * 1000,
         )
 
-    def _sync_family(
+    def _make(
         self, family: int, cluster: Cluster, changed_pods: set[PodKey] | None
-    ) -> float:
-        """Bring one family's table to what the cluster wants; the seconds spent loading it."""
+    ) -> tuple[FamilyPolicy, str] | None:
+        """What one family's table must hold, and the transaction that makes it so; None when
+        making them failed."""
         written = self._written[family]
         # after a failure, nothing the compiler kept is trusted
         changed = changed_pods if written is not None else None
         try:
             wanted = self._compilers[family].compile(cluster, changed)
             renderer = self._renderers[family]
-            transaction = (
-                renderer.full(wanted, replacing=self._nft[family].exists())
-                if written is None
-                else renderer.partial(written, wanted)
-            )
-            began = time.monotonic()
-            self._nft[family].run(transaction)
-            loading = time.monotonic() - began
+            if written is None:
+                return wanted, renderer.full(wanted, replacing=self._nft[family].exists())
+            return wanted, renderer.partial(written, wanted)
         except Exception:
-            log.exception("IPv%d policy sync failed; the whole table is written next", family)
-            self._written[family] = None
-            self.runner.retry_after(1.0)
-            return 0.0
-        self._written[family] = wanted
-        return loading
+            self._failed(family)
+            return None
+
+    def _load(self, family: int, transaction: str) -> tuple[float, float]:
+        """Run on a loader thread: one family's transaction; its wall and CPU seconds."""
+        began, cpu_at_start = time.monotonic(), time.thread_time()
+        self._nft[family].run(transaction)
+        return time.monotonic() - began, time.thread_time() - cpu_at_start
+
+    def _failed(self, family: int) -> None:
+        """Called in an except block: nothing of the family's table is trusted any more."""
+        log.exception("IPv%d policy sync failed; the whole table is written next", family)
+        self._written[family] = None
+        self.runner.retry_after(1.0)
 
     def denied(self) -> Counter[DeniedKey]:
         """Packets the pod chains dropped, by what denied them, read from the kernel's
@@ -144,6 +167,7 @@ class PolicyEnforcer:
 
     def stop(self) -> None:
         self.runner.stop()
+        self._loader.shutdown(wait=False)
 
     def cleanup(self) -> int:
         """Delete the policy tables; returns how many existed."""
