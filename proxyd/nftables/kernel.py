@@ -70,6 +70,10 @@ class Nft:
         if text:
             self._context.run(text)
 
+    def rehearse(self, text: str) -> None:
+        """A dry run of one transaction: the kernel gets nothing (see Context.rehearse)."""
+        self._context.rehearse(text)
+
     def run_each(self, texts: Iterable[str]) -> None:
         """Transactions in order, each loaded by a worker thread (ctypes lets go of the GIL)
         while the caller makes the next; stops at the first refused. When making one fails,

@@ -121,6 +121,12 @@ class PolicyEnforcer:
         self._nft[family].run(transaction)
         return time.monotonic() - began, time.thread_time() - cpu_at_start
 
+    def _rehearse(self, family: int) -> None:
+        try:
+            self._nft[family].rehearse(self._renderers[family].rehearsal())
+        except Exception:  # the first sync pays for nft's start, and says what it refuses
+            log.warning("IPv%d: nft's rehearsal of a policy table failed", family, exc_info=True)
+
     def _failed(self, family: int) -> None:
         """Called in an except block: nothing of the family's table is trusted any more."""
         log.exception("IPv%d policy sync failed; the whole table is written next", family)
@@ -154,10 +160,13 @@ class PolicyEnforcer:
         return None
 
     def start(self) -> threading.Thread:
-        """Sync from now on, on a thread of its own; the nft contexts open here, while the
-        watches list, rather than in the first sync."""
-        for nft in self._nft.values():
+        """Sync from now on, on a thread of its own. While the watches list, the nft contexts
+        open and rehearse a table on the loader threads: the first sync's loads then take
+        1-2 ms of CPU each rather than 3-4 (measured in a fresh process beside the bench
+        node's iptables-nft rules)."""
+        for family, nft in self._nft.items():
             nft.open()
+            self._loader.submit(self._rehearse, family)
         self.metrics.count_denied(self.denied)
         if self.denial_log is not None:
             self.denial_log.start()

@@ -171,6 +171,21 @@ class Renderer:
         """The whole table; `replacing`: one is in the kernel (whatever it holds)."""
         return _text(self.base(replacing) + self._changes(FamilyPolicy(), policy))
 
+    def rehearsal(self) -> str:
+        """A whole table with one of each kind of thing a sync writes (a peer set and its
+        element, a pod chain with its rules and counter, map and self elements), of a
+        documentation address: what nft rehearses at start, see Context.rehearse."""
+        address = ipaddress.ip_address("192.0.2.1" if self.family == 4 else "2001:db8::1")
+        chain, peers = "ingress-rehearsal", "peers-rehearsal"
+        sample = FamilyPolicy(
+            chains={chain: PodChain((Match(peers, "tcp", 80, 80),), DROP, chain)},
+            ingress={str(address): chain},
+            peers={peers: frozenset({(int(address), int(address))})},
+            owners={chain: ("rehearsal", "rehearsal")},
+            local=frozenset({str(address)}),
+        )
+        return self.full(sample, replacing=False)
+
     def partial(self, old: FamilyPolicy, new: FamilyPolicy) -> str:
         """The transaction from the table `old` describes to `new`."""
         return _text(self._changes(old, new))

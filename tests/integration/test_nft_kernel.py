@@ -24,6 +24,8 @@ from proxyd.nftables import proxier as nftables_proxier
 from proxyd.nftables.kernel import Nft, counter_packets
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nftables.render import render_base
+from proxyd.policy.render import TABLE as POLICY_TABLE
+from proxyd.policy.render import Renderer
 from proxyd.proxier import ProgramError, ProxyOptions
 from proxyd.tracker import Changes, ServiceView
 from tests.unit.example_service import NODE, PORT, READY
@@ -276,3 +278,20 @@ def test_a_table_is_deleted_only_when_it_exists(make_netns: Callable[[str], Netn
         )
         assert Nft(4).delete_table() is True
     assert sorted(ns.run("nft", "list", "tables").stdout.split()[2::3]) == ["knit-policy", "other"]
+
+
+def test_a_rehearsal_checks_a_whole_policy_table_and_sends_nothing(
+    make_netns: Callable[[str], Netns],
+) -> None:
+    ns = make_netns("knit-nft")
+    with ns.entered():
+        for family in (4, 6):
+            nft, text = Nft(family, POLICY_TABLE), Renderer(family).rehearsal()
+            nft.rehearse(text)
+            assert not nft.exists(), "a rehearsal sends nothing"
+            with pytest.raises(NftError, match="No such file or directory"):
+                nft.rehearse(text.replace("@peers-rehearsal", "@absent"))
+            nft.run(text)
+    listing = ns.run("nft", "list", "ruleset").stdout
+    for thing in ("192.0.2.1 : jump ingress-rehearsal", "2001:db8::1 : jump ingress-rehearsal"):
+        assert thing in listing, "the rehearsed table is one the kernel takes"
