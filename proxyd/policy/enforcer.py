@@ -12,6 +12,7 @@ of its own (ctypes lets go of the GIL) while the sync compiles the next family.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -53,6 +54,10 @@ class PolicyEnforcer:
         self._renderers = {family: Renderer(family, log_rate) for family in self.families}
         self._compilers = {family: FamilyCompiler(family) for family in self.families}
         self._written: dict[int, FamilyPolicy | None] = dict.fromkeys(self.families)
+        self._in_kernel: dict[int, bool | None] = dict.fromkeys(self.families)
+        """Whether each family's table is in the kernel, where known: asked at start (a
+        netlink round trip, then 1-3 ms waiting for the GIL in a first sync), and again
+        after a failure."""
         self._loader = ThreadPoolExecutor(len(self.families), thread_name_prefix="policy-nft")
 
     def sync(self) -> None:
@@ -79,6 +84,7 @@ class PolicyEnforcer:
                 self._failed(family)
                 continue
             self._written[family] = wanted
+            self._in_kernel[family] = True
             in_kernel += loading
             loader_cpu += cpu
         elapsed = time.monotonic() - start
@@ -109,7 +115,10 @@ class PolicyEnforcer:
             wanted = self._compilers[family].compile(cluster, changed)
             renderer = self._renderers[family]
             if written is None:
-                return wanted, renderer.full(wanted, replacing=self._nft[family].exists())
+                in_kernel = self._in_kernel[family]
+                if in_kernel is None:
+                    in_kernel = self._nft[family].exists()
+                return wanted, renderer.full(wanted, replacing=in_kernel)
             return wanted, renderer.partial(written, wanted)
         except Exception:
             self._failed(family)
@@ -131,6 +140,7 @@ class PolicyEnforcer:
         """Called in an except block: nothing of the family's table is trusted any more."""
         log.exception("IPv%d policy sync failed; the whole table is written next", family)
         self._written[family] = None
+        self._in_kernel[family] = None
         self.runner.retry_after(1.0)
 
     def denied(self) -> Counter[DeniedKey]:
@@ -161,11 +171,14 @@ class PolicyEnforcer:
 
     def start(self) -> threading.Thread:
         """Sync from now on, on a thread of its own. While the watches list, the nft contexts
-        open and rehearse a table on the loader threads: the first sync's loads then take
-        1-2 ms of CPU each rather than 3-4 (measured in a fresh process beside the bench
-        node's iptables-nft rules)."""
+        open, whether the tables are in the kernel is asked, and the contexts rehearse a
+        table on the loader threads: the first sync's loads then take 1-2 ms of CPU each
+        rather than 3-4 (measured in a fresh process beside the bench node's iptables-nft
+        rules)."""
         for family, nft in self._nft.items():
             nft.open()
+            with contextlib.suppress(OSError):  # asked again by the first sync, which logs it
+                self._in_kernel[family] = nft.exists()
             self._loader.submit(self._rehearse, family)
         self.metrics.count_denied(self.denied)
         if self.denial_log is not None:

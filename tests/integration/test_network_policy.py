@@ -287,6 +287,32 @@ def test_switched_off_the_daemon_removes_its_policy_tables(
     settles(world.near, world.server.address(4), 80, allowed=False)
 
 
+def test_a_restarted_daemon_replaces_the_table_it_left_whole(
+    world: World, policies: list[str]
+) -> None:
+    apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+    settles(world.near, world.server.address(4), 80, allowed=False)
+    node = world.cluster.nodes["a"]
+
+    def tables() -> list[str]:
+        # stateless: the new table's counters start again from zero
+        return [in_ns(node.ns, "nft", "-s", "list", "table", f, TABLE) for f in ("ip", "ip6")]
+
+    left = tables()
+    world.cluster.stop_daemon(node)
+    logged = node.log.stat().st_size
+    world.cluster.start_daemon(node)
+
+    def synced() -> bool:
+        with node.log.open() as log:
+            log.seek(logged)
+            return "policy sync: " in log.read()
+
+    eventually(synced, 30, "the first policy sync after the restart")
+    assert tables() == left, "the table in the kernel at start is replaced, not added to"
+    assert not reaches(world.near, world.server.address(4), 80)
+
+
 def test_denied_connections_are_logged_with_their_pod(world: World, policies: list[str]) -> None:
     node = world.cluster.nodes["a"]
     world.cluster.stop_daemon(node)
