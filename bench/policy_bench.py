@@ -14,7 +14,7 @@ each step it measures:
   seeing it (a libnftables `get element` or the table's set names, each well under 1 ms);
 - at the last step: the policy's full sync at the daemon's start (the time its log line
   gives: compile and transaction, the loading's share and the sync thread's CPU time; the
-  median of three starts) against a bare `nft -f` of exactly the tables it wrote, into a fresh
+  median of seven starts) against a bare `nft -f` of exactly the tables it wrote, into a fresh
   namespace; the daemon's resident memory with policy
   enforcement on against off, for the same objects; and TCP connections per second
   (sequential connect + reset) from the client to the selected server against the server no
@@ -68,7 +68,7 @@ FIRST_SYNC = re.compile(
     r"\(([\d.]+) ms of it loading nft; ([\d.]+) ms of CPU\)"
 )
 """The daemon's log line of each policy sync."""
-STARTS = 3
+STARTS = 7
 """Daemon starts whose first policy sync is timed (the median is reported)."""
 
 
