@@ -84,8 +84,11 @@ def ensure_bridge(conf: NetConf) -> Link:
                     "IPv6 addresses",
                 )
             mtu = conf.mtu
-        if promisc or up or mtu:
-            links.set_link(bridge.index, up=up, promisc=promisc, mtu=mtu)
+        # A bridge whose MAC was never set takes the lowest MAC among its ports and changes it
+        # as pods come and go; the pods that cached the gateway's old MAC then have their
+        # frames bridged rather than routed until their neighbour entry expires (30-60 s).
+        # Setting it, even to itself, makes the kernel keep it, as the reference plugin does.
+        links.set_link(bridge.index, up=up, promisc=promisc, mtu=mtu, mac=bridge.mac)
     return bridge
 
 

@@ -117,15 +117,24 @@ def create_veth(name: str, peer: str, peer_netns_fd: int, mtu: int, peer_mac: st
 
 
 def set_link(
-    index: int, *, up: bool = False, promisc: bool = False, master: int = 0, mtu: int = 0
+    index: int,
+    *,
+    up: bool = False,
+    promisc: bool = False,
+    master: int = 0,
+    mtu: int = 0,
+    mac: str = "",
 ) -> None:
-    """Turn flags on (up, promiscuous), attach to a master, change the MTU: one request."""
+    """Turn flags on (up, promiscuous), attach to a master, change the MTU, set the MAC: one
+    request."""
     flags = (IFF_UP if up else 0) | (IFF_PROMISC if promisc else 0)
     body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, index, flags, flags)
     if master:
         body += attribute(IFLA_MASTER, U32.pack(master))
     if mtu:
         body += attribute(IFLA_MTU, U32.pack(mtu))
+    if mac:
+        body += attribute(IFLA_ADDRESS, bytes.fromhex(mac.replace(":", "")))
     _request(RTM_NEWLINK, body)
 
 

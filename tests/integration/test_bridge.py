@@ -43,6 +43,20 @@ def test_pods_reach_each_other_and_the_gateway(node):
     assert node.ns.run("sysctl", "-n", "net.ipv4.ip_forward").stdout.strip() == "1"
 
 
+@pytest.mark.parametrize("made_before", [False, True], ids=["new", "made-before"])
+def test_the_bridge_keeps_its_mac_as_ports_come_and_go(node, made_before):
+    conf = bridge_conf(node.data_dir)
+    if made_before:  # as by a version that did not set its MAC, or by hand
+        node.ns.run("ip", "link", "add", "kbr0", "type", "bridge")
+    first = node.add_pod(conf, "pod0").result["interfaces"][0]["mac"]
+    # a port with the lowest MAC there is: a bridge without a MAC of its own would take it
+    node.ns.run("ip", "link", "add", "low", "address", "00:00:00:00:00:01", "type", "veth")
+    node.ns.run("ip", "link", "set", "low", "master", "kbr0", "up")
+    later = node.add_pod(conf, "pod1").result["interfaces"][0]["mac"]
+    now = node.ns.run("cat", "/sys/class/net/kbr0/address").stdout.strip()
+    assert first == later == now, "pods keep the gateway's MAC they cached"
+
+
 def test_dual_stack_pods_talk_over_ipv6(node):
     conf = bridge_conf(node.data_dir, dual_stack=True)
     server, client = node.add_pod(conf, "v6-a"), node.add_pod(conf, "v6-b")
