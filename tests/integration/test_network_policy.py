@@ -270,12 +270,17 @@ def test_service_traffic_is_judged_by_the_backend_with_the_client_address(
     assert reaches(world.near, cluster_ip, 80)
 
 
+def isolate_the_server(world: World, policies: list[str]) -> LabNode:
+    """A policy denying all ingress to the server, in the kernel; the server's node."""
+    apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+    settles(world.near, world.server.address(4), 80, allowed=False)
+    return world.cluster.nodes["a"]
+
+
 def test_switched_off_the_daemon_removes_its_policy_tables(
     world: World, policies: list[str]
 ) -> None:
-    apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
-    settles(world.near, world.server.address(4), 80, allowed=False)
-    node = world.cluster.nodes["a"]
+    node = isolate_the_server(world, policies)
     world.cluster.stop_daemon(node)
     try:
         world.cluster.start_daemon(node, "--network-policy=false")
@@ -290,9 +295,7 @@ def test_switched_off_the_daemon_removes_its_policy_tables(
 def test_a_restarted_daemon_replaces_the_table_it_left_whole(
     world: World, policies: list[str]
 ) -> None:
-    apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
-    settles(world.near, world.server.address(4), 80, allowed=False)
-    node = world.cluster.nodes["a"]
+    node = isolate_the_server(world, policies)
 
     def tables() -> list[str]:
         # stateless: the new table's counters start again from zero
