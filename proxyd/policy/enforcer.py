@@ -58,7 +58,12 @@ class PolicyEnforcer:
         """Whether each family's table is in the kernel, where known: asked at start (a
         netlink round trip, then 1-3 ms waiting for the GIL in a first sync), and again
         after a failure."""
-        self._loader = ThreadPoolExecutor(len(self.families), thread_name_prefix="policy-nft")
+        self._loaders = {
+            family: ThreadPoolExecutor(1, thread_name_prefix=f"policy-nft{family}")
+            for family in self.families
+        }
+        """One thread per family, the only one to use that family's nft context (a context
+        is not for two threads at once): its rehearsal, then its loads."""
 
     def sync(self) -> None:
         if not self.state.ready():
@@ -73,10 +78,9 @@ class PolicyEnforcer:
                 made = self._make(family, cluster, changed_pods)
                 if made is not None:
                     wanted, transaction = made
-                    loads.append(
-                        (family, wanted, self._loader.submit(self._load, family, transaction))
-                    )
-        in_kernel = loader_cpu = 0.0
+                    load = self._loaders[family].submit(self._load, family, transaction)
+                    loads.append((family, wanted, load))
+        loading_total = loader_cpu = 0.0
         for family, wanted, load in loads:
             try:
                 loading, cpu = load.result()
@@ -85,7 +89,7 @@ class PolicyEnforcer:
                 continue
             self._written[family] = wanted
             self._in_kernel[family] = True
-            in_kernel += loading
+            loading_total += loading
             loader_cpu += cpu
         elapsed = time.monotonic() - start
         cpu = time.thread_time() - cpu_at_start + loader_cpu
@@ -99,7 +103,7 @@ class PolicyEnforcer:
             len(cluster.cluster_policies),
             len(cluster.pods),
             elapsed * 1000,
-            in_kernel * 1000,
+            loading_total * 1000,
             cpu * 1000,
         )
 
@@ -179,7 +183,7 @@ class PolicyEnforcer:
             nft.open()
             with contextlib.suppress(OSError):  # asked again by the first sync, which logs it
                 self._in_kernel[family] = nft.exists()
-            self._loader.submit(self._rehearse, family)
+            self._loaders[family].submit(self._rehearse, family)
         self.metrics.count_denied(self.denied)
         if self.denial_log is not None:
             self.denial_log.start()
@@ -189,7 +193,8 @@ class PolicyEnforcer:
 
     def stop(self) -> None:
         self.runner.stop()
-        self._loader.shutdown(wait=False)
+        for loader in self._loaders.values():
+            loader.shutdown(wait=False)
 
     def cleanup(self) -> int:
         """Delete the policy tables; returns how many existed."""

@@ -4,6 +4,8 @@ and test_nft_kernel.py)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -55,3 +57,38 @@ def test_a_refused_load_has_its_family_written_whole_next_and_leaves_the_other(
         "IPv4's table was written and nothing changed; IPv6's is written whole again"
     )
     enforcer.stop()
+
+
+def test_a_familys_nft_context_is_used_by_one_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A context is not for two threads at once: each family's rehearsal and loads run on one
+    thread, even when IPv4's rehearsal is still running as the first sync loads."""
+    used_by: dict[int, list[str]] = {4: [], 6: []}
+    both_loaded = threading.Event()
+
+    def rehearse(nft: Nft, text: str) -> None:
+        if nft.family == 4:
+            time.sleep(0.2)
+        used_by[nft.family].append(threading.current_thread().name)
+
+    def run(nft: Nft, text: str) -> None:
+        used_by[nft.family].append(threading.current_thread().name)
+        if all(len(names) == 2 for names in used_by.values()):
+            both_loaded.set()
+
+    monkeypatch.setattr(Nft, "open", lambda nft: None)
+    monkeypatch.setattr(Nft, "exists", lambda nft: False)
+    monkeypatch.setattr(Nft, "rehearse", rehearse)
+    monkeypatch.setattr(Nft, "run", run)
+    enforcer = PolicyEnforcer("n1", (4, 6), 3600.0, Metrics())
+    state = enforcer.state
+    state.replace_namespaces([{"metadata": {"name": "ns"}}])
+    state.replace_pods([pod("a", "10.0.0.2", {"app": "a"})])
+    state.replace_policies([])
+    state.replace_cluster_policies([])
+    enforcer.start()
+    try:
+        assert both_loaded.wait(5), used_by
+    finally:
+        enforcer.stop()
+    assert len(set(used_by[4])) == len(set(used_by[6])) == 1, used_by
+    assert used_by[4] != used_by[6]
