@@ -1,7 +1,14 @@
-"""Egress masquerade: pod traffic leaving the cluster's pod CIDRs gets the node's address.
+"""Source NAT after routing: pod traffic leaving the cluster's pod CIDRs gets the node's
+address, and a peer's own traffic arriving over VXLAN gets the peer's InternalIP.
 
-One chain per family in the nat table, rendered (pure) from this node's pod CIDRs and the
-cluster's, and loaded with the proxy's own iptables layer.
+The second is why a pod sees another node's host, or a connection that node masqueraded, come
+from that node's address over VXLAN as over direct routes (what kube-proxy's users expect of
+eTP Local NodePorts reached from a node itself). The peer sends it from its VTEP address, so
+the routing and reverse-path checks on both sides, and the replies, stay on the overlay; only
+the address the pod sees changes, when the packet leaves for it.
+
+Two chains per family in the nat table, rendered (pure) from this node's pod CIDRs, the
+cluster's and the peers' VTEP addresses, and loaded with the proxy's own iptables layer.
 """
 
 from __future__ import annotations
@@ -10,9 +17,12 @@ import ipaddress
 
 from proxyd.iptables.kernel import IptablesKernel
 from proxyd.model import family_of
+from proxyd.nodenet.route_plan import PeerVtep
 
 EGRESS_CHAIN = "KNIT-POD-EGRESS"
-HOOK = f"-A POSTROUTING -j {EGRESS_CHAIN}"
+PEER_CHAIN = "KNIT-OVERLAY-PEERS"
+CHAINS = (EGRESS_CHAIN, PEER_CHAIN)
+HOOKS = tuple(f"-A POSTROUTING -j {chain}" for chain in CHAINS)
 
 
 def _in_family(cidrs: tuple[str, ...] | list[str], family: int) -> list[str]:
@@ -36,28 +46,42 @@ def render(family: int, pod_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ..
     return rules
 
 
-def restore_script(rules: list[str], hooked: bool) -> str:
-    lines = ["*nat", f":{EGRESS_CHAIN} - [0:0]", *rules]
-    if not hooked:
-        lines.append(HOOK)
+def render_peers(family: int, peer_vteps: tuple[PeerVtep, ...]) -> list[str]:
+    """The peer chain's rules: traffic from a peer's VTEP address gets the peer's InternalIP."""
+    return [
+        f"-A {PEER_CHAIN} -s {peer.vtep} -j SNAT --to-source {peer.node_address}"
+        for peer in peer_vteps
+        if family_of(peer.vtep) == family
+    ]
+
+
+def restore_script(rules: list[str], hooks_in_place: list[str]) -> str:
+    missing_hooks = [hook for hook in HOOKS if hook not in hooks_in_place]
+    lines = ["*nat", *(f":{chain} - [0:0]" for chain in CHAINS), *rules, *missing_hooks]
     return "\n".join([*lines, "COMMIT", ""])
 
 
 class Egress:
-    """Keeps the egress chain of one family as last rendered, rewriting it only on change."""
+    """Keeps both chains of one family as last rendered, rewriting them only on change."""
 
     def __init__(self, iptables: IptablesKernel) -> None:
         self.iptables = iptables
         self.loaded: list[str] | None = None
 
-    def apply(self, pod_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ...]) -> None:
-        rules = render(self.iptables.family, pod_cidrs, cluster_cidrs)
+    def apply(
+        self,
+        pod_cidrs: tuple[str, ...],
+        cluster_cidrs: tuple[str, ...],
+        peer_vteps: tuple[PeerVtep, ...],
+    ) -> None:
+        family = self.iptables.family
+        rules = render(family, pod_cidrs, cluster_cidrs) + render_peers(family, peer_vteps)
         if rules == self.loaded:
             return
-        hooked = HOOK in self.iptables.chain_rules("nat", "POSTROUTING")
-        self.iptables.restore(restore_script(rules, hooked))
+        hooks_in_place = self.iptables.chain_rules("nat", "POSTROUTING")
+        self.iptables.restore(restore_script(rules, hooks_in_place))
         self.loaded = rules
 
     def remove(self) -> int:
         self.loaded = None
-        return self.iptables.remove_owned(lambda chain: chain == EGRESS_CHAIN)
+        return self.iptables.remove_owned(lambda chain: chain in CHAINS)

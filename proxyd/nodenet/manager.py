@@ -2,7 +2,8 @@
 
 Fed by a list+watch of all Nodes; a worker thread applies the latest picture after each
 change: the CNI config from this node's podCIDRs, the routes to the other nodes' pod CIDRs,
-and the egress masquerade. A failed apply is retried.
+and the source NAT after routing (egress masquerade, peers' VTEP addresses). A failed apply
+is retried.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from proxyd.iptables.kernel import IptablesKernel
 from proxyd.model import parse_or_skip
 from proxyd.nodenet import conflist
 from proxyd.nodenet.egress import Egress
-from proxyd.nodenet.route_plan import NodeNet, parse_node_net, plan_routes, pod_mtu
+from proxyd.nodenet.route_plan import (
+    NodeNet,
+    PeerVtep,
+    parse_node_net,
+    plan_routes,
+    pod_mtu,
+)
 from proxyd.nodenet.routes import RouteTable, on_link, uplink_mtu
 
 log = logging.getLogger(__name__)
@@ -95,6 +102,7 @@ class NodeNetwork:
             log.info("node %s is not registered yet", self.options.node_name)
             return
         routing = self.options.routing
+        peer_vteps: tuple[PeerVtep, ...] = ()
         with IPRoute() as ipr:
             mtu = pod_mtu(self._uplink_mtu(ipr, local), routing, local)
             if local.pod_cidrs:
@@ -108,9 +116,10 @@ class NodeNetwork:
                 for reason in plan.skipped:
                     log.warning("cannot route %s", reason)
                 RouteTable(ipr).apply(local, plan, mtu)
+                peer_vteps = plan.peer_vteps
         cluster = self.options.cluster_cidrs + tuple(c for n in nodes for c in n.pod_cidrs)
         for egress in self.egress:
-            egress.apply(local.pod_cidrs, cluster)
+            egress.apply(local.pod_cidrs, cluster, peer_vteps)
         log.info("node networking in place for %d nodes", len(nodes))
 
     @staticmethod

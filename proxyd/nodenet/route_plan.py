@@ -6,6 +6,11 @@ the peer's VTEP address (the first address of its pod CIDR, marked on-link) on t
 device, a permanent neighbour entry maps that address to the peer's VTEP MAC, and a
 forwarding entry maps the MAC to the peer's underlay address. VTEP MACs are derived from the
 node's underlay address, so no node needs to publish anything.
+
+A node's own traffic into the overlay leaves from its IPv4 VTEP address (the only address its
+VXLAN device holds, so masquerading picks it too), which keeps replies on the overlay; the
+receiving node gives such traffic the sender's InternalIP (see egress.py), so pods see a
+peer's traffic come from its node address, as over direct routes.
 """
 
 from __future__ import annotations
@@ -51,11 +56,21 @@ class OverlayPeer:
 
 
 @dataclass(frozen=True)
+class PeerVtep:
+    """A peer's IPv4 VTEP address, which its own traffic into the overlay comes from, and the
+    peer's InternalIP that such traffic is given on arrival."""
+
+    vtep: str
+    node_address: str
+
+
+@dataclass(frozen=True)
 class RoutePlan:
     routes: tuple[PodRoute, ...]
     peers: tuple[OverlayPeer, ...]
     skipped: tuple[str, ...]
     """Peers' pod CIDRs that cannot be routed in this mode, with the reason."""
+    peer_vteps: tuple[PeerVtep, ...]
 
 
 def parse_node_net(obj: dict[str, Any]) -> NodeNet:
@@ -100,9 +115,10 @@ def plan_routes(
     routes: list[PodRoute] = []
     peers: list[OverlayPeer] = []
     skipped: list[str] = []
+    peer_vteps: list[PeerVtep] = []
     overlay_family = underlay_family(local)
     if mode == "none":
-        return RoutePlan((), (), ())
+        return RoutePlan((), (), (), ())
     for node in sorted(nodes, key=lambda n: n.name):
         if node.name == local.name or not node.pod_cidrs:
             continue
@@ -125,7 +141,12 @@ def plan_routes(
         vteps = tuple(vtep_address(c) for c in overlay_cidrs)
         routes += [PodRoute(c, v, overlay=True) for c, v in zip(overlay_cidrs, vteps, strict=True)]
         peers.append(OverlayPeer(peer_underlay, vtep_mac(peer_underlay), vteps))
-    return RoutePlan(tuple(routes), tuple(peers), tuple(skipped))
+        node_address = node.address(4)
+        if node_address is not None:
+            peer_vteps += [
+                PeerVtep(vtep_address(c), node_address) for c in overlay_cidrs if family_of(c) == 4
+            ]
+    return RoutePlan(tuple(routes), tuple(peers), tuple(skipped), tuple(peer_vteps))
 
 
 def pod_mtu(uplink_mtu: int, mode: str, local: NodeNet) -> int:

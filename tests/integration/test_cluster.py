@@ -9,6 +9,7 @@ attached through libcni with each node's own config and plugin directory.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -24,7 +25,7 @@ from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import NODES
 from deploy.lab.netns import unique_name
 from deploy.lab.process import eventually, in_ns
-from proxyd.nodenet.egress import EGRESS_CHAIN
+from proxyd.nodenet.egress import EGRESS_CHAIN, PEER_CHAIN
 from proxyd.nodenet.route_plan import vtep_address
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE
 from proxyd.policy.render import TABLE as POLICY_TABLE
@@ -146,9 +147,40 @@ def test_nodeport_from_an_outside_host(cluster: Cluster) -> None:
     node_port = service["spec"]["ports"][0]["nodePort"]
     outside = f"{cluster.prefix}-outside"
     # b holds no backend: the connection goes on to c, masqueraded (eTP Cluster) to the address
-    # b sends from over the overlay, its VTEP address
+    # b sends from over the overlay, its VTEP address, which c turns into b's own on arrival
     seen, label = cluster.request(outside, b.addresses[0], node_port)
-    assert (seen, label) == (vtep_address(POD_CIDRS["b"][0]), backend.address(4))
+    assert (seen, label) == (b.addresses[0], backend.address(4))
+
+
+@contextlib.contextmanager
+def strict_reverse_path(nodes: list[LabNode]) -> Iterator[None]:
+    """Strict reverse-path filtering on the nodes (as RHEL sets it) while the block runs."""
+    setting = "net.ipv4.conf.all.rp_filter"
+    for node in nodes:
+        in_ns(node.ns, "sysctl", "-qw", f"{setting}=1")
+    try:
+        yield
+    finally:
+        for node in nodes:
+            in_ns(node.ns, "sysctl", "-qw", f"{setting}=0")
+
+
+def test_a_nodes_own_traffic_over_vxlan_reaches_pods_from_its_address(cluster: Cluster) -> None:
+    a, c = cluster.nodes["a"], cluster.nodes["c"]
+    backend = cluster.add_pod(c, unique_name("own"))
+    service = cluster.publish(
+        unique_name("own"), [backend], type="NodePort", externalTrafficPolicy="Local"
+    )
+    node_port = service["spec"]["ports"][0]["nodePort"]
+    with strict_reverse_path([a, c]):
+        # a sends from its VTEP address, so both sides route and check it on the overlay
+        seen, label = cluster.request(a.ns, backend.address(4))
+        assert (seen, label) == (a.addresses[0], backend.address(4))
+        # a's own Local NodePort: the node's connection goes to the endpoint on c all the
+        # same, masqueraded, and the endpoint sees a's address (what kube-proxy gives over
+        # direct routes, and what the upstream e2e spec of eTP changes expects)
+        seen, label = cluster.request(a.ns, a.addresses[0], node_port)
+        assert (seen, label) == (a.addresses[0], backend.address(4))
 
 
 def test_egress_is_masqueraded_and_pod_traffic_is_not(cluster: Cluster) -> None:
@@ -188,7 +220,8 @@ def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
     c = cluster.nodes["c"]
     eventually(what="c's node networking", check=lambda: APPLIED in c.log.read_text())
     assert len(knit_routes(c)) == 2
-    assert f"-j {EGRESS_CHAIN}" in in_ns(c.ns, "iptables-save", "-t", "nat")
+    nat = in_ns(c.ns, "iptables-save", "-t", "nat")
+    assert f"-j {EGRESS_CHAIN}" in nat and f"-j {PEER_CHAIN}" in nat
     eventually(
         what="c's policy table",
         check=lambda: f"table ip {POLICY_TABLE}" in in_ns(c.ns, "nft", "list", "tables"),
@@ -198,7 +231,8 @@ def test_cleanup_removes_routes_overlay_and_egress(cluster: Cluster) -> None:
         in_ns(c.ns, sys.executable, "-m", "proxyd", "--cleanup", "--cluster-cidr", "10.0.0.0/8")
         assert knit_routes(c) == {} and knit_routes(c, 6) == {}
         assert VXLAN_DEVICE not in in_ns(c.ns, "ip", "link")
-        assert EGRESS_CHAIN not in in_ns(c.ns, "iptables-save", "-t", "nat")
+        nat = in_ns(c.ns, "iptables-save", "-t", "nat")
+        assert EGRESS_CHAIN not in nat and PEER_CHAIN not in nat
         assert POLICY_TABLE not in in_ns(c.ns, "nft", "list", "tables")
     finally:
         cluster.start_daemon(c)

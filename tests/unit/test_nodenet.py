@@ -1,4 +1,4 @@
-"""Node networking's pure parts: route plans, the conflist, the egress chain."""
+"""Node networking's pure parts: route plans, the conflist, the source NAT chains."""
 
 from __future__ import annotations
 
@@ -9,9 +9,23 @@ import pytest
 
 from proxyd.model import InvalidObject
 from proxyd.nodenet import conflist
-from proxyd.nodenet.egress import EGRESS_CHAIN, render, restore_script
+from proxyd.nodenet.egress import (
+    EGRESS_CHAIN,
+    HOOKS,
+    PEER_CHAIN,
+    render,
+    render_peers,
+    restore_script,
+)
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
-from proxyd.nodenet.route_plan import NodeNet, parse_node_net, plan_routes, pod_mtu, vtep_mac
+from proxyd.nodenet.route_plan import (
+    NodeNet,
+    PeerVtep,
+    parse_node_net,
+    plan_routes,
+    pod_mtu,
+    vtep_mac,
+)
 
 A = NodeNet("a", ("10.244.1.0/24", "fd10:244:0:1::/64"), ("10.77.1.11", "fd77:1::b"))
 B = NodeNet("b", ("10.244.2.0/24", "fd10:244:0:2::/64"), ("10.77.1.12", "fd77:1::c"))
@@ -115,8 +129,24 @@ def test_egress_masquerades_what_leaves_the_cluster_cidrs() -> None:
         f"-A {EGRESS_CHAIN} -s 10.244.1.0/24 -j MASQUERADE --random-fully",
     ], "a node's pod CIDR inside the cluster CIDR adds no rule; adjacent ones merge"
     assert render(6, ("10.244.1.0/24",), ()) == []
-    assert f"-A POSTROUTING -j {EGRESS_CHAIN}" in restore_script(rules, hooked=False)
-    assert "POSTROUTING" not in restore_script(rules, hooked=True)
+    assert all(hook in restore_script(rules, []) for hook in HOOKS)
+    assert "POSTROUTING" not in restore_script(rules, list(HOOKS))
+
+
+def test_a_peers_traffic_over_vxlan_is_given_the_peers_node_address() -> None:
+    dual = NodeNet("d", ("10.244.4.0/24", "fd10:244:0:4::/64"), ("10.77.3.14", "fd77:3::e"))
+    plan = plan_routes(A, [A, B, C, dual], "auto", on_link)
+    assert plan.peer_vteps == (
+        PeerVtep("10.244.3.0", "10.77.2.13"),
+        PeerVtep("10.244.4.0", "10.77.3.14"),
+    ), "only IPv4 VTEP addresses are ever a source, and b is routed directly"
+    assert render_peers(4, plan.peer_vteps) == [
+        f"-A {PEER_CHAIN} -s 10.244.3.0 -j SNAT --to-source 10.77.2.13",
+        f"-A {PEER_CHAIN} -s 10.244.4.0 -j SNAT --to-source 10.77.3.14",
+    ]
+    assert render_peers(6, plan.peer_vteps) == []
+    ipv6_only = NodeNet("e", ("10.244.5.0/24",), ("fd77:3::f",))
+    assert plan_routes(A, [A, ipv6_only], "vxlan", on_link).peer_vteps == ()
 
 
 def test_node_updates_that_change_nothing_routing_uses_do_not_wake_the_worker() -> None:
