@@ -134,7 +134,7 @@ def cleanup(config: Config) -> None:
 
     chains = sum(make_proxier(mode, config, Metrics()).cleanup() for mode in MODES)
     chains += _policy_enforcer(config, Metrics()).cleanup()
-    chains += sum(egress.remove() for egress in _node_network(config).egress)
+    chains += sum(nat.remove() for nat in _node_network(config).source_nat)
     with IPRoute() as ipr:
         RouteTable(ipr).remove_all()
     log.info("cleanup: removed %d chains/tables and knit's routes", chains)

@@ -19,7 +19,6 @@ from pyroute2 import IPRoute
 from proxyd.iptables.kernel import IptablesKernel
 from proxyd.model import parse_or_skip
 from proxyd.nodenet import conflist
-from proxyd.nodenet.egress import Egress
 from proxyd.nodenet.route_plan import (
     NodeNet,
     PeerVtep,
@@ -28,6 +27,7 @@ from proxyd.nodenet.route_plan import (
     pod_mtu,
 )
 from proxyd.nodenet.routes import RouteTable, on_link, uplink_mtu
+from proxyd.nodenet.source_nat import SourceNat
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class NodeNetworkOptions:
 class NodeNetwork:
     def __init__(self, options: NodeNetworkOptions, iptables: list[IptablesKernel]) -> None:
         self.options = options
-        self.egress = [Egress(table) for table in iptables]
+        self.source_nat = [SourceNat(table) for table in iptables]
         self.nodes: dict[str, NodeNet] = {}
         self.lock = threading.Lock()
         self.changed = threading.Event()
@@ -118,8 +118,8 @@ class NodeNetwork:
                 RouteTable(ipr).apply(local, plan, mtu)
                 peer_vteps = plan.peer_vteps
         cluster = self.options.cluster_cidrs + tuple(c for n in nodes for c in n.pod_cidrs)
-        for egress in self.egress:
-            egress.apply(local.pod_cidrs, cluster, peer_vteps)
+        for source_nat in self.source_nat:
+            source_nat.apply(local.pod_cidrs, cluster, peer_vteps)
         log.info("node networking in place for %d nodes", len(nodes))
 
     @staticmethod

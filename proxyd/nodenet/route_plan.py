@@ -9,7 +9,7 @@ node's underlay address, so no node needs to publish anything.
 
 A node's own traffic into the overlay leaves from its IPv4 VTEP address (the only address its
 VXLAN device holds, so masquerading picks it too), which keeps replies on the overlay; the
-receiving node gives such traffic the sender's InternalIP (see egress.py), so pods see a
+receiving node gives such traffic the sender's InternalIP (see source_nat.py), so pods see a
 peer's traffic come from its node address, as over direct routes.
 """
 

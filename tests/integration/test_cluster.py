@@ -25,9 +25,9 @@ from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import NODES
 from deploy.lab.netns import unique_name
 from deploy.lab.process import eventually, in_ns
-from proxyd.nodenet.egress import EGRESS_CHAIN, PEER_CHAIN
 from proxyd.nodenet.route_plan import vtep_address
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE
+from proxyd.nodenet.source_nat import EGRESS_CHAIN, PEER_CHAIN
 from proxyd.policy.render import TABLE as POLICY_TABLE
 
 APPLIED = "node networking in place for"

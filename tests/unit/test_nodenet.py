@@ -9,14 +9,6 @@ import pytest
 
 from proxyd.model import InvalidObject
 from proxyd.nodenet import conflist
-from proxyd.nodenet.egress import (
-    EGRESS_CHAIN,
-    HOOKS,
-    PEER_CHAIN,
-    render,
-    render_peers,
-    restore_script,
-)
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.route_plan import (
     NodeNet,
@@ -25,6 +17,14 @@ from proxyd.nodenet.route_plan import (
     plan_routes,
     pod_mtu,
     vtep_mac,
+)
+from proxyd.nodenet.source_nat import (
+    EGRESS_CHAIN,
+    HOOKS,
+    PEER_CHAIN,
+    render,
+    render_peers,
+    restore_script,
 )
 
 A = NodeNet("a", ("10.244.1.0/24", "fd10:244:0:1::/64"), ("10.77.1.11", "fd77:1::b"))

@@ -8,16 +8,16 @@ from collections.abc import Callable
 
 from deploy.lab.netns import Netns
 from proxyd.iptables.kernel import IptablesKernel
-from proxyd.nodenet.egress import EGRESS_CHAIN, HOOKS, PEER_CHAIN, Egress
 from proxyd.nodenet.route_plan import PeerVtep
+from proxyd.nodenet.source_nat import EGRESS_CHAIN, HOOKS, PEER_CHAIN, SourceNat
 
 
 def test_rewritten_chains_keep_one_hook_each(make_netns: Callable[[str], Netns]) -> None:
-    node = make_netns("egress")
+    node = make_netns("snat")
     peer = PeerVtep("10.244.3.0", "10.77.2.13")
     with node.entered():
-        Egress(IptablesKernel(4)).apply(("10.244.1.0/24",), ("10.244.0.0/16",), ())
-        Egress(IptablesKernel(4)).apply(
+        SourceNat(IptablesKernel(4)).apply(("10.244.1.0/24",), ("10.244.0.0/16",), ())
+        SourceNat(IptablesKernel(4)).apply(
             ("10.244.1.0/24",), ("10.244.0.0/16", "10.250.0.0/24"), (peer,)
         )
     saved = node.run("iptables-save", "-t", "nat").stdout.splitlines()

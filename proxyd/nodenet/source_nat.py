@@ -61,7 +61,7 @@ def restore_script(rules: list[str], hooks_in_place: list[str]) -> str:
     return "\n".join([*lines, "COMMIT", ""])
 
 
-class Egress:
+class SourceNat:
     """Keeps both chains of one family as last rendered, rewriting them only on change."""
 
     def __init__(self, iptables: IptablesKernel) -> None:
