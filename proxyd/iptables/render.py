@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from proxyd.iptables import chains as ch
 from proxyd.model import Endpoint, ServicePort
+from proxyd.naming import XT_COMMENT_MAX, within
 from proxyd.port_plan import FamilyContext, PortPlan
 
 NAT = "nat"
@@ -68,7 +69,7 @@ def hook_target(rule: str) -> str:
 
 
 def comment(text: str) -> str:
-    return f'-m comment --comment "{text}"'
+    return f'-m comment --comment "{within(text, XT_COMMENT_MAX)}"'
 
 
 def _endpoint_rules(

@@ -26,7 +26,7 @@ from functools import cached_property
 
 from proxyd.model import PROTOCOLS as SERVICE_PROTOCOLS
 from proxyd.model import Endpoint, ServicePortName
-from proxyd.naming import short_hash
+from proxyd.naming import NFT_NAME_MAX, short_hash, within
 from proxyd.port_plan import FamilyContext, PortPlan
 
 TABLE = "knit"
@@ -176,7 +176,8 @@ def address_words(family: int) -> tuple[str, str]:
 
 
 class ServiceNames:
-    """Names of one service port's own chains and sets; hashed prefix, readable suffix. Only
+    """Names of one service port's own chains and sets; hashed prefix, readable suffix (cut
+    to nft's limit, which the API server's limits on names keep them within today). Only
     ports with affinity or a firewall have any, so the hash is computed on first use."""
 
     def __init__(self, name: ServicePortName) -> None:
@@ -189,22 +190,22 @@ class ServiceNames:
 
     @property
     def cluster(self) -> str:
-        return f"service-{self._hash}-{self._base}"
+        return within(f"service-{self._hash}-{self._base}", NFT_NAME_MAX)
 
     @property
     def local(self) -> str:
-        return f"local-{self._hash}-{self._base}"
+        return within(f"local-{self._hash}-{self._base}", NFT_NAME_MAX)
 
     @property
     def firewall(self) -> str:
-        return f"firewall-{self._hash}-{self._base}"
+        return within(f"firewall-{self._hash}-{self._base}", NFT_NAME_MAX)
 
     def affinity(self, endpoint: Endpoint, timeout: int) -> str:
         """The endpoint's affinity set, named after the timeout too: a new timeout makes a
         new set (nft names take no ':', so IPv6 colons become dots)."""
         digest = short_hash(f"{self._base}{endpoint}/{timeout}", 8)
         ip = endpoint.ip.replace(":", ".")
-        return f"affinity-{digest}-{self._base}__{ip}/{endpoint.port}"
+        return within(f"affinity-{digest}-{self._base}__{ip}/{endpoint.port}", NFT_NAME_MAX)
 
 
 def _sticky(plan: PortPlan, endpoints: tuple[Endpoint, ...], names: ServiceNames, l3: str) -> Rules:

@@ -21,6 +21,7 @@ import ipaddress
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+from proxyd.naming import NFT_COMMENT_MAX, within
 from proxyd.nftables.render import address_words, family_name
 from proxyd.policy.compile import ALLOW, DROP, NEXT, FamilyPolicy, Interval, Match, PodChain
 from proxyd.policy.denials import GROUP, LIMIT
@@ -137,7 +138,7 @@ class Renderer:
         return {f"{address} . {address}" for address in local}
 
     def _chain(self, chain: str, policy: FamilyPolicy) -> list[str]:
-        owner = "/".join(policy.owners[policy.chains[chain].counter])
+        owner = within("/".join(policy.owners[policy.chains[chain].counter]), NFT_COMMENT_MAX)
         lines = [f'add chain {self.table} {chain} {{ comment "{owner}"; }}']
         lines += [
             f"add rule {self.table} {chain} {rule}"
