@@ -27,6 +27,7 @@ KNOWN_ARGS = frozenset(
 )
 # IFNAMSIZ less the terminating NUL: the kernel counts bytes, not characters.
 MAX_IFNAME_BYTES = 15
+IFNAME_FORBIDDEN = "/:\"';\\"
 CNI_PREFIX = "CNI_"
 
 
@@ -87,11 +88,14 @@ def validate_container_id(container_id: str) -> None:
 
 
 def valid_ifname(name: str) -> bool:
-    """The kernel's rule for a link's name (dev_valid_name)."""
+    """The kernel's rule for a link's name (dev_valid_name: no '/', ':' or whitespace), less
+    quotes, backslashes, ';' and control characters: the name is written into the quoted
+    comment of the attachment's iptables and nftables rules (cni.firewall.Tag), where a quote
+    would end the comment and the rest be read as rule text."""
     return (
         0 < len(os.fsencode(name)) <= MAX_IFNAME_BYTES
         and name not in (".", "..")
-        and not any(c in "/:\0" or c.isspace() for c in name)
+        and not any(c in IFNAME_FORBIDDEN or c.isspace() or not c.isprintable() for c in name)
     )
 
 
@@ -101,7 +105,11 @@ def validate_ifname(ifname: str) -> None:
             Code.INVALID_ENV, f"CNI_IFNAME {ifname!r} is longer than {MAX_IFNAME_BYTES} bytes"
         )
     if not valid_ifname(ifname):
-        raise CniError(Code.INVALID_ENV, f"CNI_IFNAME {ifname!r} is not a valid interface name")
+        raise CniError(
+            Code.INVALID_ENV,
+            f"CNI_IFNAME {ifname!r} is not an interface name: no {IFNAME_FORBIDDEN}, "
+            "whitespace or control characters, and not '.' or '..'",
+        )
 
 
 def attachment_args(command: str, raw: str) -> dict[str, str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cni import netconf
-from cni.errors import CniError
+from cni.errors import CniError, Code
+from cni.invocation import from_environ
 from cni.ipam.hostlocal import parse_conf
 from cni.paths import check_network_name, check_plugin_name, inside
 
@@ -133,3 +134,43 @@ def test_a_bridge_name_the_kernel_would_refuse_is_invalid_config(bridge):
         netconf.parse({**BASE, "bridge": bridge})
     assert err.value.code == 7
     assert "bridge name" in err.value.msg
+
+
+ATTACHMENT = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/var/run/netns/p"}
+
+
+@pytest.mark.parametrize(
+    "ifname",
+    [
+        'eth"0',
+        "eth'0",
+        "eth;0",
+        "eth\\0",
+        "a/b",
+        "eth:0",
+        "eth 0",
+        "eth\t0",
+        "eth\x01",
+        ".",
+        "e" * 16,
+    ],
+)
+def test_an_ifname_outside_the_kernels_characters_less_quotes_is_code_4(ifname):
+    """CNI_IFNAME ends up inside the quoted comment of an iptables or nftables rule (the
+    attachment's tag): a quote there would end the comment and write rule text."""
+    with pytest.raises(CniError) as err:
+        from_environ({**ATTACHMENT, "CNI_IFNAME": ifname})
+    assert err.value.code == Code.INVALID_ENV
+    assert err.value.msg.startswith("CNI_IFNAME")
+
+
+@pytest.mark.parametrize("ifname", ["eth0", "net1", "veth-a.b_c", "e" * 15, "pod@1", "ifé"])
+def test_an_ifname_of_the_kernels_characters_is_taken(ifname):
+    assert from_environ({**ATTACHMENT, "CNI_IFNAME": ifname}).ifname == ifname
+
+
+@pytest.mark.parametrize("bridge", ['br"0', "br;0"])
+def test_a_bridge_name_with_a_quote_is_invalid_config(bridge):
+    with pytest.raises(CniError) as err:
+        netconf.parse({**BASE, "bridge": bridge})
+    assert err.value.code == 7
