@@ -6,6 +6,9 @@ thread, through cni.plugin.execute: the same code as the in-process path, with t
 forwarded CNI_* variables in place of the process environment and the namespace the plugin
 opened in place of CNI_NETNS, which this daemon's mount and PID namespaces may not resolve.
 
+The socket is 0600 in a 0700 folder, and a peer whose uid is not 0 is refused: a call runs
+with the daemon's capabilities.
+
 A stuck or slow plugin must never hold up a real call, so connections are bounded (Limits):
 at most `calls` are served at once, each must deliver its whole request within
 `request_deadline` of being accepted, and a request's fields have byte caps. A connection over
@@ -20,6 +23,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -56,6 +60,7 @@ CLOSE_WAIT = 5.0
 MAX_ENV_BYTES = 1 << 18
 MAX_STDIN_BYTES = 1 << 20
 BACKLOG = 128
+UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 LAZY_MODULES = ("cni.bridge", "cni.masq", "cni.spoofcheck", "cni.ipam.hostlocal")
 
 
@@ -135,6 +140,8 @@ class CniServer:
                 time.sleep(0.1)
                 continue
             accepted = time.monotonic()
+            if not self._from_root(connection):
+                continue
             # Declining is safe: the executable runs a declined call in-process, as without a
             # daemon, so a connection over the limit costs its call ~160 ms, not its success.
             # (A connection closed without an answer would be an error 199 instead: once
@@ -155,6 +162,25 @@ class CniServer:
                 self._slots.release()
                 with connection:
                     self._decline(connection, f"the knit daemon cannot start a thread: {err}")
+
+    def _from_root(self, connection: socket.socket) -> bool:
+        """Whether the peer is root; any other is refused with an error and closed, before it
+        takes a slot. The socket's modes keep others out already; this holds even when they
+        are loosened, and for a root mapped from a user namespace (the kernel gives its uid
+        outside). Refused, not declined: the caller is not the container runtime."""
+        ucred = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size)
+        pid, uid, _ = UCRED.unpack(ucred)
+        if uid == 0:
+            return True
+        log.warning("CNI server: refused a call from uid %d (pid %d): not root", uid, pid)
+        with connection:
+            refusal = f"the knit daemon serves only root (uid 0), not uid {uid}"
+            try:
+                connection.setblocking(False)  # a fresh socket's buffer takes the answer at once
+                connection.sendall(encode_response(1, error_json(refusal, b"")))
+            except OSError as err:
+                log.warning("CNI server: could not answer uid %d: %s", uid, err)
+        return False
 
     def _admit(self) -> bool:
         """Take a slot for the connection just accepted. When none is free, the connection
@@ -233,10 +259,13 @@ class CniServer:
 
 
 def serve(socket_path: str, limits: Limits | None = None) -> CniServer:
-    """Listen on socket_path (0600, in a directory made 0700 if new) and serve calls."""
+    """Listen on socket_path (0600, in a folder made 0700) and serve calls from root."""
     _warm_up()
     path = Path(socket_path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # mkdir's mode holds only for a folder it makes: the DaemonSet's hostPath
+    # (DirectoryOrCreate) makes it 0755 before the daemon starts.
+    os.chmod(path.parent, 0o700)
     try:
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FileExistsError(f"{path} exists and is not a socket")

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -385,6 +387,69 @@ def test_the_socket_is_private_and_removed_on_close(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     served.close()
     assert not path.exists()
+
+
+def test_a_folder_made_before_is_made_private(tmp_path):
+    """A hostPath DirectoryOrCreate makes the folder 0755 before the daemon starts."""
+    path = tmp_path / "run" / "knit" / "cni.sock"
+    path.parent.mkdir(parents=True, mode=0o755)
+    served = serve(str(path))
+    try:
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        served.close()
+
+
+# Connects as uid 65534 and sends an ADD (refused with code 4 wherever it runs), then prints
+# the answer's hex: the socket is left open to it, to show the daemon's own check.
+AS_NOBODY = """
+import os, socket, sys
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+connection = socket.socket(socket.AF_UNIX)
+connection.settimeout(10)
+connection.connect(sys.argv[1])
+try:
+    connection.sendall(bytes.fromhex(sys.argv[2]))
+    connection.shutdown(socket.SHUT_WR)
+except OSError:
+    pass
+answer = b""
+try:
+    while chunk := connection.recv(65536):
+        answer += chunk
+except ConnectionResetError:
+    pass
+print(answer.hex())
+"""
+
+
+def test_a_peer_that_is_not_root_is_refused(caplog):
+    """The socket's modes keep others out; the daemon checks its peer's uid besides (a uid
+    mapped from a user namespace is seen as its uid outside)."""
+    folder = Path(tempfile.mkdtemp(prefix="knit-peer-"))
+    try:
+        path = folder / "run" / "cni.sock"
+        served = serve(str(path))
+        for opened in (folder, path.parent):
+            opened.chmod(0o711)
+        path.chmod(0o666)
+        env = {k: v for k, v in ADD_ENV.items() if k != "CNI_NETNS"}
+        request = encode_request(env, CONF).hex()
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", AS_NOBODY, str(path), request],
+            capture_output=True,
+            timeout=30,
+            check=True,
+        )
+        served.close()
+    finally:
+        shutil.rmtree(folder)
+    code, output = decode_response(bytes.fromhex(done.stdout.decode()))
+    assert code == 1
+    assert json.loads(output)["msg"] == "the knit daemon serves only root (uid 0), not uid 65534"
+    assert served.calls == 0
+    assert "refused a call from uid 65534" in caplog.text
 
 
 def test_a_stale_socket_is_replaced_and_a_successor_kept(tmp_path):
