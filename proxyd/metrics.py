@@ -195,6 +195,24 @@ class Metrics:
             buckets=SYNC_BUCKETS,
             registry=r,
         )
+        self.policy_last_sync = Gauge(
+            "knit_network_policy_sync_last_timestamp_seconds",
+            "The last time a family's policy table was successfully synced",
+            FAMILY,
+            registry=r,
+        )
+        self.policy_sync_failures = Counter(
+            "knit_network_policy_sync_failures",
+            "Cumulative policy syncs of a family that failed",
+            FAMILY,
+            registry=r,
+        )
+        self.policy_quarantined = Gauge(
+            "knit_network_policy_quarantined_pods",
+            "Pod chains dropping all traffic because nft refused their rules",
+            FAMILY,
+            registry=r,
+        )
         self._families: dict[int, FamilyMetrics] = {}
 
     def count_denied(self, read: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:

@@ -101,6 +101,9 @@ class FamilyPolicy:
     """A pod's first chain -> the policies judging its pod in its direction, for metrics."""
     local: frozenset[str] = frozenset()
     """Addresses of this node's pods: a pod's traffic to itself always passes."""
+    quarantined: frozenset[str] = frozenset()
+    """Pods' first chains that drop everything because nft refused their rules (see
+    quarantine.py); the compiler makes none."""
 
 
 class PodViews:

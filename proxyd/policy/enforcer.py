@@ -3,7 +3,10 @@ policy enforcement that talks to the kernel.
 
 The first sync, and the first after a failure, writes the whole table in one transaction;
 the others change only what differs from what was last written (set and map elements, the
-chains of pods whose rules changed). Syncs run on their own thread, so a policy change never
+chains of pods whose rules changed). When nft refuses a whole table, the pods whose rules it
+refuses are found and quarantined (quarantine.py), and the table is written without their
+rules; a table nft refuses even so is tried again later and later, and the node's health says
+so. Syncs run on their own thread, so a policy change never
 waits for a proxy sync, nor the reverse, and without the proxy's --min-sync-period: a sync
 costs what changed (about a millisecond for a pod's change), and the changes that arrive
 while one runs are taken together by the next. Each family's transaction is loaded by a thread
@@ -17,19 +20,24 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from cni.nftables import NftError
 from proxyd import gc_pause
-from proxyd.metrics import Metrics
+from proxyd.metrics import Metrics, family_label
 from proxyd.nftables.kernel import Nft, counter_packets
 from proxyd.policy.compile import Cluster, FamilyCompiler, FamilyPolicy, PodKey
 from proxyd.policy.denials import DenialLog
+from proxyd.policy.quarantine import quarantined, refused, signature, subset
 from proxyd.policy.render import TABLE, Renderer
 from proxyd.policy.state import PolicyState
 from proxyd.runner import BoundedFrequencyRunner
 
 log = logging.getLogger(__name__)
+
+RETRY_FIRST, RETRY_LONGEST = 1.0, 60.0
+"""Seconds before a failed family's first retry, doubling with each failure in a row."""
 
 DeniedKey = tuple[str, str, str]
 """(direction, namespace, the names of the policies judging the pod, joined by commas)."""
@@ -58,6 +66,13 @@ class PolicyEnforcer:
         """Whether each family's table is in the kernel, where known: asked at start (a
         netlink round trip, then 1-3 ms waiting for the GIL in a first sync), and again
         after a failure."""
+        self._quarantine: dict[int, dict[str, tuple[object, ...]]] = {
+            family: {} for family in self.families
+        }
+        """Per family, the quarantined pods (their first chain) -> their rules as compiled
+        when nft refused them."""
+        self.failures: dict[int, int] = dict.fromkeys(self.families, 0)
+        """Per family, the syncs that failed in a row."""
         self._loaders = {
             family: ThreadPoolExecutor(1, thread_name_prefix=f"policy-nft{family}")
             for family in self.families
@@ -71,24 +86,34 @@ class PolicyEnforcer:
             return
         start, cpu_at_start = time.monotonic(), time.thread_time()
         cluster, changed_pods = self.state.take()
-        loads: list[tuple[int, FamilyPolicy, Future[tuple[float, float]]]] = []
+        loads: list[tuple[int, FamilyPolicy, bool, Future[tuple[float, float]]]] = []
         # a full compile allocates an object per pod and set element: see gc_pause
         with gc_pause.paused():
             for family in self.families:
                 made = self._make(family, cluster, changed_pods)
                 if made is not None:
-                    wanted, transaction = made
+                    wanted, transaction, full = made
                     load = self._loaders[family].submit(self._load, family, transaction)
-                    loads.append((family, wanted, load))
+                    loads.append((family, wanted, full, load))
         loading_total = loader_cpu = 0.0
-        for family, wanted, load in loads:
+        for family, wanted, full, load in loads:
             try:
                 loading, cpu = load.result()
             except Exception:
-                self._failed(family)
-                continue
+                if not full:  # the full table next, contained if need be
+                    self._failed(family)
+                    continue
+                log.exception("IPv%d: nft refused the whole policy table", family)
+                try:
+                    wanted = self._loaders[family].submit(self._contain, family, wanted).result()
+                except Exception:
+                    self._failed(family)
+                    continue
+                loading = cpu = 0.0
             self._written[family] = wanted
             self._in_kernel[family] = True
+            self.failures[family] = 0
+            self.metrics.policy_last_sync.labels(family_label(family)).set_to_current_time()
             loading_total += loading
             loader_cpu += cpu
         elapsed = time.monotonic() - start
@@ -109,24 +134,78 @@ class PolicyEnforcer:
 
     def _make(
         self, family: int, cluster: Cluster, changed_pods: set[PodKey] | None
-    ) -> tuple[FamilyPolicy, str] | None:
-        """What one family's table must hold, and the transaction that makes it so; None when
-        making them failed."""
+    ) -> tuple[FamilyPolicy, str, bool] | None:
+        """What one family's table must hold, the transaction that makes it so and whether
+        that writes the whole table; None when making them failed."""
         written = self._written[family]
         # after a failure, nothing the compiler kept is trusted
         changed = changed_pods if written is not None else None
         try:
-            wanted = self._compilers[family].compile(cluster, changed)
+            wanted, lifted = self._held(family, self._compilers[family].compile(cluster, changed))
             renderer = self._renderers[family]
-            if written is None:
+            # a lifted quarantine writes the whole table: nft keeps a chain's comment when its
+            # rules are rewritten, and the pod's chain would go on saying it is quarantined
+            if written is None or lifted:
                 in_kernel = self._in_kernel[family]
                 if in_kernel is None:
                     in_kernel = self._nft[family].exists()
-                return wanted, renderer.full(wanted, replacing=in_kernel)
-            return wanted, renderer.partial(written, wanted)
+                return wanted, renderer.full(wanted, replacing=in_kernel), True
+            return wanted, renderer.partial(written, wanted), False
         except Exception:
             self._failed(family)
             return None
+
+    def _held(self, family: int, compiled: FamilyPolicy) -> tuple[FamilyPolicy, bool]:
+        """The compiled table with the family's quarantined pods still quarantined, and
+        whether a quarantine was lifted: a pod whose rules changed, or that left, leaves it."""
+        held = self._quarantine[family]
+        if not held:
+            return compiled, False
+        lifted = [pod for pod, was in held.items() if signature(compiled, pod) != was]
+        for pod in lifted:
+            del held[pod]
+        self._count_quarantined(family)
+        return quarantined(compiled, held.keys()), bool(lifted)
+
+    def _contain(self, family: int, wanted: FamilyPolicy) -> FamilyPolicy:
+        """Run on the family's loader thread once nft refused the whole table: finds the
+        pods whose rules it refuses by nft's dry runs, quarantines them, and writes the
+        table without their rules; returns what it wrote."""
+        nft, renderer = self._nft[family], self._renderers[family]
+        in_kernel = nft.exists()
+
+        def accepts(pods: Sequence[str]) -> bool:
+            try:
+                nft.rehearse(renderer.full(subset(wanted, pods), replacing=in_kernel))
+            except NftError:
+                return False
+            return True
+
+        pods = sorted({chain.counter for chain in wanted.chains.values()})
+        bad = refused(pods, accepts)
+        contained = quarantined(wanted, bad)
+        nft.run(renderer.full(contained, replacing=in_kernel))
+        held = self._quarantine[family]
+        for pod in bad:
+            if pod not in held:
+                namespace, name = wanted.owners.get(pod, ("?", "?"))
+                direction = "ingress" if pod.startswith("ingress") else "egress"
+                log.error(
+                    "IPv%d: nft refused the %s rules of pod %s/%s; the pod is quarantined "
+                    "(all its %s dropped) until its rules change",
+                    family,
+                    direction,
+                    namespace,
+                    name,
+                    direction,
+                )
+            held[pod] = signature(wanted, pod) or ()
+        self._count_quarantined(family)
+        return contained
+
+    def _count_quarantined(self, family: int) -> None:
+        label = family_label(family)
+        self.metrics.policy_quarantined.labels(label).set(len(self._quarantine[family]))
 
     def _load(self, family: int, transaction: str) -> tuple[float, float]:
         """Run on a loader thread: one family's transaction; its wall and CPU seconds."""
@@ -141,11 +220,21 @@ class PolicyEnforcer:
             log.warning("IPv%d: nft's rehearsal of a policy table failed", family, exc_info=True)
 
     def _failed(self, family: int) -> None:
-        """Called in an except block: nothing of the family's table is trusted any more."""
-        log.exception("IPv%d policy sync failed; the whole table is written next", family)
+        """Called in an except block: nothing of the family's table is trusted any more. The
+        whole table is tried again, sooner after a first failure than after many in a row:
+        a table that nft keeps refusing is not rewritten every second, forever."""
+        self.failures[family] += 1
+        delay = min(RETRY_LONGEST, RETRY_FIRST * 2 ** (self.failures[family] - 1))
+        log.exception(
+            "IPv%d policy sync failed (%d in a row); the whole table is written in %.0f s",
+            family,
+            self.failures[family],
+            delay,
+        )
+        self.metrics.policy_sync_failures.labels(family_label(family)).inc()
         self._written[family] = None
         self._in_kernel[family] = None
-        self.runner.retry_after(1.0)
+        self.runner.retry_after(delay)
 
     def denied(self) -> Counter[DeniedKey]:
         """Packets the pod chains dropped, by what denied them, read from the kernel's

@@ -25,6 +25,7 @@ from proxyd.naming import NFT_COMMENT_MAX, within
 from proxyd.nftables.render import address_words, family_name
 from proxyd.policy.compile import ALLOW, DROP, NEXT, FamilyPolicy, Interval, Match, PodChain
 from proxyd.policy.denials import GROUP, LIMIT
+from proxyd.policy.quarantine import QUARANTINED
 
 TABLE = "knit-policy"
 FORWARD = "forward"
@@ -138,7 +139,10 @@ class Renderer:
         return {f"{address} . {address}" for address in local}
 
     def _chain(self, chain: str, policy: FamilyPolicy) -> list[str]:
-        owner = within("/".join(policy.owners[policy.chains[chain].counter]), NFT_COMMENT_MAX)
+        if chain in policy.quarantined:
+            owner = QUARANTINED
+        else:
+            owner = within("/".join(policy.owners[policy.chains[chain].counter]), NFT_COMMENT_MAX)
         lines = [f'add chain {self.table} {chain} {{ comment "{owner}"; }}']
         lines += [
             f"add rule {self.table} {chain} {rule}"

@@ -18,7 +18,9 @@ from proxyd.model import (
     parse_service,
 )
 from proxyd.nftables.proxier import NftablesProxier
+from proxyd.policy import render as policy_render
 from proxyd.policy.enforcer import PolicyEnforcer
+from proxyd.policy.quarantine import QUARANTINED
 from proxyd.proxier import Proxier, ProxyOptions
 from proxyd.tracker import Changes, ServiceView
 from tests import hostile_objects
@@ -73,3 +75,34 @@ def test_policies_and_pods_at_the_api_limits_load_whole(make_netns: Callable[[st
         table = "ip" if family == 4 else "ip6"
         listing = ns.run("nft", "list", "map", table, "knit-policy", "ingress-pods").stdout
         assert address in listing, f"IPv{family}: the pod is isolated in the kernel"
+
+
+def test_a_pod_whose_rules_nft_refuses_is_quarantined_and_the_rest_load(
+    make_netns: Callable[[str], Netns], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal knit had for a long pod name, brought back: that pod drops all, and the
+    node's other pods keep their rules."""
+    monkeypatch.setattr(policy_render, "NFT_COMMENT_MAX", 1000)
+    ns = make_netns("knit-hostile")
+    short = {
+        **hostile_objects.pods()[1],
+        "metadata": {**hostile_objects.pods()[1]["metadata"], "name": "short", "uid": "short"},
+    }
+    enforcer = PolicyEnforcer(hostile_objects.NODE, (4,), 3600.0, Metrics())
+    state = enforcer.state
+    state.replace_namespaces(hostile_objects.namespaces())
+    state.replace_pods([hostile_objects.pods()[0], short])
+    state.replace_policies(hostile_objects.policies())
+    state.replace_cluster_policies([])
+    with ns.entered():
+        enforcer.sync()
+    enforcer.stop()
+    written = enforcer._written[4]
+    assert written is not None, "the table was written"
+    long_chain, short_chain = written.ingress["10.244.1.5"], written.ingress["10.244.2.5"]
+    assert written.quarantined == {long_chain, written.egress["10.244.1.5"]}
+    listing = ns.run("nft", "list", "table", "ip", "knit-policy").stdout
+    quarantined = listing.split(f"chain {long_chain} {{")[1].split("}")[0]
+    assert QUARANTINED in quarantined and "drop" in quarantined and "accept" not in quarantined
+    kept = listing.split(f"chain {short_chain} {{")[1].split("}")[0]
+    assert f"{hostile_objects.NAMESPACE}/short" in kept and "accept" in kept

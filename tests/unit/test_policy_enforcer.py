@@ -36,7 +36,12 @@ def test_a_refused_load_has_its_family_written_whole_next_and_leaves_the_other(
         if nft.family in refusing:
             raise NftError("refused")
 
+    def rehearse(nft: Nft, text: str) -> None:
+        if nft.family in refusing:
+            raise NftError("refused")
+
     monkeypatch.setattr(Nft, "run", run)
+    monkeypatch.setattr(Nft, "rehearse", rehearse)
     monkeypatch.setattr(Nft, "exists", lambda nft: False)
     enforcer = PolicyEnforcer("n1", (4, 6), 3600.0, Metrics())
     state = enforcer.state
