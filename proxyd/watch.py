@@ -46,8 +46,9 @@ class Resource:
     """What of each listed object to keep, applied as each page arrives: a list of 10,000
     pods, each with its managedFields, holds ~150 MiB at once otherwise."""
     optional: bool = False
-    """A custom resource that may not be installed: while the API server does not serve it
-    (404), it is listed as empty, and looked for again every MAX_BACKOFF seconds."""
+    """A resource the API server may not serve (404): a custom resource not installed, or one
+    too new for it. Until a first list it counts as empty; once listed, a 404 keeps what was
+    listed and watched. It is looked for again every MAX_BACKOFF seconds."""
 
 
 def services() -> Resource:
@@ -114,6 +115,8 @@ class Reflector:
         self._on_replace = on_replace
         self._on_event = on_event
         self._stop = stop
+        self._listed = False
+        """Whether the API server has answered a list."""
 
     def _get(self, query: list[tuple[str, Any]], timeout: tuple[float, float]) -> Any:
         method, url, headers, _, _ = self._api.param_serialize(
@@ -191,7 +194,27 @@ class Reflector:
         with gc_pause.paused():
             items, resource_version = self.list()
             self._on_replace(items)
+        self._listed = True
         return resource_version
+
+    def _not_served(self) -> None:
+        kind = self._resource.kind
+        if not self._listed:
+            log.info("%s is not served; looking again in %.0fs", kind, MAX_BACKOFF)
+            # The first sync waits for a first list of every resource: nothing served yet is
+            # an empty list.
+            self._on_replace([])
+            return
+        # A 404 does not say the objects are gone: deleting a CRD deletes its objects first,
+        # each seen by the watch. Emptying them here would drop every ClusterNetworkPolicy,
+        # and let through what they deny, on a CRD briefly missing or an API server
+        # misrouting one request.
+        log.warning(
+            "%s is no longer served; keeping the objects last listed and watched, "
+            "looking again in %.0fs",
+            kind,
+            MAX_BACKOFF,
+        )
 
     def run(self) -> None:
         backoff = 0.5
@@ -203,10 +226,7 @@ class Reflector:
             except Gone as err:
                 log.info("%s watch expired (%s); relisting", self._resource.kind, err)
             except NotServed:
-                log.info(
-                    "%s is not served; looking again in %.0fs", self._resource.kind, MAX_BACKOFF
-                )
-                self._on_replace([])
+                self._not_served()
                 self._stop.wait(MAX_BACKOFF)
             except Exception as err:
                 log.warning(

@@ -125,3 +125,74 @@ def test_a_gone_watch_is_listed_again_at_once_and_watched_from_the_new_list(
     assert len(replaced) == 2
     assert "Service watch expired (too old resource version: 5 (12)); relisting" in caplog.text
     assert "list/watch failed" not in caplog.text, "410 is not a failure to back off from"
+
+
+def cluster_policy(name: str) -> Obj:
+    return {"kind": "ClusterNetworkPolicy", "metadata": {"name": name, "resourceVersion": "5"}}
+
+
+class VanishingCrd(BaseHTTPRequestHandler):
+    """Lists two ClusterNetworkPolicies at resourceVersion 5; the watch from there ends at once
+    (the API server closing it as the CRD goes), and every request after answers 404."""
+
+    requests: ClassVar[int] = 0
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        type(self).requests += 1
+        if self.requests == 1:
+            listed = [cluster_policy("deny-a"), cluster_policy("deny-b")]
+            self._answer(200, {"metadata": {"resourceVersion": "5"}, "items": listed})
+        elif self.requests == 2:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self._answer(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+
+    def _answer(self, status: int, body: Obj) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+def test_an_optional_resource_that_stops_being_served_keeps_the_objects_last_listed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 404 does not say the policies are gone (deleting a CRD deletes its objects first, and a
+    watch sees each go); emptying them on a 404 would let through what they deny."""
+    VanishingCrd.requests = 0
+    monkeypatch.setattr(watch, "MAX_BACKOFF", 0.05)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VanishingCrd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = Configuration()
+    config.host = f"http://127.0.0.1:{server.server_address[1]}"
+    replaced: list[list[str]] = []
+    stop = threading.Event()
+    reflector = Reflector(
+        ApiClient(config),
+        watch.cluster_network_policies(),
+        lambda objs: replaced.append([obj["metadata"]["name"] for obj in objs]),
+        lambda kind, obj: None,
+        stop,
+    )
+    with caplog.at_level(logging.INFO, logger="proxyd.watch"):
+        thread = reflector.start()
+        try:
+            eventually(lambda: VanishingCrd.requests >= 5, what="several 404s", timeout=5)
+        finally:
+            stop.set()
+            thread.join(5)
+            server.shutdown()
+            server.server_close()
+    assert replaced == [["deny-a", "deny-b"]], "the 404s replaced nothing"
+    assert "ClusterNetworkPolicy is no longer served; keeping the objects" in caplog.text
