@@ -3,13 +3,15 @@
 Fed by a list+watch of all Nodes; a worker thread applies the latest picture after each
 change: the CNI config from this node's podCIDRs, the routes to the other nodes' pod CIDRs,
 and the source NAT after routing (egress masquerade, peers' VTEP addresses). A failed apply
-is retried.
+is retried. What a Node may not make this node do (route_plan.check_peers) is logged when it
+first shows, not at every apply.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +24,12 @@ from proxyd.nodenet import conflist
 from proxyd.nodenet.route_plan import (
     NodeNet,
     PeerVtep,
+    check_peers,
     parse_node_net,
     plan_routes,
     pod_mtu,
 )
-from proxyd.nodenet.routes import RouteTable, on_link, uplink_mtu
+from proxyd.nodenet.routes import RouteTable, connected_networks, on_link, uplink_mtu
 from proxyd.nodenet.source_nat import SourceNat
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,20 @@ class NodeNetworkOptions:
     cluster_cidrs: tuple[str, ...]
 
 
+class ReportedOnce:
+    """Passes on the messages that were not in the last batch: a refusal is logged once while
+    it stands, and again if it comes back after it went."""
+
+    def __init__(self) -> None:
+        self.standing: frozenset[str] = frozenset()
+
+    def fresh(self, messages: Iterable[str]) -> list[str]:
+        batch = list(dict.fromkeys(messages))
+        new = [message for message in batch if message not in self.standing]
+        self.standing = frozenset(batch)
+        return new
+
+
 class NodeNetwork:
     def __init__(self, options: NodeNetworkOptions, iptables: list[IptablesKernel]) -> None:
         self.options = options
@@ -51,6 +68,7 @@ class NodeNetwork:
         self.nodes: dict[str, NodeNet] = {}
         self.lock = threading.Lock()
         self.changed = threading.Event()
+        self.warnings = ReportedOnce()
 
     def replace(self, items: list[dict[str, Any]]) -> None:
         nodes = {}
@@ -111,15 +129,20 @@ class NodeNetwork:
                     log.info("wrote the CNI config for %s", ", ".join(local.pod_cidrs))
             else:
                 log.info("node %s has no podCIDR yet: no CNI config", local.name)
+            warnings: list[str] = []
             if routing != "none":
-                plan = plan_routes(local, nodes, routing, lambda ip: on_link(ipr, ip))
-                for reason in plan.skipped:
-                    log.warning("cannot route %s", reason)
+                peers = check_peers(local, nodes, self.options.cluster_cidrs, connected_networks())
+                plan = plan_routes(local, peers, routing, lambda ip: on_link(ipr, ip))
                 RouteTable(ipr).apply(local, plan, mtu)
+                warnings += [*map(str, peers.refused), *(f"cannot route {s}" for s in plan.skipped)]
                 peer_vteps = plan.peer_vteps
-        cluster = self.options.cluster_cidrs + tuple(c for n in nodes for c in n.pod_cidrs)
+            for warning in self.warnings.fresh(warnings):
+                log.warning("%s", warning)
+        # Accepted peers' pod CIDRs lie inside the cluster CIDR, so they need no exemption of
+        # their own: no Node can widen the traffic that leaves unmasqueraded.
+        exempt = self.options.cluster_cidrs + local.pod_cidrs
         for source_nat in self.source_nat:
-            source_nat.apply(local.pod_cidrs, cluster, peer_vteps)
+            source_nat.apply(local.pod_cidrs, exempt, peer_vteps)
         log.info("node networking in place for %d nodes", len(nodes))
 
     @staticmethod

@@ -55,6 +55,11 @@ def on_link(ipr: IPRoute, address: str) -> bool:
     return bool(found) and found[0].get("RTA_GATEWAY") is None
 
 
+def connected_networks() -> tuple[str, ...]:
+    """The node's interface addresses with their networks' prefix lengths (`10.77.1.11/24`)."""
+    return tuple(f"{found.address}/{found.prefix_length}" for found in link_addresses())
+
+
 def uplink_mtu(ipr: IPRoute, address: str) -> int:
     """The MTU of the link holding address (the node's InternalIP)."""
     for local in link_addresses(family_of(address)):

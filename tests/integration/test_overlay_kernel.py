@@ -13,7 +13,14 @@ from typing import Any
 from pyroute2 import IPRoute
 
 from deploy.lab.netns import Netns
-from proxyd.nodenet.route_plan import NodeNet, plan_routes, vtep_address, vtep_mac
+from proxyd.nodenet.route_plan import (
+    NodeNet,
+    Peers,
+    check_peers,
+    plan_routes,
+    vtep_address,
+    vtep_mac,
+)
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE, RouteTable
 
 LOCAL = NodeNet("a", ("10.244.1.0/24",), ("10.77.1.11",))
@@ -24,12 +31,16 @@ FAR = (
 )
 
 
+def checked(peers: list[NodeNet]) -> Peers:
+    return check_peers(LOCAL, peers, ("10.244.0.0/16",), ("10.77.1.11/24",))
+
+
 def on_segment(address: str) -> bool:
     return address.startswith("10.77.1.")
 
 
 def apply(node: Netns, peers: list[NodeNet]) -> None:
-    plan = plan_routes(LOCAL, peers, "auto", on_segment)
+    plan = plan_routes(LOCAL, checked(peers), "auto", on_segment)
     with node.entered(), IPRoute() as ipr:
         RouteTable(ipr).apply(LOCAL, plan, 1450)
 
@@ -56,7 +67,7 @@ class EntryWritesCounted:
 
 def writes(node: Netns, peers: list[NodeNet]) -> int:
     """Forwarding and neighbour entries an apply of these peers writes or deletes."""
-    plan = plan_routes(LOCAL, peers, "auto", on_segment)
+    plan = plan_routes(LOCAL, checked(peers), "auto", on_segment)
     with node.entered(), IPRoute() as ipr:
         counting = EntryWritesCounted(ipr)
         RouteTable(counting).apply(LOCAL, plan, 1450)  # type: ignore[arg-type]

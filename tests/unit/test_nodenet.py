@@ -12,7 +12,9 @@ from proxyd.nodenet import conflist
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.route_plan import (
     NodeNet,
+    Peers,
     PeerVtep,
+    check_peers,
     parse_node_net,
     plan_routes,
     pod_mtu,
@@ -31,6 +33,12 @@ A = NodeNet("a", ("10.244.1.0/24", "fd10:244:0:1::/64"), ("10.77.1.11", "fd77:1:
 B = NodeNet("b", ("10.244.2.0/24", "fd10:244:0:2::/64"), ("10.77.1.12", "fd77:1::c"))
 C = NodeNet("c", ("10.244.3.0/24",), ("10.77.2.13",))
 NEIGHBOURS = {"10.77.1.12", "fd77:1::c"}
+CLUSTER = ("10.244.0.0/16", "fd10:244::/56")
+
+
+def peers(*nodes: NodeNet) -> Peers:
+    """The nodes as a's routing accepts them (its underlay 10.77.1.0/24)."""
+    return check_peers(A, nodes, CLUSTER, ("10.77.1.11/24", "fd77:1::b/64"))
 
 
 def on_link(ip: str) -> bool:
@@ -38,7 +46,7 @@ def on_link(ip: str) -> bool:
 
 
 def test_auto_routes_neighbours_directly_and_the_rest_over_vxlan() -> None:
-    plan = plan_routes(A, [A, B, C], "auto", on_link)
+    plan = plan_routes(A, peers(A, B, C), "auto", on_link)
     routes = {(r.cidr, r.via, r.overlay) for r in plan.routes}
     assert routes == {
         ("10.244.2.0/24", "10.77.1.12", False),
@@ -54,7 +62,7 @@ def test_auto_routes_neighbours_directly_and_the_rest_over_vxlan() -> None:
 
 
 def test_vxlan_mode_tunnels_every_peer_and_carries_ipv6_over_the_ipv4_underlay() -> None:
-    plan = plan_routes(A, [A, B], "vxlan", on_link)
+    plan = plan_routes(A, peers(A, B), "vxlan", on_link)
     assert {(r.cidr, r.via) for r in plan.routes} == {
         ("10.244.2.0/24", "10.244.2.0"),
         ("fd10:244:0:2::/64", "fd10:244:0:2::"),
@@ -64,13 +72,13 @@ def test_vxlan_mode_tunnels_every_peer_and_carries_ipv6_over_the_ipv4_underlay()
 
 def test_direct_mode_skips_what_it_cannot_route_and_none_routes_nothing() -> None:
     lonely = NodeNet("d", ("fd10:244:0:4::/64",), ("10.77.1.14",))
-    plan = plan_routes(A, [A, lonely], "direct", on_link)
+    plan = plan_routes(A, peers(A, lonely), "direct", on_link)
     assert plan.routes == () and "no InternalIP of its family" in plan.skipped[0]
-    assert plan_routes(A, [A, B, C], "none", on_link).routes == ()
+    assert plan_routes(A, peers(A, B, C), "none", on_link).routes == ()
 
 
 def test_nodes_without_a_pod_cidr_get_no_route_and_macs_are_stable_and_local() -> None:
-    assert plan_routes(A, [A, NodeNet("e", (), ("10.77.1.15",))], "auto", on_link).routes == ()
+    assert plan_routes(A, peers(NodeNet("e", (), ("10.77.1.15",))), "auto", on_link).routes == ()
     mac = vtep_mac("10.77.2.13")
     assert mac == vtep_mac("10.77.2.13") != vtep_mac("10.77.2.14")
     assert int(mac[:2], 16) & 0b11 == 0b10  # locally administered, unicast
@@ -135,7 +143,7 @@ def test_egress_masquerades_what_leaves_the_cluster_cidrs() -> None:
 
 def test_a_peers_traffic_over_vxlan_is_given_the_peers_node_address() -> None:
     dual = NodeNet("d", ("10.244.4.0/24", "fd10:244:0:4::/64"), ("10.77.3.14", "fd77:3::e"))
-    plan = plan_routes(A, [A, B, C, dual], "auto", on_link)
+    plan = plan_routes(A, peers(A, B, C, dual), "auto", on_link)
     assert plan.peer_vteps == (
         PeerVtep("10.244.3.0", "10.77.2.13"),
         PeerVtep("10.244.4.0", "10.77.3.14"),
@@ -146,7 +154,7 @@ def test_a_peers_traffic_over_vxlan_is_given_the_peers_node_address() -> None:
     ]
     assert render_peers(6, plan.peer_vteps) == []
     ipv6_only = NodeNet("e", ("10.244.5.0/24",), ("fd77:3::f",))
-    assert plan_routes(A, [A, ipv6_only], "vxlan", on_link).peer_vteps == ()
+    assert plan_routes(A, peers(A, ipv6_only), "vxlan", on_link).peer_vteps == ()
 
 
 def test_node_updates_that_change_nothing_routing_uses_do_not_wake_the_worker() -> None:
