@@ -213,20 +213,26 @@ def _peers_key(namespace: str, peers: tuple[Peer, ...]) -> PeersKey:
 
 
 def _intervals(block: IpBlock, family: int) -> list[Interval]:
+    """The block's addresses less its `except`s, in one sweep over the holes in order
+    (linear in the number of holes once sorted: carving each from every piece was quadratic,
+    2 s for 4,000 of them)."""
     if block.family != family:
         return []
     network = ipaddress.ip_network(block.cidr)
-    kept = [(int(network[0]), int(network[-1]))]
-    for text in block.excepted:
-        carved = ipaddress.ip_network(text)
-        low, high = int(carved[0]), int(carved[-1])
-        kept = [
-            piece
-            for first, last in kept
-            for piece in ((first, min(last, low - 1)), (max(first, high + 1), last))
-            if piece[0] <= piece[1]
-        ]
+    cursor, last = int(network[0]), int(network[-1])
+    kept = []
+    for low, high in sorted(merged(_span(text) for text in block.excepted)):
+        if low > cursor:
+            kept.append((cursor, low - 1))
+        cursor = max(cursor, high + 1)
+    if cursor <= last:
+        kept.append((cursor, last))
     return kept
+
+
+def _span(cidr: str) -> Interval:
+    network = ipaddress.ip_network(cidr)
+    return int(network[0]), int(network[-1])
 
 
 def merged(intervals: Iterable[Interval]) -> frozenset[Interval]:

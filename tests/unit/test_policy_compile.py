@@ -19,7 +19,7 @@ from proxyd.policy.compile import (
     compile_family,
     merged,
 )
-from proxyd.policy.model import Namespace, NetworkPolicy, Pod, parse_policy
+from proxyd.policy.model import MAX_EXCEPT, Namespace, NetworkPolicy, Pod, parse_policy
 from proxyd.policy.render import Renderer
 
 
@@ -303,3 +303,41 @@ def test_baseline_judges_only_pods_no_networkpolicy_isolates() -> None:
     chain = isolated.chains[isolated.ingress["10.0.0.1"]]
     assert [match.verdict for match in chain.matches] == [ALLOW]
     assert isolated.isolating[isolated.ingress["10.0.0.1"]] == ("p",)
+
+
+def test_ip_block_except_sweep_keeps_what_carving_each_hole_keeps() -> None:
+    chooser = random.Random(7)
+    for _ in range(60):
+        holes = [
+            str(
+                ipaddress.ip_network(
+                    f"10.0.{chooser.randrange(16)}.{chooser.randrange(256)}/{p}", strict=False
+                )
+            )
+            for p in chooser.choices(range(22, 33), k=chooser.randrange(12))
+        ]
+        spec = {
+            "podSelector": {},
+            "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/20", "except": holes}}]}],
+        }
+        out = compile_family(cluster(policy("x", spec)), 4)
+        (allow,) = out.chains[out.ingress["10.0.0.1"]].matches
+        assert allow.peers is not None
+        carved = set(ipaddress.ip_network("10.0.0.0/20")) - {
+            a for hole in holes for a in ipaddress.ip_network(hole)
+        }
+        pod_addresses = {value(p.addresses[0]) for p in PODS if p.namespace == "x"}
+        kept = {
+            address for first, last in out.peers[allow.peers] for address in range(first, last + 1)
+        } - pod_addresses
+        assert kept == {int(a) for a in carved} - pod_addresses, holes
+
+
+def test_ip_block_over_the_except_cap_leaves_its_rule_out() -> None:
+    holes = [f"10.{n >> 8}.{n & 255}.0/24" for n in range(MAX_EXCEPT + 1)]
+    block = {"ipBlock": {"cidr": "10.0.0.0/8", "except": holes}}
+    spec = {"podSelector": {}, "ingress": [{"from": [block]}]}
+    parsed = policy("x", spec)
+    assert parsed.ingress == () and "over knit's 20000" in parsed.problems[0]
+    out = compile_family(cluster(parsed), 4)
+    assert out.chains[out.ingress["10.0.0.1"]].matches == (), "isolated, nothing allowed"
