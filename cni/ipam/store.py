@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,16 @@ LAST_RESERVED_PREFIX = "last_reserved_ip."
 LOCK_FILE = "lock"
 
 
+class _HeldLocks(threading.local):
+    """The store directories whose lock this thread holds."""
+
+    def __init__(self) -> None:
+        self.directories: set[Path] = set()
+
+
+_HELD = _HeldLocks()
+
+
 def attachment_key(container_id: str, ifname: str) -> str:
     return container_id.strip() + LINE_BREAK + ifname
 
@@ -33,6 +44,12 @@ class Store:
 
     @contextmanager
     def locked(self) -> Iterator[Store]:
+        """The store under its lock; reentrant within a thread, so the daemon's start-up GC
+        can scan and release under one hold (a second descriptor's flock would wait for this
+        thread itself)."""
+        if self.directory in _HELD.directories:
+            yield self
+            return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -42,7 +59,11 @@ class Store:
             ) from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield self
+            _HELD.directories.add(self.directory)
+            try:
+                yield self
+            finally:
+                _HELD.directories.discard(self.directory)
         finally:
             os.close(fd)
 

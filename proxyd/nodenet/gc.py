@@ -49,21 +49,27 @@ def live_attachments(plugin: dict[str, Any], links: set[str], now: float) -> set
 
 def collect(plugin: dict[str, Any] | None, cni_bin_dir: Path) -> int:
     """Release the reservations of pods that are gone; returns how many there were."""
-    if plugin is None or "dataDir" not in (plugin.get("ipam") or {}):
+    ipam = (plugin or {}).get("ipam") or {}
+    # In-process host-local only: a delegated IPAM plugin would wait for the lock held here.
+    if plugin is None or ipam.get("type") != "host-local" or "dataDir" not in ipam:
         return 0
-    store = Store(plugin["ipam"]["dataDir"], plugin["name"])
-    before = len(store.reservations())
-    live = live_attachments(plugin, _link_names(), time.time())
-    request = {
-        **plugin,
-        "cniVersion": "1.1.0",
-        "cni.dev/valid-attachments": [{"containerID": c, "ifname": i} for c, i in sorted(live)],
-    }
-    run(
-        from_environ({"CNI_COMMAND": "GC", "CNI_PATH": str(cni_bin_dir)}),
-        json.dumps(request).encode(),
-    )
-    released = before - len(store.reservations())
+    store = Store(ipam["dataDir"], plugin["name"])
+    # The scan and the release under one hold of the lock, which the GC verb's host-local
+    # takes again in this thread: an ADD reserving between them would be missing from the
+    # live set and lose its address while its pod uses it.
+    with store.locked():
+        before = len(store.reservations())
+        live = live_attachments(plugin, _link_names(), time.time())
+        request = {
+            **plugin,
+            "cniVersion": "1.1.0",
+            "cni.dev/valid-attachments": [{"containerID": c, "ifname": i} for c, i in sorted(live)],
+        }
+        run(
+            from_environ({"CNI_COMMAND": "GC", "CNI_PATH": str(cni_bin_dir)}),
+            json.dumps(request).encode(),
+        )
+        released = before - len(store.reservations())
     if released:
         log.info("released %d addresses of pods no longer on this node", released)
     return released

@@ -210,3 +210,25 @@ def test_release_takes_old_format_files_only_when_no_current_one_matches(tmp_pat
     assert old.exists(), "the reference's ReleaseByID keeps it while a current file matched"
     ipam.release("c", "eth0")
     assert not old.exists()
+
+
+def test_the_store_lock_is_reentrant_in_a_thread_and_excludes_other_threads(tmp_path):
+    """What the daemon's start-up GC relies on to scan and release under one hold."""
+    ipam = make(tmp_path, [[{"subnet": "10.1.0.0/29"}]])
+    nested = threading.Event()
+    added = threading.Event()
+    added_while_held: list[bool] = []
+
+    def hold_twice_and_let_another_thread_add() -> None:
+        with ipam.store.locked(), ipam.store.locked():
+            nested.set()
+            adder.start()
+            added_while_held.append(added.wait(0.3))
+
+    adder = threading.Thread(target=lambda: (ipam.add("c", "eth0"), added.set()), daemon=True)
+    holder = threading.Thread(target=hold_twice_and_let_another_thread_add, daemon=True)
+    holder.start()
+    holder.join(5)
+    assert nested.is_set() and not holder.is_alive(), "the thread holding it took it again"
+    assert added_while_held == [False], "another thread's ADD waited for the lock"
+    assert added.wait(5), "the ADD ran once the lock was let go"
