@@ -133,8 +133,9 @@ class NodeNetwork:
             if routing != "none":
                 peers = check_peers(local, nodes, self.options.cluster_cidrs, connected_networks())
                 plan = plan_routes(local, peers, routing, lambda ip: on_link(ipr, ip))
-                RouteTable(ipr).apply(local, plan, mtu)
+                held = RouteTable(ipr).apply(local, plan, mtu)
                 warnings += [*map(str, peers.refused), *(f"cannot route {s}" for s in plan.skipped)]
+                warnings += [f"route to {cidr} not added: {reason}" for cidr, reason in held]
                 peer_vteps = plan.peer_vteps
             for warning in self.warnings.fresh(warnings):
                 log.warning("%s", warning)

@@ -2,13 +2,16 @@
 
 Routes carry their own protocol number, so the ones of deleted nodes are found and removed
 without any saved state; the overlay device is created when a peer needs it and removed
-when none does.
+when none does. Only routes carrying that number are ever changed or deleted: a destination
+another route of the main table already has (the operator's, a connected network's) is left
+to it, and a new route is added, never written over one.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from dataclasses import dataclass
 
 from pyroute2 import IPRoute
@@ -31,12 +34,23 @@ log = logging.getLogger(__name__)
 
 ROUTE_PROTOCOL = 107
 """rtm_protocol of knit's routes (unassigned in iproute2's rt_protos)."""
+MAIN_TABLE = 254
+EEXIST = 17
+HELD = "a route knit did not make holds it"
 VXLAN_DEVICE = "knit.vxlan"
 VXLAN_VNI = 1
 VXLAN_PORT = 8472
 NUD_PERMANENT = 0x80
 NTF_SELF = 0x02
 RTNH_F_ONLINK = 4
+
+
+@dataclass(frozen=True)
+class KnitRoute:
+    """One of knit's routes as the kernel holds it."""
+
+    via: str
+    oif: int
 
 
 @dataclass(frozen=True)
@@ -73,46 +87,74 @@ class RouteTable:
         self.ipr = ipr
         self.overlay = overlay
 
-    def apply(self, local: NodeNet, plan: RoutePlan, mtu: int) -> None:
+    def apply(self, local: NodeNet, plan: RoutePlan, mtu: int) -> list[tuple[str, str]]:
+        """Puts the plan in place; returns the planned routes left out, with the reason."""
         overlay_index = self._sync_device(local, plan, mtu)
         if overlay_index is not None:
             self._sync_peers(overlay_index, plan.peers)
-        self._sync_routes(plan.routes, overlay_index)
+        return self._sync_routes(plan.routes, overlay_index)
 
     def remove_all(self) -> None:
         self._sync_routes((), None)
         self._delete_device()
 
-    def installed(self) -> dict[str, tuple[str, int]]:
-        """Our routes in the kernel: destination -> (next hop, output interface)."""
-        found: dict[str, tuple[str, int]] = {}
+    def main_table(self) -> tuple[dict[str, KnitRoute], set[str]]:
+        """The main table's routes: knit's by destination, and the others' destinations."""
+        knit: dict[str, KnitRoute] = {}
+        others: set[str] = set()
         for address_family in ADDRESS_FAMILIES.values():
-            for route in self.ipr.route("dump", family=address_family, proto=ROUTE_PROTOCOL):
-                dst = f"{route.get('RTA_DST')}/{route['dst_len']}"
-                found[str(ipaddress.ip_network(dst))] = (
-                    route.get("RTA_GATEWAY") or "",
-                    route.get("RTA_OIF") or 0,
+            for route in self.ipr.route("dump", family=address_family, table=MAIN_TABLE):
+                if route.get("RTA_TABLE", route["table"]) != MAIN_TABLE:
+                    continue
+                dst = route.get("RTA_DST") or (
+                    "::" if address_family == socket.AF_INET6 else "0.0.0.0"
                 )
-        return found
+                cidr = str(ipaddress.ip_network(f"{dst}/{route['dst_len']}"))
+                if route["proto"] == ROUTE_PROTOCOL:
+                    knit[cidr] = KnitRoute(
+                        route.get("RTA_GATEWAY") or "", route.get("RTA_OIF") or 0
+                    )
+                else:
+                    others.add(cidr)
+        return knit, others
 
-    def _sync_routes(self, routes: tuple[PodRoute, ...], overlay_index: int | None) -> None:
-        current = self.installed()
-        for cidr in set(current) - {route.cidr for route in routes}:
-            self.ipr.route("del", dst=cidr, proto=ROUTE_PROTOCOL)
+    def _sync_routes(
+        self, routes: tuple[PodRoute, ...], overlay_index: int | None
+    ) -> list[tuple[str, str]]:
+        knit, others = self.main_table()
+        held = [(route.cidr, HELD) for route in routes if route.cidr in others]
+        wanted = [route for route in routes if route.cidr not in others]
+        for cidr in set(knit) - {route.cidr for route in wanted}:
+            self._delete(cidr, knit[cidr])
             log.info("route to %s removed", cidr)
-        for route in routes:
-            have = current.get(route.cidr)
-            if (
-                have is not None
-                and have[0] == route.via
-                and (not route.overlay or have[1] == overlay_index)
-            ):
+        for route in wanted:
+            have = knit.get(route.cidr)
+            overlay_oif = overlay_index if route.overlay else None
+            if have is not None and have.via == route.via and overlay_oif in (None, have.oif):
                 continue
+            if have is not None:
+                # Deleted and added again rather than replaced: a replace would take whatever
+                # route holds the destination's slot, and a route is only ever knit's to delete.
+                self._delete(route.cidr, have)
             spec: dict[str, object] = {"dst": route.cidr, "gateway": route.via}
             if route.overlay:
                 spec.update(oif=overlay_index, flags=RTNH_F_ONLINK)
-            self.ipr.route("replace", proto=ROUTE_PROTOCOL, **spec)
+            try:
+                self.ipr.route("add", proto=ROUTE_PROTOCOL, table=MAIN_TABLE, **spec)
+            except NetlinkError as err:
+                if err.code != EEXIST:  # one made since the dump above
+                    raise
+                held.append((route.cidr, HELD))
+                continue
             log.info("route to %s via %s%s", route.cidr, route.via, " (vxlan)" * route.overlay)
+        return held
+
+    def _delete(self, cidr: str, route: KnitRoute) -> None:
+        """Deletes knit's route: the kernel matches the protocol, so no other route goes."""
+        spec: dict[str, object] = {"oif": route.oif} if route.oif else {}
+        if route.via:
+            spec["gateway"] = route.via
+        self.ipr.route("del", dst=cidr, proto=ROUTE_PROTOCOL, table=MAIN_TABLE, **spec)
 
     def _sync_device(self, local: NodeNet, plan: RoutePlan, mtu: int) -> int | None:
         if not plan.peers:

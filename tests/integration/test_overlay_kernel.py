@@ -2,8 +2,9 @@
 node namespace of its own, builds the VXLAN device with a forwarding and a neighbour entry per
 peer across segments, drops a departed peer's entries and route, mends entries changed behind its
 back (a forwarding entry to another address, one to another port, a neighbour entry
-no longer permanent) while an apply of the same peers again writes no entry, and removes the
-device with the last such peer while a route to a peer on the segment stays."""
+no longer permanent, its own route sent elsewhere) while an apply of the same peers again
+writes no entry, and removes the device with the last such peer while a route to a peer on the
+segment stays."""
 
 from __future__ import annotations
 
@@ -111,6 +112,10 @@ def test_the_overlay_device_goes_with_the_last_peer_across_segments(
     assert "PERMANENT" in node.ip("neigh", "show", vtep, "dev", VXLAN_DEVICE)
     assert f"{mac} dst {cooled} self permanent" in forwarding and "port 4790" not in forwarding
     assert writes(node, [NEIGHBOUR, *FAR]) == 0, "entries in place are left alone"
+    node.ip("route", "replace", "10.244.2.0/24", "via", "10.77.1.99", "proto", str(ROUTE_PROTOCOL))
+    apply(node, [NEIGHBOUR, *FAR])
+    (mended,) = node.ip("route", "show", "10.244.2.0/24").splitlines()
+    assert mended.startswith("10.244.2.0/24 via 10.77.1.12 dev eth0"), "knit's route is mended"
 
     apply(node, [NEIGHBOUR, FAR[0]])
     assert vtep_mac("10.77.3.14") not in node.run("bridge", "fdb", "show").stdout
