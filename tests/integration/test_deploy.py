@@ -3,7 +3,8 @@
 deploy/kubernetes: rendered by kubectl's kustomize and accepted by the real kube-apiserver in a
 server-side dry run with strict field validation (and refused when a field is wrong); its
 command line and configuration parsed by knit-proxyd's own option parser; its RBAC checked
-against what proxyd/watch.py watches, then bound for real and asked with `kubectl auth can-i`.
+against the requests proxyd/ makes (the lists and watches of proxyd/watch.py), then bound for
+real and asked with `kubectl auth can-i`.
 deploy/kind/cluster.yaml: decoded strictly into kind's own types (build/tools/kindconfig).
 Dockerfile: BuildKit's checks and parser (build/tools/dockerfilelint), its build context after
 .dockerignore, and its bundle step run here. The kind-e2e workflow: actionlint with shellcheck,
@@ -12,6 +13,7 @@ its matrix against proxyd.config.MODES, its versions against the pins, its overl
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import re
@@ -289,13 +291,39 @@ def watched() -> set[tuple[str, str]]:
     return found
 
 
-def test_the_role_grants_what_the_daemon_watches_and_only_reads(objects):
+def request_verbs() -> set[str]:
+    """The verbs of the daemon's API requests. Only proxyd/daemon.py and proxyd/watch.py use
+    the kubernetes client; the daemon builds an ApiClient and hands it to the reflectors; the
+    reflector's one request is a GET of a Resource's collection (watched() checks the paths):
+    a list, or a watch with watch=true."""
+    users = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "proxyd").rglob("*.py")
+        if re.search(r"^\s*(from|import) kubernetes\b", path.read_text(), re.MULTILINE)
+    }
+    assert users == {"proxyd/daemon.py", "proxyd/watch.py"}
+    daemon = (ROOT / "proxyd" / "daemon.py").read_text()
+    assert set(re.findall(r"\bclient\.(\w+)", daemon)) == {"ApiClient", "Configuration"}
+    reflector = ast.parse((ROOT / "proxyd" / "watch.py").read_text())
+    methods = [
+        keyword.value
+        for node in ast.walk(reflector)
+        if isinstance(node, ast.Call)
+        for keyword in node.keywords
+        if keyword.arg == "method"
+    ]
+    assert [ast.literal_eval(method) for method in methods] == ["GET"]
+    queries = ast.unparse(reflector)
+    assert "('watch', True)" in queries and "('limit', PAGE_SIZE)" in queries
+    return {"list", "watch"}
+
+
+def test_the_role_grants_exactly_what_the_daemon_requests(objects):
     resources = watched()
     granted = set()
     for rule in find(objects, "ClusterRole")["rules"]:
-        assert set(rule["verbs"]) <= {"get", "list", "watch"}
+        assert sorted(rule["verbs"]) == sorted(request_verbs()), rule
         granted |= {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
-        assert {"list", "watch"} <= set(rule["verbs"])
     assert granted == resources
     binding = find(objects, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == "knit"
@@ -330,11 +358,13 @@ def can(plane: ControlPlane, verb: str, resource: str) -> bool:
 def test_the_service_account_may_watch_what_knit_watches_and_nothing_more(
     control_plane, bound_account
 ):
-    for group, resource in sorted(watched()):
-        name = f"{resource}.{group}" if group else resource
-        for verb in ("list", "watch"):
+    names = [f"{resource}.{group}" if group else resource for group, resource in watched()]
+    for name in sorted(names):
+        for verb in sorted(request_verbs()):
             # the authorizer's cache takes the new binding in a moment after it is created
             eventually(functools.partial(can, control_plane, verb, name), what=f"{verb} {name}")
+    for name in sorted(names):
+        assert not can(control_plane, "get", name), f"get {name}: the daemon only lists"
     for verb, name in [
         ("create", "events"),
         ("create", "events.events.k8s.io"),
