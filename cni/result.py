@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+from cni import ip_text
 from cni.errors import CniError, Code
 from cni.version import at_least
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ip_text.Address
+IPInterface = ip_text.Interface
+IPNetwork = ip_text.Network
 
 ROUTE_EXTRAS_1_1 = ("mtu", "advmss", "priority", "table", "scope")
 ROUTE_EXTRA_LIMITS = {
@@ -105,8 +105,8 @@ class Result:
                 ],
                 ips=[
                     IPConfig(
-                        address=ipaddress.ip_interface(ip["address"]),
-                        gateway=ipaddress.ip_address(ip["gateway"]) if ip.get("gateway") else None,
+                        address=ip_text.interface(ip["address"]),
+                        gateway=ip_text.address(ip["gateway"]) if ip.get("gateway") else None,
                         interface=ip.get("interface"),
                     )
                     for ip in data.get("ips") or []
@@ -128,8 +128,8 @@ def parse_route(data: Any) -> Route:
     if not isinstance(data, dict) or "dst" not in data:
         raise ValueError(f"route {data!r} needs a dst")
     return Route(
-        dst=ipaddress.ip_network(data["dst"], strict=False),
-        gw=ipaddress.ip_address(data["gw"]) if data.get("gw") else None,
+        dst=ip_text.network(data["dst"]),
+        gw=ip_text.address(data["gw"]) if data.get("gw") else None,
         extras={k: _route_extra(k, data[k]) for k in ROUTE_EXTRAS_1_1 if k in data},
     )
 

@@ -4,7 +4,6 @@ kube-proxy's KubeProxyConfiguration form setting the same options (flags win).""
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from cni import ip_text
 from proxyd.nodenet.route_plan import ROUTING_MODES
 
 MODES = ("iptables", "nftables", "ipvs")
@@ -91,7 +91,7 @@ def _cidrs(
             result.append(value)
             continue
         try:
-            result.append(str(ipaddress.ip_network(value, strict=False)))
+            result.append(str(ip_text.network(value)))
         except ValueError as err:
             raise ConfigError(f"{what}: {value!r} is not a CIDR") from err
     return tuple(result)

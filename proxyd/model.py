@@ -10,11 +10,12 @@ range would open the load balancer to more clients than its owner allowed.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
+
+from cni import ip_text
 
 PROTOCOLS = ("TCP", "UDP", "SCTP")
 IGNORE_LABELS = ("service.kubernetes.io/service-proxy-name", "service.kubernetes.io/headless")
@@ -167,8 +168,8 @@ def parse_or_skip(parse: Callable[[Obj], T], obj: Obj, kind: str) -> T | None:
 
 def _ip(text: Any, what: str) -> str:
     try:
-        return str(ipaddress.ip_address(text))
-    except (ValueError, TypeError) as err:
+        return str(ip_text.address(text))
+    except ValueError as err:
         raise InvalidObject(f"{what} {text!r} is not an IP address") from err
 
 
@@ -188,8 +189,8 @@ def _usable_ips(values: list[Any], what: str, owner: str) -> tuple[str, ...]:
 
 def _cidr(text: Any, what: str) -> str:
     try:
-        return str(ipaddress.ip_network(str(text).strip(), strict=False))
-    except (ValueError, TypeError) as err:
+        return str(ip_text.network(text))
+    except ValueError as err:
         raise InvalidObject(f"{what} {text!r} is not a CIDR") from err
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cni import ip_text
 from proxyd.model import PROTOCOLS, InvalidObject, Obj, family_of
 
 INGRESS = "Ingress"
@@ -196,8 +197,8 @@ def parse_selector(value: Any, what: str) -> Selector:
 
 def network(text: Any, what: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     try:
-        return ipaddress.ip_network(text, strict=False)
-    except (ValueError, TypeError) as err:
+        return ip_text.network(text)
+    except ValueError as err:
         raise InvalidObject(f"{what} {text!r} is not a CIDR") from err
 
 
@@ -367,8 +368,8 @@ def parse_pod(obj: Obj) -> Pod | None:
     for entry in sequence(status.get("podIPs"), "status.podIPs"):
         text = mapping(entry, "podIPs[]").get("ip")
         try:
-            addresses.append(ipaddress.ip_address(str(text)))
-        except (ValueError, TypeError) as err:
+            addresses.append(ip_text.address(text))
+        except ValueError as err:
             raise InvalidObject(f"pod IP {text!r} is not an address") from err
     if not addresses:
         return None

@@ -1,0 +1,44 @@
+"""The one way knit reads an address or network from text it did not write (API objects,
+flags, a plugin's result) for use in rule text, routes or netlink.
+
+Python's ipaddress keeps an IPv6 scope ID with any content (`fe80::1%a\nflush ruleset`
+survives `str()`), and the API server does not validate every address it stores (Node status
+addresses), so such text could reach iptables-restore or nft input whole. Scope IDs are
+refused, and what is returned is rebuilt from its packed bytes: its `str()` is canonical and
+holds only address characters.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Interface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not {what}")
+    if "%" in value:
+        raise ValueError(f"{value!r} is not {what}: knit takes no scope ID")
+    return value
+
+
+def address(value: object) -> Address:
+    """An IP address; ValueError when `value` is not one, or has a scope ID."""
+    return ipaddress.ip_address(ipaddress.ip_address(_text(value, "an IP address")).packed)
+
+
+def network(value: object, strict: bool = False) -> Network:
+    """A network in CIDR notation, blanks around it ignored (host bits cleared unless
+    `strict`); ValueError when `value` is not one, or has a scope ID."""
+    parsed = ipaddress.ip_network(_text(value, "a CIDR").strip(), strict=strict)
+    return ipaddress.ip_network((parsed.network_address.packed, parsed.prefixlen))
+
+
+def interface(value: object) -> Interface:
+    """An address with its prefix length; ValueError when `value` is not one, or has a
+    scope ID."""
+    parsed = ipaddress.ip_interface(_text(value, "an address with a prefix length"))
+    return ipaddress.ip_interface((parsed.ip.packed, parsed.network.prefixlen))
