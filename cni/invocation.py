@@ -6,6 +6,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,20 @@ KNOWN_ARGS = frozenset(
 MAX_IFNAME_BYTES = 15
 IFNAME_FORBIDDEN = "/:\"';\\"
 CNI_PREFIX = "CNI_"
+# The variables the spec defines for a plugin: all a delegated plugin is given of the call's.
+SPEC_VARIABLES = (
+    "CNI_COMMAND",
+    "CNI_CONTAINERID",
+    "CNI_NETNS",
+    "CNI_IFNAME",
+    "CNI_ARGS",
+    "CNI_PATH",
+)
+
+# When (time.monotonic()) the call being served must have ended, if its caller set a time: the
+# node daemon does for each call it serves (cni.server), in the call's thread; a call run
+# in-process is bounded by the runtime that started it.
+call_deadline: ContextVar[float | None] = ContextVar("call_deadline", default=None)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from cni.errors import CniError, Code
@@ -58,3 +59,16 @@ def inside(base: str | Path, name: str) -> Path:
     if not name or name in (".", "..") or "/" in name or "\0" in name:
         raise _invalid(f"{name!r} cannot be a file name inside {base}")
     return Path(base) / name
+
+
+def narrowed_search_path(requested: str, allowed: Sequence[str]) -> str:
+    """The CNI_PATH `requested` less every directory that is not one of `allowed`: in
+    requested's order, each spelt as in allowed. A directory matches by its normalized
+    spelling, so `..` cannot climb out of one."""
+    by_spelling = {os.path.normpath(directory): directory for directory in allowed}
+    kept: list[str] = []
+    for directory in filter(None, requested.split(":")):
+        match = by_spelling.get(os.path.normpath(directory))
+        if match is not None and match not in kept:
+            kept.append(match)
+    return ":".join(kept)

@@ -26,10 +26,13 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cni.errors import CniError, Code
+from cni.invocation import call_deadline
+from cni.paths import narrowed_search_path
 from cni.plugin import error_output, execute
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,11 @@ REQUEST_DEADLINE = 2.0
 # call in the daemon takes 2 to 40 ms, and running in-process costs ~90-100 ms more than the
 # fast path (docs/benchmarks.md), so a longer wait could cost more than declining does.
 ADMISSION_WAIT = 0.1
+# From the whole request read to the call's end, for what a call waits on outside the kernel:
+# its delegated IPAM plugin is killed when this comes before the plugin's own deadline (a DEL,
+# which gives back what a pod or a failed ADD holds, always gets the plugin's 20 s). With that
+# DEL, a call ends within 80 s, before the executable's answer deadline (90 s, cni/client.c).
+CALL_DEADLINE = 60.0
 # For sending an answer; a few KB, which the socket's buffer takes at once.
 ANSWER_TIMEOUT = 2.0
 CLOSE_WAIT = 5.0
@@ -95,9 +103,16 @@ class Request:
 class CniServer:
     """Accepts calls on a listening unix socket until close()."""
 
-    def __init__(self, listener: socket.socket, path: str, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        listener: socket.socket,
+        path: str,
+        limits: Limits | None = None,
+        bin_dirs: Sequence[str] = (),
+    ) -> None:
         self.path = path
         self.limits = limits or Limits()
+        self.bin_dirs = tuple(bin_dirs)
         self.calls = 0
         self.declined = 0
         self._listener = listener
@@ -255,11 +270,21 @@ class CniServer:
             return 1, error_json(f"the knit daemon serves {verbs}, not {command!r}", request.stdin)
         with self._lock:
             self.calls += 1
-        return execute(request.environ, request.stdin, request.netns_fd)
+        # The caller's CNI_PATH would have this daemon run a program of the caller's choice
+        # with its capabilities (a delegated IPAM plugin): it may only narrow the daemon's own
+        # bin dirs. (In-process, the runtime runs the plugin: CNI_PATH is the runtime's.)
+        requested = request.environ.get("CNI_PATH", "")
+        environ = {**request.environ, "CNI_PATH": narrowed_search_path(requested, self.bin_dirs)}
+        # Each call has a thread of its own, so the deadline is this call's alone.
+        call_deadline.set(time.monotonic() + CALL_DEADLINE)
+        return execute(environ, request.stdin, request.netns_fd)
 
 
-def serve(socket_path: str, limits: Limits | None = None) -> CniServer:
-    """Listen on socket_path (0600, in a folder made 0700) and serve calls from root."""
+def serve(
+    socket_path: str, limits: Limits | None = None, bin_dirs: Sequence[str] = ()
+) -> CniServer:
+    """Listen on socket_path (0600, in a folder made 0700) and serve calls from root. A
+    delegated IPAM plugin is run only from bin_dirs (none: no delegated plugin is run)."""
     _warm_up()
     path = Path(socket_path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -285,7 +310,7 @@ def serve(socket_path: str, limits: Limits | None = None) -> CniServer:
         listener.close()
         Path(staging).unlink(missing_ok=True)
         raise
-    return CniServer(listener, str(path), limits)
+    return CniServer(listener, str(path), limits, bin_dirs)
 
 
 def _warm_up() -> None:

@@ -28,8 +28,11 @@ from tests.integration.cni_env import NETWORK, Node, bridge_conf
 SERVER = """
 import logging, sys
 logging.basicConfig(filename=sys.argv[2], level=logging.INFO, format="%(message)s")
+from cni.ipam import delegate
 from cni.server import serve
-server = serve(sys.argv[1])
+if sys.argv[4]:
+    delegate.DEADLINE = float(sys.argv[4])
+server = serve(sys.argv[1], bin_dirs=sys.argv[3].split(":"))
 print("ready", flush=True)
 sys.stdin.read()
 server.close()
@@ -75,17 +78,29 @@ class Daemon:
         self.proc.wait(timeout=30)
 
 
+# The daemon's own variables, which no call may see (see the delegation tests).
+DAEMON_ENV = {"CNI_CONTAINERID": "the-daemons-own", "KNIT_DAEMON_TOKEN": "the-daemons-own"}
+
+
 @contextmanager
-def running_daemon(node: Node, directory: Path, through: Sequence[str] = ()) -> Iterator[Daemon]:
-    """cni.server inside the node namespace, started through a command prefix if given."""
+def running_daemon(
+    node: Node,
+    directory: Path,
+    through: Sequence[str] = (),
+    bin_dirs: Sequence[Path] = (PLUGIN_DIR, REFERENCE_PLUGINS),
+    delegate_deadline: float | None = None,
+) -> Iterator[Daemon]:
+    """cni.server inside the node namespace, started through a command prefix if given,
+    running delegated plugins from bin_dirs only (by default, raw_call's CNI_PATH)."""
     directory.mkdir(exist_ok=True)
     socket_path, log = directory / "run" / "cni.sock", directory / "daemon.log"
-    server = [sys.executable, "-c", SERVER, str(socket_path), str(log)]
+    deadline = "" if delegate_deadline is None else str(delegate_deadline)
+    search = ":".join(map(str, bin_dirs))
+    server = [sys.executable, "-c", SERVER, str(socket_path), str(log), search, deadline]
     proc = subprocess.Popen(
         ["ip", "netns", "exec", node.ns.name, *through, *server],
         cwd=ROOT,
-        # A call must never see the daemon's own environment (see the delegation test).
-        env={**os.environ, "CNI_CONTAINERID": "the-daemons-own"},
+        env={**os.environ, **DAEMON_ENV},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -265,9 +280,7 @@ def test_errors_are_byte_identical(node, make_netns, tmp_path, launchers, daemon
     assert node.leftovers() == {}
 
 
-def test_a_delegated_ipam_plugin_gets_the_calls_own_variables(
-    node, make_netns, tmp_path, launchers, daemon
-):
+def test_a_delegated_ipam_plugin_gets_the_calls_own_variables(node, make_netns, tmp_path):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "ref-host-local").symlink_to(REFERENCE_PLUGINS / "host-local")
@@ -275,17 +288,22 @@ def test_a_delegated_ipam_plugin_gets_the_calls_own_variables(
     conf["ipam"]["type"] = "ref-host-local"
     stdin = json.dumps(conf).encode()
     pod = make_netns("pod")
-    for name, launcher in launchers.items():
-        env = {"CNI_CONTAINERID": name, "CNI_NETNS": pod.path, "CNI_PATH": f"{plugins}"}
-        code, added = raw_call(node, launcher, "ADD", stdin, **env)
-        assert code == 0, added
-        address = json.loads(added)["ips"][0]["address"].split("/")[0]
-        owner = (node.data_dir / NETWORK / address).read_bytes()
-        assert owner == f"{name}\r\neth0".encode(), "the reference host-local saw CNI_CONTAINERID"
-        assert raw_call(node, launcher, "DEL", stdin, **env) == (0, b"")
-        assert node.leftovers() == {}
-    daemon.wait_served(["ADD", "DEL"])
-    assert daemon.served() == ["ADD", "DEL"]
+    with running_daemon(node, tmp_path / "daemon", bin_dirs=[plugins]) as daemon:
+        launchers = {
+            "in-process": build_launcher(tmp_path / "plain", None),
+            "fast": build_launcher(tmp_path / "fast", daemon.socket_path),
+        }
+        for name, launcher in launchers.items():
+            env = {"CNI_CONTAINERID": name, "CNI_NETNS": pod.path, "CNI_PATH": f"{plugins}"}
+            code, added = raw_call(node, launcher, "ADD", stdin, **env)
+            assert code == 0, added
+            address = json.loads(added)["ips"][0]["address"].split("/")[0]
+            owner = (node.data_dir / NETWORK / address).read_bytes()
+            assert owner == f"{name}\r\neth0".encode(), "host-local saw the call's CNI_CONTAINERID"
+            assert raw_call(node, launcher, "DEL", stdin, **env) == (0, b"")
+            assert node.leftovers() == {}
+        daemon.wait_served(["ADD", "DEL"])
+        assert daemon.served() == ["ADD", "DEL"]
 
 
 def test_falls_back_to_in_process_without_a_daemon(node, make_netns, tmp_path, daemon):

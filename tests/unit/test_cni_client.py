@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,8 +22,9 @@ import pytest
 
 from cni import client, plugin, version
 from cni.errors import CniError, Code
-from cni.invocation import from_environ
-from cni.ipam.delegate import Delegate
+from cni.invocation import call_deadline, from_environ
+from cni.ipam import delegate
+from cni.ipam.delegate import MINIMAL_PATH, Delegate
 from cni.server import (
     DECLINED,
     LENGTH_BYTES,
@@ -474,19 +476,73 @@ def test_something_else_at_the_socket_path_is_left_alone(tmp_path):
     assert path.read_text() == "not a socket"
 
 
-def test_a_delegated_plugin_sees_the_calls_variables_and_the_process_path(tmp_path, monkeypatch):
+def test_a_delegated_plugin_sees_only_the_calls_spec_variables_and_a_minimal_path(
+    tmp_path, monkeypatch
+):
+    """The daemon's environment (a token, its own CNI_*) and a variable the spec does not
+    define stay out of what the plugin sees, on either path."""
+    seen = tmp_path / "seen"
     script = tmp_path / "show-env"
-    script.write_text(
-        '#!/bin/sh\nprintf \'{"code": 104, "msg": "%s %s %s"}\' '
-        '"$CNI_COMMAND" "$CNI_CONTAINERID" "$(command -v sh)"\nexit 1\n'
-    )
+    script.write_text(f"#!/bin/sh\nexec /usr/bin/env > {seen}\n")
     script.chmod(0o755)
     monkeypatch.setenv("CNI_CONTAINERID", "the-daemons-own")
+    monkeypatch.setenv("KNIT_DAEMON_TOKEN", "secret")
+    env = {**ADD_ENV, "CNI_PATH": str(tmp_path), "CNI_ARGS": "IgnoreUnknown=1", "CNI_X": "y"}
+    Delegate("show-env", b"{}", from_environ(env)).release("c1", "eth0")
+    variables = dict(line.split("=", 1) for line in seen.read_text().splitlines())
+    variables.pop("PWD")  # the shell's own
+    expected = {k: v for k, v in env.items() if k != "CNI_X"}
+    assert variables == {**expected, "CNI_COMMAND": "DEL", "PATH": MINIMAL_PATH}
+
+
+def test_a_delegated_plugin_past_its_deadline_is_killed_with_its_children(tmp_path, monkeypatch):
+    """An ADD that hangs is killed (with what it started), and given back with a DEL, as it
+    may have reserved an address before it hung."""
+    monkeypatch.setattr(delegate, "DEADLINE", 0.5)
+    calls = tmp_path / "calls"
+    script = tmp_path / "hanging-ipam"
+    script.write_text(
+        f'#!/bin/sh\necho "$CNI_COMMAND $$" >> {calls}\n[ "$CNI_COMMAND" = DEL ] && exit 0\n'
+        f'sleep 60 &\necho "child $!" >> {calls}\nwait\n'
+    )
+    script.chmod(0o755)
     invocation = from_environ({**ADD_ENV, "CNI_PATH": str(tmp_path)})
+    started = time.monotonic()
     with pytest.raises(CniError) as err:
-        Delegate("show-env", b"{}", invocation).release("c1", "eth0")
-    assert err.value.msg.split()[:2] == ["DEL", "c1"]
-    assert err.value.msg.split()[2].endswith("/sh"), "PATH comes from the process"
+        Delegate("hanging-ipam", b"{}", invocation).add("c1", "eth0")
+    assert time.monotonic() - started < 5
+    assert err.value.code == Code.DELEGATE_FAILURE
+    assert err.value.msg == "IPAM plugin hanging-ipam ADD did not answer in 0.5 s: killed"
+    recorded = [line.split() for line in calls.read_text().splitlines()]
+    assert [verb for verb, _ in recorded] == ["ADD", "child", "DEL"]
+    for _, pid in recorded[:2]:
+        assert not running(int(pid)), f"{pid} was killed"
+
+
+def test_a_call_deadline_cuts_a_delegated_call_short_but_never_a_del(tmp_path, monkeypatch):
+    """The daemon's deadline for the whole call (cni.invocation.call_deadline) bounds its
+    delegated calls; a DEL, which gives back what the pod or a failed ADD holds, gets its own."""
+    script = tmp_path / "slow-ipam"
+    script.write_text("#!/bin/sh\nsleep 1\n")
+    script.chmod(0o755)
+    invocation = from_environ({**ADD_ENV, "CNI_PATH": str(tmp_path)})
+    token = call_deadline.set(time.monotonic() + 0.3)
+    try:
+        with pytest.raises(CniError) as err:
+            Delegate("slow-ipam", b"{}", invocation).check("c1", "eth0")
+        assert err.value.msg.startswith("IPAM plugin slow-ipam CHECK did not answer in 0.")
+        Delegate("slow-ipam", b"{}", invocation).release("c1", "eth0")
+    finally:
+        call_deadline.reset(token)
+
+
+def running(pid: int) -> bool:
+    """Whether pid is a process that is not a zombie (an orphan may wait for its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 def test_a_delegated_plugin_opens_the_namespace_the_fast_path_received(tmp_path: Path) -> None:

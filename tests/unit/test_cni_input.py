@@ -8,7 +8,7 @@ from cni import netconf
 from cni.errors import CniError, Code
 from cni.invocation import from_environ
 from cni.ipam.hostlocal import parse_conf
-from cni.paths import check_network_name, check_plugin_name, inside
+from cni.paths import check_network_name, check_plugin_name, inside, narrowed_search_path
 
 BASE = {"cniVersion": "1.1.0", "name": "net", "type": "knit"}
 
@@ -174,3 +174,18 @@ def test_a_bridge_name_with_a_quote_is_invalid_config(bridge):
     with pytest.raises(CniError) as err:
         netconf.parse({**BASE, "bridge": bridge})
     assert err.value.code == 7
+
+
+@pytest.mark.parametrize(
+    ("requested", "narrowed"),
+    [
+        ("/opt/cni/bin", "/opt/cni/bin"),
+        ("/tmp/x:/opt/cni/bin/", "/opt/cni/bin"),
+        ("/usr/lib/cni:/tmp/x:/opt/cni/bin", "/usr/lib/cni:/opt/cni/bin"),
+        ("/opt/cni/bin/../../../tmp", ""),
+        ("/opt/cni/bin/sub:opt/cni/bin:/opt", ""),
+        ("", ""),
+    ],
+)
+def test_a_search_path_is_only_narrowed(requested, narrowed):
+    assert narrowed_search_path(requested, ["/opt/cni/bin", "/usr/lib/cni"]) == narrowed
