@@ -339,7 +339,7 @@ class Daemon:
             log.warning("start-up IPAM garbage collection failed: %s", err.msg)
         if not self.config.cni_socket:
             return None
-        return server.serve(self.config.cni_socket)
+        return server.serve(self.config.cni_socket, bin_dirs=[str(bin_dir)])
 
     def _replace_nodes(self, items: list[watch.Obj]) -> None:
         self.node_network.replace(items)
