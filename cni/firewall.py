@@ -210,5 +210,7 @@ class Iptables:
     def save(self, table: str) -> str:
         return run([self.save_binary, "-t", table])
 
-    def restore(self, text: str) -> None:
-        run([self.restore_binary, "--noflush", "-w", "5"], text)
+    def restore(self, text: str, test: bool = False) -> None:
+        """Load `text` into the tables it names, leaving their other chains; `test`: parse
+        and check it, committing nothing."""
+        run([self.restore_binary, "--noflush", "-w", "5", *(["--test"] if test else [])], text)

@@ -195,6 +195,12 @@ class Metrics:
             buckets=SYNC_BUCKETS,
             registry=r,
         )
+        self.refused_service_ports = Gauge(
+            "knit_sync_proxy_rules_refused_service_ports",
+            "Service ports left out of the rules because the kernel refused them",
+            FAMILY,
+            registry=r,
+        )
         self.policy_last_sync = Gauge(
             "knit_network_policy_sync_last_timestamp_seconds",
             "The last time a family's policy table was successfully synced",

@@ -2,7 +2,12 @@
 sync must be full, Local-policy and health-check bookkeeping, and UDP conntrack cleanup.
 
 A datapath subclasses Proxier and implements `_program` (write one family's changes to the
-kernel) and `cleanup`.
+kernel) and `cleanup`, and `_rehearse` where the kernel offers a dry run.
+
+When the kernel refuses a family's full sync, the service ports whose rules it refuses are
+found by dry runs (containment.refused) and left out, logged by name, and the others are
+written: one Service cannot stop a node's proxy. A port left out stays out until its plan
+changes.
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cni.addresses import LinkAddress, link_addresses
 from proxyd import conntrack
 from proxyd.addresses import nodeport_addresses
-from proxyd.metrics import FamilyMetrics, Metrics
+from proxyd.containment import Unprogrammable, refused
+from proxyd.metrics import FamilyMetrics, Metrics, family_label
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName, family_of
 from proxyd.port_plan import FamilyContext, PortPlan, plan_port
 from proxyd.tracker import Changes, ServiceKey, ServiceView
@@ -73,6 +80,9 @@ class Proxier(ABC):
         self._no_local_external: dict[int, set[ServicePortName]] = {f: set() for f in families}
         self._last_full = 0.0
         self._on_links: dict[int, list[LinkAddress]] = {}
+        self._refused: dict[int, Plans] = {family: {} for family in families}
+        """Per family, the ports left out because the kernel refused their rules, with the
+        plan it refused."""
 
     @abstractmethod
     def _program(
@@ -85,6 +95,11 @@ class Proxier(ABC):
     @abstractmethod
     def cleanup(self) -> int:
         """Remove everything this datapath installed; returns how many objects went."""
+
+    def _rehearse(self, ctx: FamilyContext, plans: Plans) -> bool:
+        """Whether the kernel takes a full sync of `plans`, by a dry run that changes
+        nothing; a datapath without one takes everything (so nothing is left out)."""
+        return True
 
     def _count_failure(self, metrics: FamilyMetrics, full: bool) -> None:
         """kube-proxy's failure counters of the iptables-restore based modes."""
@@ -161,6 +176,7 @@ class Proxier(ABC):
                     plan = plan_port(port, view.endpoints[port], ctx)
                     if plan is not None:
                         plans[name] = plan
+            self._hold_refused(family, plans, touched)
             # Until written: a failed sync leaves these plans ahead of the kernel, and the
             # family's next sync is full, planned afresh.
             self._in_sync[family] = False
@@ -169,8 +185,11 @@ class Proxier(ABC):
             except ProgramError as err:
                 # The other families still get these changes: they are taken for good.
                 self._count_failure(metrics, family_full)
-                failed[family] = err
-                continue
+                kept = self._contain(ctx, plans) if family_full else None
+                if kept is None:
+                    failed[family] = err
+                    continue
+                plans, wrote = kept, True
             wrote_all = wrote or wrote_all
             self._in_sync[family] = True
             self._plans[family] = plans
@@ -185,6 +204,46 @@ class Proxier(ABC):
         if wrote_all:
             self._last_full = time.monotonic()
         return SyncResult(full=wrote_all, health_checks=self._health_checks(node.name))
+
+    def _hold_refused(self, family: int, plans: Plans, names: set[ServicePortName]) -> None:
+        """Leave out of `plans` the ports among `names` whose rules the kernel refused, while
+        their plan is the one it refused; a port whose plan changed is tried again."""
+        held = self._refused[family]
+        for name in names & held.keys():
+            if plans.get(name) == held[name]:
+                del plans[name]
+            else:
+                del held[name]
+        self.metrics.refused_service_ports.labels(family_label(family)).set(len(held))
+
+    def _contain(self, ctx: FamilyContext, plans: Plans) -> Plans | None:
+        """After the kernel refused a full sync of `plans`: finds by dry runs the ports whose
+        rules it refuses, and writes the others; returns the plans written, or None when the
+        refusal is no port's (or this datapath has no dry run) or the rest is refused too."""
+        family = ctx.family
+        try:
+            bad = refused(sorted(plans), lambda names: self._rehearse(ctx, _only(plans, names)))
+            # every port refused alone is a refusal of what any port brings (a chunk, the
+            # switch-over), not of one port's rules: the live rules stay, and are retried
+            if not bad or len(bad) == len(plans):
+                return None
+            kept = {name: plan for name, plan in plans.items() if name not in bad}
+            self._program(ctx, kept, set(plans), True)
+        except (ProgramError, Unprogrammable) as err:
+            log.error("IPv%d: the rules without any refused service port failed: %s", family, err)
+            return None
+        for name in bad:
+            log.error(
+                "IPv%d: the kernel refused the rules of Service port %s; it is not served "
+                "until it changes",
+                family,
+                name,
+            )
+            self._refused[family][name] = plans[name]
+        self.metrics.refused_service_ports.labels(family_label(family)).set(
+            len(self._refused[family])
+        )
+        return kept
 
     def _record_sync(
         self, metrics: FamilyMetrics, family: int, full: bool, elapsed: float, changes: Changes
@@ -267,3 +326,7 @@ class Proxier(ABC):
                 internal.add(name)
             if plan is not None and plan.no_local_external:
                 external.add(name)
+
+
+def _only(plans: Plans, names: Iterable[ServicePortName]) -> Plans:
+    return {name: plans[name] for name in names}

@@ -7,7 +7,7 @@ from cni.firewall import FirewallError
 from proxyd.iptables.chains import owned_by_knit
 from proxyd.iptables.kernel import IptablesKernel
 from proxyd.iptables.render import TABLES, ServiceRules, render_base, render_service
-from proxyd.iptables.restore import RuleSet, partial_script
+from proxyd.iptables.restore import RuleSet, full_script, partial_script
 from proxyd.metrics import Metrics, family_label
 from proxyd.model import ServicePortName
 from proxyd.port_plan import FamilyContext
@@ -84,6 +84,16 @@ class IptablesProxier(Proxier):
                 sum(len(script.rules[table]) for script in scripts)
             )
         return full
+
+    def _rehearse(self, ctx: FamilyContext, plans: Plans) -> bool:
+        rendered = {name: render_service(plan, ctx) for name, plan in plans.items()}
+        try:
+            self.kernel[ctx.family].restore(
+                full_script(RuleSet(render_base(ctx), rendered), {}).text(), test=True
+            )
+        except FirewallError:
+            return False
+        return True
 
     def cleanup(self) -> int:
         """Remove everything this proxy installed; returns the number of chains removed."""

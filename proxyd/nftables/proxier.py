@@ -72,8 +72,15 @@ class NftablesProxier(Proxier):
     ) -> TableState:
         """A full sync: its ports rendered a chunk at a time, in name order, into the
         generation the table's rules do not name, then the rules switched over to it."""
+        state, transactions = self._full(family, base, plans, ctx, self._renderers[family])
+        self.kernel[family].run_each(transactions)
+        return state
+
+    def _full(
+        self, family: int, base: BaseObjects, plans: Plans, ctx: PortContext, renderer: Renderer
+    ) -> tuple[TableState, Iterator[str]]:
+        """A full sync's state and its transactions, made as they are taken."""
         kernel = self.kernel[family]
-        renderer = self._renderers[family]
         renderer.begin_full(plans, ctx)
         chains, sets = kernel.chains() or set(), kernel.sets()
         live = live_generation(
@@ -81,8 +88,18 @@ class NftablesProxier(Proxier):
         )
         state = TableState(base, generation=1 if live == 0 else 0)
         rendered = (renderer.render(plans, chunk) for chunk in chunks(sorted(plans)))
-        kernel.run_each(full_transactions(family, state, rendered, KernelTable(chains, sets)))
-        return state
+        return state, full_transactions(family, state, rendered, KernelTable(chains, sets))
+
+    def _rehearse(self, ctx: FamilyContext, plans: Plans) -> bool:
+        # a renderer of its own: the proxier's keeps what it last wrote
+        _, transactions = self._full(
+            ctx.family, render_base(ctx), plans, PortContext.of(ctx), Renderer()
+        )
+        try:
+            self.kernel[ctx.family].rehearse("\n".join(transactions))
+        except NftError:
+            return False
+        return True
 
     def _count_failure(self, metrics: FamilyMetrics, full: bool) -> None:
         metrics.nftables_sync_failures.inc()

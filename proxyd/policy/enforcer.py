@@ -25,11 +25,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from cni.nftables import NftError
 from proxyd import gc_pause
+from proxyd.containment import refused
 from proxyd.metrics import Metrics, family_label
 from proxyd.nftables.kernel import Nft, counter_packets
 from proxyd.policy.compile import Cluster, FamilyCompiler, FamilyPolicy, PodKey
 from proxyd.policy.denials import DenialLog
-from proxyd.policy.quarantine import quarantined, refused, signature, subset
+from proxyd.policy.quarantine import quarantined, signature, subset
 from proxyd.policy.render import TABLE, Renderer
 from proxyd.policy.state import PolicyState
 from proxyd.runner import BoundedFrequencyRunner

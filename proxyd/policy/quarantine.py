@@ -1,11 +1,11 @@
 """Pure: what nft refuses kept to the pods it belongs to.
 
 When nft refuses a family's whole table, the enforcer looks for the pods whose chains make it
-refuse: it halves the node's pods, asking nft's dry run of the table with each half, until
-each refused half is one pod. It then writes the table with those pods quarantined: each of
-their chains drops everything in its direction, under a comment of knit's own rather than the
-pod's name, and uses no peer set. A pod the policies isolate so never opens because its rules
-could not be written, and the node's other pods keep theirs.
+refuse (containment.refused: halving the node's pods over nft's dry runs). It then writes the
+table with those pods quarantined: each of their chains drops everything in its direction,
+under a comment of knit's own rather than the pod's name, and uses no peer set. A pod the
+policies isolate so never opens because its rules could not be written, and the node's other
+pods keep theirs.
 
 A pod is named here by its first chain in a direction (a pod's chains share that chain's
 counter), as the compiler names it.
@@ -13,20 +13,13 @@ counter), as the compiler names it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection
 from dataclasses import replace
 
 from proxyd.policy.compile import DROP, FamilyPolicy, PodChain
 
 QUARANTINED = "knit: quarantined, its rules were refused"
 """The comment of a quarantined pod's chain."""
-
-Accepts = Callable[[Sequence[str]], bool]
-"""Whether nft takes the table with only these pods' chains."""
-
-
-class Unprogrammable(RuntimeError):
-    """nft refuses the table even without any pod's chains."""
 
 
 def signature(policy: FamilyPolicy, pod: str) -> tuple[object, ...] | None:
@@ -83,25 +76,3 @@ def quarantined(policy: FamilyPolicy, pods: Collection[str]) -> FamilyPolicy:
             chains[name] = PodChain((), DROP, name)
     held = replace(policy, quarantined=policy.quarantined | (frozenset(pods) & chains.keys()))
     return _with_chains(held, chains)
-
-
-def refused(pods: Sequence[str], accepts: Accepts) -> list[str]:
-    """The pods whose chains make nft refuse the table, by halving; [] when it takes them all
-    (the refusal passed). Where two halves pass alone but not together, all of that part is
-    refused: quarantining more pods fails closed, guessing fewer could not load."""
-    if accepts(pods):
-        return []
-    if not accepts(()):
-        raise Unprogrammable("nft refuses the policy table even without any pod's chains")
-
-    def search(part: Sequence[str]) -> list[str]:
-        if len(part) == 1:
-            return list(part)
-        half = len(part) // 2
-        found: list[str] = []
-        for side in (part[:half], part[half:]):
-            if not accepts(side):
-                found += search(side)
-        return found or list(part)
-
-    return search(pods)

@@ -4,12 +4,16 @@ passes a kernel limit must be hashed, never make the node's whole sync fail."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
 
 from deploy.lab.netns import Netns
+from proxyd.iptables import proxier as iptables_proxier
+from proxyd.iptables import render as iptables_render
 from proxyd.iptables.proxier import IptablesProxier
+from proxyd.iptables.render import ServiceRules
 from proxyd.metrics import Metrics
 from proxyd.model import (
     NodeInfo,
@@ -17,10 +21,13 @@ from proxyd.model import (
     parse_endpoint_slice,
     parse_service,
 )
+from proxyd.nftables import render as nftables_render
 from proxyd.nftables.proxier import NftablesProxier
+from proxyd.nftables.render import PortContext, ServiceObjects
 from proxyd.policy import render as policy_render
 from proxyd.policy.enforcer import PolicyEnforcer
 from proxyd.policy.quarantine import QUARANTINED
+from proxyd.port_plan import FamilyContext, PortPlan
 from proxyd.proxier import Proxier, ProxyOptions
 from proxyd.tracker import Changes, ServiceView
 from tests import hostile_objects
@@ -106,3 +113,53 @@ def test_a_pod_whose_rules_nft_refuses_is_quarantined_and_the_rest_load(
     assert QUARANTINED in quarantined and "drop" in quarantined and "accept" not in quarantined
     kept = listing.split(f"chain {short_chain} {{")[1].split("}")[0]
     assert f"{hostile_objects.NAMESPACE}/short" in kept and "accept" in kept
+
+
+def poisoned_iptables(plan: PortPlan, ctx: FamilyContext) -> ServiceRules:
+    rules = iptables_render.render_service(plan, ctx)
+    if plan.port.name.name == POISONED:
+        rules.chains["KNIT-POISON"] = ("-m no-such-match -j ACCEPT",)
+    return rules
+
+
+def poisoned_nftables(plan: PortPlan, ctx: PortContext) -> ServiceObjects:
+    objects = nftables_render_service(plan, ctx)
+    if plan.port.name.name == POISONED:
+        objects.chains["poison"] = ("ip daddr 10.0.0.1 no-such-statement",)
+    return objects
+
+
+POISONED = f"{hostile_objects.SERVICE[:-1]}1"
+nftables_render_service = nftables_render.render_service
+
+
+@pytest.mark.parametrize("proxier", [IptablesProxier, NftablesProxier])
+def test_a_service_whose_rules_the_kernel_refuses_is_left_out_and_the_rest_served(
+    proxier: Callable[[ProxyOptions, tuple[int, ...], Metrics], Proxier],
+    make_netns: Callable[[str], Netns],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refusal brought in for one Service (a rule the kernel does not know, added to what
+    it renders): its ports are left out and logged, the other Services' are written."""
+    monkeypatch.setattr(iptables_proxier, "render_service", poisoned_iptables)
+    monkeypatch.setattr(nftables_render, "render_service", poisoned_nftables)
+    ns = make_netns("knit-hostile")
+    metrics = Metrics()
+    with ns.entered(), caplog.at_level(logging.ERROR):
+        made = proxier(OPTIONS, FAMILIES, metrics)
+        made.sync(changes())
+    listing = ns.run("nft", "list", "ruleset").stdout
+    assert "10.96.0.10" in listing and "10.96.0.12" in listing, "the other Services written"
+    assert "10.96.0.11" not in listing and "fd00::11" not in listing, "the refused one left out"
+    assert f"Service port {hostile_objects.NAMESPACE}/{POISONED}:" in caplog.text
+    for family in ("IPv4", "IPv6"):
+        refused = metrics.registry.get_sample_value(
+            "knit_sync_proxy_rules_refused_service_ports", {"ip_family": family}
+        )
+        assert refused == 2, "both ports of the Service"
+
+    caplog.clear()
+    with ns.entered(), caplog.at_level(logging.ERROR):
+        made.sync(changes())
+    assert "refused" not in caplog.text, "left out while unchanged: no refusal again"

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 
 from cni.nftables import NftError
+from proxyd.containment import Unprogrammable, refused
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft
 from proxyd.policy import enforcer as enforcer_module
 from proxyd.policy.compile import DROP, PodChain
 from proxyd.policy.enforcer import PolicyEnforcer
-from proxyd.policy.quarantine import QUARANTINED, Unprogrammable, refused
+from proxyd.policy.quarantine import QUARANTINED
 
 POISON = 'comment "ns/bad"'
 """What the fake nft refuses: the bad pod's chain, as its owner's comment names it."""
