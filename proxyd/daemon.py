@@ -36,7 +36,7 @@ from proxyd.nodenet.routes import RouteTable
 from proxyd.policy.enforcer import PolicyEnforcer
 from proxyd.policy.model import pod_essentials
 from proxyd.proxier import ProgramError, Proxier, ProxyOptions
-from proxyd.runner import BoundedFrequencyRunner
+from proxyd.runner import BoundedFrequencyRunner, backoff
 from proxyd.tracker import ClusterState
 
 log = logging.getLogger("knit-proxyd")
@@ -163,6 +163,8 @@ class Daemon:
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
         self.stop = threading.Event()
         self._conntrack_tuned = False
+        self._failures = 0
+        """Syncs that failed in a row."""
 
     def _queued(self, families: frozenset[int]) -> None:
         now = time.time()
@@ -198,11 +200,14 @@ class Daemon:
         try:
             result = self.proxier.sync(changes)
         except Exception as err:
-            log.exception("sync failed; a full sync follows")
+            self._failures += 1
+            delay = backoff(self._failures, max(self.config.min_sync_period, 1.0))
+            log.exception("sync failed (%d in a row); a full sync in %.0f s", self._failures, delay)
             failed = err.families if isinstance(err, ProgramError) else self.proxier.families
             self.health.synced(failed=frozenset(failed))
-            self.runner.retry_after(max(self.config.min_sync_period, 1.0))
+            self.runner.retry_after(delay)
             return False
+        self._failures = 0
         elapsed = time.monotonic() - start
         self.health.synced()
         self.health_servers.update(result.health_checks)

@@ -9,6 +9,15 @@ import threading
 import time
 from collections.abc import Callable
 
+RETRY_LONGEST = 60.0
+
+
+def backoff(failures: int, first: float) -> float:
+    """Seconds before retrying a sync that failed `failures` times in a row: `first`, then
+    doubling up to RETRY_LONGEST, so that what the kernel keeps refusing is not rewritten
+    every second, forever."""
+    return min(RETRY_LONGEST, first * 2.0 ** max(0, failures - 1))
+
 
 class BoundedFrequencyRunner:
     def __init__(

@@ -33,12 +33,10 @@ from proxyd.policy.denials import DenialLog
 from proxyd.policy.quarantine import quarantined, signature, subset
 from proxyd.policy.render import TABLE, Renderer
 from proxyd.policy.state import PolicyState
-from proxyd.runner import BoundedFrequencyRunner
+from proxyd.runner import BoundedFrequencyRunner, backoff
 
 log = logging.getLogger(__name__)
 
-RETRY_FIRST, RETRY_LONGEST = 1.0, 60.0
-"""Seconds before a failed family's first retry, doubling with each failure in a row."""
 
 DeniedKey = tuple[str, str, str]
 """(direction, namespace, the names of the policies judging the pod, joined by commas)."""
@@ -225,7 +223,7 @@ class PolicyEnforcer:
         whole table is tried again, sooner after a first failure than after many in a row:
         a table that nft keeps refusing is not rewritten every second, forever."""
         self.failures[family] += 1
-        delay = min(RETRY_LONGEST, RETRY_FIRST * 2 ** (self.failures[family] - 1))
+        delay = backoff(self.failures[family], 1.0)
         log.exception(
             "IPv%d policy sync failed (%d in a row); the whole table is written in %.0f s",
             family,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from proxyd.runner import BoundedFrequencyRunner
+from proxyd.runner import BoundedFrequencyRunner, backoff
 
 
 class Clock:
@@ -97,3 +97,8 @@ def test_the_loop_thread_syncs_on_request_and_stops() -> None:
         runner.stop()
         thread.join(5)
     assert not thread.is_alive()
+
+
+def test_backoff_doubles_from_the_first_delay_to_a_minute() -> None:
+    assert [backoff(n, 1.0) for n in range(1, 9)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert backoff(1, 5.0) == 5 and backoff(0, 1.0) == 1
