@@ -42,7 +42,7 @@ from deploy.lab.netns import Netns, namespaces
 from deploy.lab.process import exit_on_termination
 from proxyd.conntrack import UdpFrontends, clear_stale
 from proxyd.ipvs import dummy, names
-from proxyd.nodenet.route_plan import NodeNet, plan_routes
+from proxyd.nodenet.route_plan import NodeNet, check_peers, plan_routes
 from proxyd.nodenet.routes import NTF_SELF, VXLAN_DEVICE, RouteTable
 
 OTHER_LINKS = 20
@@ -177,7 +177,9 @@ def overlay_peers(node: Netns, count: int, rounds: int, figures: Figures) -> Non
     batch = ["link add eth0 type veth peer name segment"]
     batch += ["addr add 10.77.1.11/24 dev eth0", "link set eth0 up", "link set segment up"]
     node.run("ip", "-batch", "-", stdin="\n".join(batch) + "\n")
-    plan = plan_routes(local, [local, *peers], "auto", lambda _: False)
+    # the peers' CIDRs (10.100-10.101.x.0/24) inside a cluster CIDR, as a real cluster's are
+    checked = check_peers(local, peers, ("10.96.0.0/11",), ("10.77.1.11/24",))
+    plan = plan_routes(local, checked, "auto", lambda _: False)
     with node.entered(), IPRoute() as ipr:
         table = RouteTable(ipr)
         table.apply(local, plan, 1450)
