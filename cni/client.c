@@ -21,6 +21,21 @@
  * Each side checks the other's version byte first. Exit code DECLINED says the daemon did not
  * run the call (over its limits): the plugin runs it in-process, with the same stdin.
  *
+ * Nothing on this path waits forever: a daemon that is stopped (SIGSTOP, a frozen cgroup) or
+ * stuck must not hold every pod's ADD and DEL on the node. Three deadlines, each safe:
+ *   connect   CONNECT_DEADLINE_MS: nothing was sent, so the call runs in-process.
+ *   pickup    PICKUP_DEADLINE_MS after sending, the daemon must have read the whole request.
+ *             If it has not (SIOCOUTQ: bytes of ours still unread), the plugin first shuts
+ *             its reading end, which the daemon sees as a hang-up (POLLHUP) and checks after
+ *             reading a request and before running it; only then, if the request is still
+ *             unread, does the call run in-process. So a daemon that wakes later finds the
+ *             hang-up and runs nothing, and no call is ever run twice.
+ *   answer    ANSWER_DEADLINE_MS after sending, for a call the daemon has read: it may be
+ *             running, so redoing it could race it (an ADD, or a DEL against a late ADD);
+ *             the call fails with error 199, which the runtime retries (a DEL too: it is
+ *             idempotent). The daemon's own deadline for a call (cni/server.py) is shorter,
+ *             so a live daemon answers with its own error first.
+ *
  * The executable opens CNI_NETNS itself because the daemon lives in mount and PID namespaces
  * of its own, where the runtime's path may name nothing or something else. When it cannot,
  * the call runs in-process and reports that as it would without a daemon.
@@ -32,9 +47,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/sockios.h>
+#include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #define PROTOCOL 2
@@ -42,6 +61,20 @@
 #define LENGTH_BYTES 4
 #define HEADER_BYTES (2 + LENGTH_BYTES)
 #define LAUNCH_FILE "knit.d/launch"
+/* A connect waits only when the daemon's backlog is full: it is not accepting. */
+#ifndef CONNECT_DEADLINE_MS
+#define CONNECT_DEADLINE_MS 1000
+#endif
+/* The daemon reads a request within milliseconds of its sending; its own limit from accept to
+ * the whole request is 2 s (cni/server.py REQUEST_DEADLINE), after which it declines. */
+#ifndef PICKUP_DEADLINE_MS
+#define PICKUP_DEADLINE_MS 2000
+#endif
+/* Beyond the daemon's bound on a call (80 s, cni/server.py CALL_DEADLINE), within kubelet's
+ * 2-minute runtime request timeout. */
+#ifndef ANSWER_DEADLINE_MS
+#define ANSWER_DEADLINE_MS 90000
+#endif
 /* cni/client.py prints this message as the call's error JSON (code 199) */
 #define ERROR_VARIABLE "KNIT_FAST_PATH_ERROR"
 
@@ -197,6 +230,19 @@ static void encode_request(struct buffer *request, const struct buffer *stdin_re
     free(variables.data);
 }
 
+static long long now_ms(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec * 1000LL + now.tv_nsec / 1000000;
+}
+
+static void set_send_timeout(int connection, long long ms)
+{
+    struct timeval timeout = {.tv_sec = ms / 1000, .tv_usec = (ms % 1000) * 1000};
+    setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+}
+
 /* The version byte alone carries the descriptor, so the daemon finds it on its first read.
  * A send error is not final: the daemon may have answered before it left. */
 static void send_request(int connection, const struct buffer *request, int netns_fd)
@@ -231,6 +277,53 @@ static void send_request(int connection, const struct buffer *request, int netns
     shutdown(connection, SHUT_WR);
 }
 
+/* Bytes of the request the daemon has not read yet. When that cannot be known, 0: the daemon
+ * may have the call, so it is not redone. */
+static int unread(int connection)
+{
+    int queued = 0;
+    return ioctl(connection, SIOCOUTQ, &queued) == 0 ? queued : 0;
+}
+
+enum outcome { ANSWERED, NOT_TAKEN, TAKEN_LATE, NO_ANSWER };
+
+/* The daemon's answer, read until its end (or a reset, which the caller's checks catch), under
+ * the pickup and answer deadlines counted from sent (see the top of this file). */
+static enum outcome await_answer(int connection, struct buffer *answer, long long sent)
+{
+    long long pickup = sent + PICKUP_DEADLINE_MS, give_up = sent + ANSWER_DEADLINE_MS;
+    int taken = 0;
+    char chunk[65536];
+    for (;;) {
+        long long now = now_ms();
+        taken = taken || answer->size > 0;
+        if (!taken && now >= pickup) {
+            if (unread(connection) == 0) {
+                taken = 1;
+            } else {
+                /* first the hang-up, then the look: the daemon runs no request it finishes
+                 * reading after this shutdown */
+                shutdown(connection, SHUT_RD);
+                return unread(connection) > 0 ? NOT_TAKEN : TAKEN_LATE;
+            }
+        }
+        if (taken && now >= give_up)
+            return NO_ANSWER;
+        struct pollfd wait = {.fd = connection, .events = POLLIN};
+        int ready = poll(&wait, 1, (int)((taken ? give_up : pickup) - now));
+        if (ready < 0 && errno != EINTR)
+            return ANSWERED;
+        if (ready <= 0)
+            continue;
+        ssize_t got = read(connection, chunk, sizeof chunk);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            return ANSWERED;
+        append(answer, chunk, (size_t)got);
+    }
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -254,10 +347,13 @@ int main(int argc, char **argv)
     int connection = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_un address = {.sun_family = AF_UNIX};
     memcpy(address.sun_path, launch.socket, sizeof launch.socket);
+    if (connection >= 0)
+        set_send_timeout(connection, CONNECT_DEADLINE_MS); /* a unix connect's wait */
     if (connection < 0 || connect(connection, (struct sockaddr *)&address, sizeof address) != 0) {
         int reason = errno;
-        if (reason == ENOENT || reason == ECONNREFUSED)
-            run_in_process(&launch, argv, NULL, NULL); /* no daemon: as without one */
+        /* no daemon, or one not accepting by the deadline: nothing was sent */
+        if (reason == ENOENT || reason == ECONNREFUSED || reason == EAGAIN)
+            run_in_process(&launch, argv, NULL, NULL);
         char error[512];
         snprintf(error, sizeof error, "cannot reach the knit daemon at %s: %s", launch.socket, strerror(reason));
         struct buffer stdin_read = {0};
@@ -269,9 +365,23 @@ int main(int argc, char **argv)
     if (!read_all(0, &stdin_read))
         run_in_process(&launch, argv, NULL, NULL);
     encode_request(&request, &stdin_read);
+    long long sent = now_ms();
+    set_send_timeout(connection, PICKUP_DEADLINE_MS); /* a request bigger than the buffer */
     send_request(connection, &request, netns_fd);
-    read_all(connection, &answer); /* a reset ends the answer too: it is checked below */
+    enum outcome outcome = await_answer(connection, &answer, sent);
     close(connection);
+    if (outcome == NOT_TAKEN)
+        run_in_process(&launch, argv, &stdin_read, NULL);
+    if (outcome != ANSWERED) {
+        char error[256];
+        if (outcome == TAKEN_LATE)
+            snprintf(error, sizeof error, "the knit daemon read the call only as its %d ms deadline passed: not redone",
+                     PICKUP_DEADLINE_MS);
+        else
+            snprintf(error, sizeof error, "the knit daemon did not answer in %d s: the call may have run, not redone",
+                     ANSWER_DEADLINE_MS / 1000);
+        run_in_process(&launch, argv, &stdin_read, error);
+    }
 
     /* Never redo a call the daemon has: a DECLINED answer says it has not. */
     const unsigned char *header = (const unsigned char *)answer.data;

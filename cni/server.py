@@ -13,7 +13,9 @@ A stuck or slow plugin must never hold up a real call, so connections are bounde
 at most `calls` are served at once, each must deliver its whole request within
 `request_deadline` of being accepted, and a request's fields have byte caps. A connection over
 the first two limits is declined (DECLINED): the plugin then runs the call in-process,
-as it would without a daemon. An oversize request is refused with an error.
+as it would without a daemon. An oversize request is refused with an error. A request whose
+plugin hung up before it was read whole is not run: the plugin runs it itself (its pickup
+deadline, cni/client.c).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -243,6 +246,12 @@ class CniServer:
                     _drain(connection, deadline)
                     return
                 try:
+                    if _given_up(connection):
+                        log.warning(
+                            "CNI server: the plugin gave up waiting for its %s: not run",
+                            request.environ.get("CNI_COMMAND"),
+                        )
+                        return
                     code, output = self._execute(request)
                 finally:
                     request.close()
@@ -410,6 +419,16 @@ def _arm(connection: socket.socket, deadline: float | None) -> None:
     if left <= 0:
         raise DeadlineExceeded
     connection.settimeout(left)
+
+
+def _given_up(connection: socket.socket) -> bool:
+    """Whether the plugin has hung up (shut its reading end, or closed): it then runs the call
+    itself when it finds the request unread, so a request read after that must not run. The
+    plugin hangs up before it looks, and this is asked after the whole request was read, so
+    the two never both run a call (cni/client.c, the pickup deadline)."""
+    poller = select.poll()
+    poller.register(connection, 0)  # POLLHUP is always reported
+    return any(events & select.POLLHUP for _, events in poller.poll(0))
 
 
 def _drain(connection: socket.socket, deadline: float) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -64,7 +66,8 @@ class Daemon:
     def served(self) -> list[str]:
         """The verbs the daemon has served, in order, from its log."""
         lines = self.log.read_text().splitlines() if self.log.exists() else []
-        return [line.split()[1] for line in lines if line.startswith("CNI ")]
+        calls = [line for line in lines if line.startswith("CNI ")]
+        return [line.split()[1] for line in calls if not line.startswith("CNI server:")]
 
     def wait_served(self, verbs: list[str]) -> None:
         """Wait (5 s at most, else TimeoutError) until the log lists exactly these verbs in
@@ -401,3 +404,29 @@ def test_a_namespace_the_daemon_cannot_see_is_served_through_the_plugins_descrip
         assert node.leftovers() == {}
         daemon.wait_served(["ADD", "CHECK", "DEL"])
         assert daemon.served() == ["ADD", "CHECK", "DEL"], "the daemon served, in that order"
+
+
+def test_a_stopped_daemon_is_passed_over_and_runs_nothing_when_it_wakes(
+    node, make_netns, tmp_path, daemon
+):
+    """SIGSTOP: the kernel still queues connections, so each call connects and sends; at the
+    pickup deadline (2 s) the plugin hangs up and, its request unread, runs it in-process.
+    The woken daemon then reads those requests, finds the hang-ups and runs none of them."""
+    launcher = build_launcher(tmp_path / "fast", daemon.socket_path)
+    conf = json.dumps(bridge_conf(node.data_dir)).encode()
+    pod = make_netns("pod")
+    env = {"CNI_CONTAINERID": "stopped", "CNI_NETNS": pod.path}
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        code, added = raw_call(node, launcher, "ADD", conf, **env)
+        assert time.monotonic() - started < 2 + 10, "the pickup deadline, then in-process"
+        assert code == 0, added
+        assert "eth0" in pod.ip("link")
+        assert raw_call(node, launcher, "DEL", conf, **env) == (0, b"")
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    eventually(lambda: daemon.log.read_text().count("gave up waiting") == 2, 10, "both read")
+    assert daemon.served() == []
+    assert "eth0" not in pod.ip("link")
+    assert node.leftovers() == {}

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import select
 import shutil
 import socket
 import stat
@@ -256,6 +258,75 @@ def test_a_daemon_of_another_protocol_is_named(run_client, stand_in):
         "code": 199,
         "msg": (f"the knit daemon speaks protocol {PROTOCOL + 1}, this plugin speaks {PROTOCOL}"),
     }
+
+
+def hung_up(connection: socket.socket, wait: float) -> bool:
+    """Whether the plugin hangs up on connection within wait seconds."""
+    poller = select.poll()
+    poller.register(connection, 0)  # POLLHUP is always reported
+    return any(events & select.POLLHUP for _, events in poller.poll(wait * 1000))
+
+
+def test_a_daemon_not_accepting_is_passed_over_at_the_connect_deadline(run_client, tmp_path):
+    """A connect waits only on a full backlog; nothing was sent, so the call runs in-process."""
+    path = tmp_path / "cni.sock"
+    env = {k: v for k, v in ADD_ENV.items() if k != "CNI_IFNAME"}
+    with socket.socket(socket.AF_UNIX) as listener, socket.socket(socket.AF_UNIX) as waiting:
+        listener.bind(str(path))
+        listener.listen(0)
+        waiting.connect(str(path))  # the one connection a backlog of 0 holds
+        started = time.monotonic()
+        done = run_client(path, env)
+        took = time.monotonic() - started
+    assert (done.returncode, done.stdout) == plugin.execute(env, CONF)
+    assert 1 <= took < 1 + 5, "the connect deadline is 1 s; the rest is the plugin's start"
+
+
+def test_a_call_the_daemon_never_reads_runs_in_process_after_a_hang_up(run_client, stand_in):
+    """A daemon that accepted and then stopped: at the pickup deadline the plugin hangs up,
+    and only then, finding its request unread, runs the call itself. A daemon waking later
+    finds the hang-up before the request (cni.server does not run it)."""
+    seen: queue.Queue[tuple[bool, bytes]] = queue.Queue()
+    client_gone = threading.Event()
+
+    def stopped(connection: socket.socket) -> None:
+        client_gone.wait(30)  # the daemon wakes only then
+        seen.put((hung_up(connection, 0), receive_all(connection)))
+
+    env = {k: v for k, v in ADD_ENV.items() if k != "CNI_IFNAME"}
+    started = time.monotonic()
+    done = run_client(stand_in(stopped), env)
+    took = time.monotonic() - started
+    client_gone.set()
+    assert (done.returncode, done.stdout) == plugin.execute(env, CONF)
+    assert 2 <= took < 2 + 5, "the pickup deadline is 2 s; the rest is the plugin's start"
+    given_up, request = seen.get(timeout=10)
+    assert given_up and request[1:] == encode_request(env, CONF)[1:], "whole, yet given up"
+
+
+def test_a_call_the_daemon_took_and_never_answered_fails_at_the_answer_deadline(tmp_path, stand_in):
+    """The daemon read the call and may be running it: it is not redone (error 199, which the
+    runtime retries). Built with a 1 s answer deadline for the test."""
+    executable = tmp_path / "quick" / "knit"
+    executable.parent.mkdir()
+    source = ROOT / "cni" / "client.c"
+    flags = ["-O2", "-static", "-Wall", "-Wextra", "-Werror", "-DANSWER_DEADLINE_MS=1000"]
+    subprocess.run(["cc", *flags, "-o", str(executable), str(source)], check=True)
+
+    def taken(connection: socket.socket) -> None:
+        read_request(connection).close()
+        hung_up(connection, 10)  # until the plugin leaves
+
+    client_path = set_up_client(tmp_path / "bin", executable, stand_in(taken))
+    started = time.monotonic()
+    done = call_plugin(client_path, ADD_ENV, CONF)
+    assert time.monotonic() - started < 1 + 5
+    assert done.returncode == 1
+    assert json.loads(done.stdout) == {
+        "cniVersion": "1.0.0",
+        "code": 199,
+        "msg": "the knit daemon did not answer in 1 s: the call may have run, not redone",
+    }, "not the in-process answer (code 3: CNI_NETNS is a file), so not redone"
 
 
 @pytest.mark.parametrize("situation", ["no socket file", "nobody listening", "no socket named"])
