@@ -3,15 +3,18 @@ one health-check server per healthCheckNodePort of externalTrafficPolicy Local s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from email.utils import formatdate
+from http import HTTPStatus
 from typing import NamedTuple
 
 from proxyd.metrics import Metrics, family_label
@@ -93,45 +96,246 @@ class Response(NamedTuple):
     headers: tuple[tuple[str, str], ...] = ()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+Route = Callable[[], Response]
 
-    def __init__(self, address: tuple[str, int], routes: dict[str, Callable[[], Response]]) -> None:
+REQUEST_SECONDS = 5.0
+"""How long a connection has, from its accept, to send its request and read the answer."""
+MAX_CONNECTIONS = 512
+"""Connections open at once over every server; past it, a new one closes the oldest."""
+MAX_REQUEST_HEAD = 8192
+"""Bytes of request line and headers; past them, the answer is 431."""
+ACCEPTS_PER_WAKE = 64
+"""Accepts in a row on one listener before the loop serves the rest again."""
+
+
+class _Server:
+    """A listening socket and its routes (path, or "*" for any), served by the shared loop."""
+
+    def __init__(self, address: tuple[str, int], routes: dict[str, Route], name: str) -> None:
+        family = socket.AF_INET6 if family_of(address[0]) == 6 else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                # `::` takes IPv4 too, whatever net.ipv6.bindv6only says.
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            self.socket.bind(address)
+            self.socket.listen(socket.SOMAXCONN)
+            self.socket.setblocking(False)
+        except BaseException:
+            self.socket.close()
+            raise
         self.routes = routes
-        if family_of(address[0]) == 6:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
+        self.name = name
+        self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
 
-    def server_bind(self) -> None:
-        if self.address_family == socket.AF_INET6:
-            # `::` takes IPv4 too, whatever net.ipv6.bindv6only says.
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
+    def close(self) -> None:
+        """Stop listening, and close the connections this server accepted."""
+        _LOOP.stop(self)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class _Connection:
+    __slots__ = ("deadline", "received", "server", "sock", "unsent")
 
-    def do_GET(self) -> None:
-        routes = self.server.routes
-        route = routes.get(self.path.split("?", 1)[0]) or routes.get("*")
-        answer = route() if route else Response(404, "text/plain", b"not found\n")
-        self.send_response(answer.status)
-        self.send_header("Content-Type", answer.content_type)
-        self.send_header("X-Content-Type-Options", "nosniff")
-        for name, value in answer.headers:
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(answer.body)))
-        self.end_headers()
-        self.wfile.write(answer.body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
+    def __init__(self, sock: socket.socket, server: _Server, deadline: float) -> None:
+        self.sock = sock
+        self.server = server
+        self.deadline = deadline
+        self.received = b""
+        self.unsent = b""
 
 
-def _start(server: _Server, name: str) -> _Server:
-    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
+def _answer_bytes(server: _Server, head: bytes) -> bytes:
+    """The whole HTTP/1.1 answer to a request head; one answer per connection."""
+    request_line = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+    if len(request_line) != 3 or not request_line[2].startswith("HTTP/"):
+        answer = Response(400, "text/plain", b"bad request\n")
+    elif request_line[0] != "GET":
+        answer = Response(501, "text/plain", b"only GET\n")
+    else:
+        route = server.routes.get(request_line[1].split("?", 1)[0]) or server.routes.get("*")
+        answer = Response(404, "text/plain", b"not found\n")
+        if route is not None:
+            try:
+                answer = route()
+            except Exception:
+                log.exception("%s: answering %s failed", server.name, request_line[1])
+                answer = Response(500, "text/plain", b"internal error\n")
+    return _encode(answer)
+
+
+def _encode(answer: Response) -> bytes:
+    lines = [
+        f"HTTP/1.1 {answer.status} {HTTPStatus(answer.status).phrase}",
+        f"Date: {formatdate(usegmt=True)}",
+        f"Content-Type: {answer.content_type}",
+        "X-Content-Type-Options: nosniff",
+        *(f"{name}: {value}" for name, value in answer.headers),
+        f"Content-Length: {len(answer.body)}",
+        "Connection: close",
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + answer.body
+
+
+class _Loop:
+    """One thread serving every _Server with a selector: a connection costs a descriptor and
+    a few hundred bytes, never a thread. Each gets REQUEST_SECONDS for its whole exchange, and
+    at most MAX_CONNECTIONS are open, the oldest closed for a new one, so connections left idle
+    (from any pod: healthz and health-check node ports listen on every address) cannot hold
+    back a real client or the daemon's descriptors. The answers are small and computed at
+    once, so the loop answers in its own thread."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._connections: dict[int, _Connection] = {}
+        """By descriptor, oldest first: with one timeout for all, also by deadline."""
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._changes: list[tuple[Callable[[], object], threading.Event]] = []
+        self._thread: threading.Thread | None = None
+
+    def serve(self, server: _Server) -> None:
+        self._in_loop(lambda: self._selector.register(server.socket, selectors.EVENT_READ, server))
+
+    def stop(self, server: _Server) -> None:
+        self._in_loop(lambda: self._drop(server))
+
+    def _in_loop(self, change: Callable[[], object]) -> None:
+        """Run change in the loop's thread and wait for it: only that thread touches the
+        selector and the connections."""
+        done = threading.Event()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="http", daemon=True)
+                self._thread.start()
+            self._changes.append((change, done))
+        self._waker.send(b"\0")
+        done.wait()
+
+    def _drop(self, server: _Server) -> None:
+        self._selector.unregister(server.socket)
+        server.socket.close()
+        for conn in [c for c in self._connections.values() if c.server is server]:
+            self._close(conn)
+
+    def _run(self) -> None:
+        while True:
+            oldest = next(iter(self._connections.values()), None)
+            timeout = None if oldest is None else max(0.0, oldest.deadline - time.monotonic())
+            for key, events in self._selector.select(timeout):
+                try:
+                    self._ready(key.data, events)
+                except Exception:
+                    log.exception("serving %r failed", key.data)
+                    if isinstance(key.data, _Connection):
+                        self._close(key.data)
+            now = time.monotonic()
+            while self._connections:
+                oldest = next(iter(self._connections.values()))
+                if oldest.deadline > now:
+                    break
+                self._close(oldest)
+
+    def _ready(self, owner: _Server | _Connection | None, events: int) -> None:
+        if owner is None:
+            self._apply_changes()
+        elif isinstance(owner, _Server):
+            if owner.socket.fileno() != -1:  # not dropped earlier in this round
+                self._accept(owner)
+        elif owner.sock.fileno() in self._connections:  # not closed earlier in this round
+            if events & selectors.EVENT_WRITE:
+                self._send(owner)
+            else:
+                self._receive(owner)
+
+    def _apply_changes(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake.recv(4096):
+                pass
+        with self._lock:
+            changes, self._changes = self._changes, []
+        for change, done in changes:
+            try:
+                change()
+            except Exception:
+                log.exception("changing the served addresses failed")
+            finally:
+                done.set()
+
+    def _accept(self, server: _Server) -> None:
+        for _ in range(ACCEPTS_PER_WAKE):
+            try:
+                sock, _ = server.socket.accept()
+            except BlockingIOError:
+                return
+            except OSError as err:
+                if err.errno not in (errno.EMFILE, errno.ENFILE):
+                    continue  # the peer gave up (ECONNABORTED) before the accept
+                if not self._connections:
+                    # Nothing of ours to close, and the listener stays readable: do not spin.
+                    log.warning("%s: out of descriptors, not accepting for 1s", server.name)
+                    time.sleep(1)
+                    return
+                self._close(next(iter(self._connections.values())))
+                continue
+            if len(self._connections) >= MAX_CONNECTIONS:
+                self._close(next(iter(self._connections.values())))
+            sock.setblocking(False)
+            conn = _Connection(sock, server, time.monotonic() + REQUEST_SECONDS)
+            self._connections[sock.fileno()] = conn
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+            # A real client's request is usually there by the accept: answered now, it is
+            # not evicted by the connections accepted after it.
+            self._receive(conn)
+
+    def _receive(self, conn: _Connection) -> None:
+        try:
+            chunk = conn.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(conn)
+            return
+        conn.received += chunk
+        head_end = conn.received.find(b"\r\n\r\n")
+        if head_end >= 0:
+            conn.unsent = _answer_bytes(conn.server, conn.received[:head_end])
+        elif len(conn.received) > MAX_REQUEST_HEAD:
+            conn.unsent = _encode(Response(431, "text/plain", b"request head too large\n"))
+        else:
+            return
+        self._send(conn)
+
+    def _send(self, conn: _Connection) -> None:
+        try:
+            sent = conn.sock.send(conn.unsent)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._close(conn)
+            return
+        conn.unsent = conn.unsent[sent:]
+        if conn.unsent:
+            self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        else:
+            self._close(conn)
+
+    def _close(self, conn: _Connection) -> None:
+        if self._connections.pop(conn.sock.fileno(), None) is None:
+            return  # closed already (a closed socket's descriptor reads -1)
+        self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+
+_LOOP = _Loop()
+
+
+def _start(server: _Server) -> _Server:
+    _LOOP.serve(server)
     return server
 
 
@@ -166,28 +370,28 @@ def serve_health(address: str, health: ProxyHealth, metrics: Metrics) -> _Server
         code = 200 if ok else 503
         counter.labels(code=str(code)).inc()  # type: ignore[attr-defined]
         body = json.dumps(health_body(status, eligible, ok)).encode()
-        return Response(code, "application/json", body, (("X-Content-Type-Options", "nosniff"),))
+        return Response(code, "application/json", body)
 
     routes = {
         "/healthz": lambda: answer(True, metrics.healthz),
         "/livez": lambda: answer(False, metrics.livez),
     }
-    return _start(_Server(split_address(address), routes), "healthz")
+    return _start(_Server(split_address(address), routes, "healthz"))
 
 
 def serve_metrics(address: str, metrics: Metrics, mode: str) -> _Server:
-    routes: dict[str, Callable[[], Response]] = {
+    routes: dict[str, Route] = {
         "/metrics": lambda: Response(200, "text/plain; version=0.0.4", metrics.exposition()),
         "/proxyMode": lambda: Response(200, "text/plain", mode.encode()),
         "/healthz": lambda: Response(200, "text/plain", b"ok"),
     }
-    return _start(_Server(split_address(address), routes), "metrics")
+    return _start(_Server(split_address(address), routes, "metrics"))
 
 
 class ServiceHealthServers:
-    """One HTTP server per healthCheckNodePort, answering with the local endpoint count (also
-    in kube-proxy's X-Load-Balancing-Endpoint-Weight header), on every address of both
-    families, or of IPv4 alone when the node has no IPv6."""
+    """One HTTP server per healthCheckNodePort (all served by the one loop), answering with
+    the local endpoint count (also in kube-proxy's X-Load-Balancing-Endpoint-Weight header),
+    on every address of both families, or of IPv4 alone when the node has no IPv6."""
 
     def __init__(self, health: ProxyHealth, bind_host: str = "::") -> None:
         self._health = health
@@ -214,25 +418,24 @@ class ServiceHealthServers:
         with self._lock:
             self._state = dict(wanted)
         for port in list(self._servers.keys() - wanted.keys()):
-            server = self._servers.pop(port)
-            server.shutdown()
-            server.server_close()
+            self._servers.pop(port).close()
         for port in wanted.keys() - self._servers.keys():
             try:
                 server = self._bind(port)
             except OSError as err:
                 log.error("cannot serve health check node port %d: %s", port, err)
                 continue
-            self._servers[port] = _start(server, f"health-{port}")
+            self._servers[port] = _start(server)
 
     def _bind(self, port: int) -> _Server:
         routes = {"*": lambda: self._answer(port)}
+        name = f"health check node port {port}"
         try:
-            return _Server((self._bind_host, port), routes)
+            return _Server((self._bind_host, port), routes, name)
         except OSError as err:
             if err.errno != errno.EAFNOSUPPORT or self._bind_host != "::":
                 raise
-            return _Server(("0.0.0.0", port), routes)
+            return _Server(("0.0.0.0", port), routes, name)
 
     def close(self) -> None:
         self.update({})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from email.message import Message
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from proxyd import health
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health
 from proxyd.metrics import Metrics
 
@@ -39,8 +42,7 @@ def get_with_headers(url: str) -> tuple[int, dict[str, object], Message]:
 def free_port() -> int:
     probe = serve_health("127.0.0.1:0", ProxyHealth((4,), 60), Metrics())
     port = probe.server_address[1]
-    probe.shutdown()
-    probe.server_close()
+    probe.close()
     return port
 
 
@@ -119,8 +121,7 @@ def test_healthz_and_livez_answer_kube_proxys_json_and_only_healthz_minds_the_no
         assert status == 503 and body["nodeEligible"] is False and body["healthy"] is True
         assert get(f"{base}/livez")[0] == 200
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
     exposition = metrics.exposition()
     assert b'kubeproxy_proxy_healthz_total{code="503"} 1.0' in exposition
     assert b'kubeproxy_proxy_livez_total{code="503"} 1.0' in exposition
@@ -163,3 +164,71 @@ def test_health_check_node_ports_fall_back_to_ipv4_on_a_node_without_ipv6(
         assert get(f"http://127.0.0.1:{port}/")[0] == 200
     finally:
         servers.close()
+
+
+def idle_connection(port: int) -> socket.socket:
+    """A connection that sent half a request and waits."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: node\r\n")
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed the connection (waiting up to the socket's timeout)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_connections_take_no_thread_and_close_at_the_request_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(health, "REQUEST_SECONDS", 0.5)
+    server = serve_health("127.0.0.1:0", ProxyHealth((4,), 60), Metrics())
+    port = server.server_address[1]
+    threads = threading.active_count()
+    idle = [idle_connection(port) for _ in range(50)]
+    try:
+        assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200, "answered beside them"
+        assert threading.active_count() == threads, "no thread per connection"
+        start = time.monotonic()
+        assert all(closed_by_server(sock) for sock in idle)
+        assert time.monotonic() - start < 3
+    finally:
+        for sock in idle:
+            sock.close()
+        server.close()
+
+
+def test_past_the_connection_cap_a_new_connection_closes_the_oldest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(health, "MAX_CONNECTIONS", 4)
+    servers = ServiceHealthServers(ProxyHealth((4,), timeout=60), bind_host="127.0.0.1")
+    port = free_port()
+    servers.update({port: ("ns", "web", 1)})
+    idle = [idle_connection(port) for _ in range(4)]
+    try:
+        for sock in idle:
+            sock.settimeout(0.2)
+        assert not any(closed_by_server(sock) for sock in idle), "within the cap: kept"
+        assert get(f"http://127.0.0.1:{port}/")[0] == 200, "a real client, past the cap"
+        assert closed_by_server(idle[0]), "the oldest made room"
+        assert not any(closed_by_server(sock) for sock in idle[1:])
+    finally:
+        for sock in idle:
+            sock.close()
+        servers.close()
+
+
+def test_a_request_head_past_the_bound_is_refused() -> None:
+    server = serve_health("127.0.0.1:0", ProxyHealth((4,), 60), Metrics())
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=5) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nX-Filler: " + b"a" * 10_000)
+            assert sock.recv(100).startswith(b"HTTP/1.1 431 ")
+    finally:
+        server.close()
