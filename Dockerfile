@@ -57,7 +57,8 @@ RUN python -m cni.bundle --output /opt/knit/cni-bundle --client /knit-client --p
 # iptables (both flavours, iptables-{nft,legacy}-{save,restore}) is what knit-proxyd and the
 # in-daemon plugin execute, nftables brings the libnftables they load (and nft, for operators),
 # and kmod's modprobe loads br_netfilter where the kernel has it
-# as a module; links, routes, conntrack, ipsets and IPVS go through netlink.
+# as a module (the DaemonSet's init container, which alone holds CAP_SYS_MODULE); links,
+# routes, conntrack, ipsets and IPVS go through netlink.
 FROM ${PYTHON_IMAGE}
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \

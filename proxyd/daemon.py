@@ -55,7 +55,8 @@ def _load_br_netfilter() -> None:
     """Pods on one bridge reaching each other through a Service need their bridged replies to
     pass netfilter, or conntrack cannot undo the DNAT; kernels that build br_netfilter as a
     module (Ubuntu's, GitHub's runners') do not load it on their own, and recent Docker no
-    longer does it for kind."""
+    longer does it for kind. The DaemonSet's init container loads it; the daemon's own
+    container has no CAP_SYS_MODULE, so this only helps a daemon run as root on the host."""
     try:
         subprocess.run(
             ["modprobe", "br_netfilter"], check=True, capture_output=True, text=True, timeout=60
@@ -64,7 +65,7 @@ def _load_br_netfilter() -> None:
         detail = getattr(err, "stderr", "") or err
         log.warning(
             "cannot load br_netfilter (%s): a pod reaching a Service through a pod on its "
-            "own node gets no answer",
+            "own node gets no answer; load it on the node (modprobe br_netfilter)",
             str(detail).strip(),
         )
 

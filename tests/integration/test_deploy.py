@@ -171,12 +171,29 @@ def test_the_daemonset_runs_on_every_node_unprivileged(objects, pod, container):
         "allowPrivilegeEscalation": False,
         "capabilities": {
             "drop": ["ALL"],
-            "add": ["NET_ADMIN", "NET_RAW", "SYS_ADMIN", "SYS_MODULE"],
+            "add": ["NET_ADMIN", "NET_RAW", "SYS_ADMIN"],
         },
     }
     # /proc/sys is read-only in a non-privileged container: sysctls go through the node's
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KNIT_PROC_SYS"] == "/host/proc/sys"
+
+
+def test_only_the_module_loading_init_container_holds_sys_module(pod):
+    (loader,) = pod["initContainers"]
+    assert loader["name"] == "load-modules"
+    assert loader["image"] == pod["containers"][0]["image"]
+    assert loader["securityContext"] == {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["SYS_MODULE"]},
+    }
+    assert [(m["mountPath"], m.get("readOnly")) for m in loader["volumeMounts"]] == [
+        ("/lib/modules", True)
+    ]
+    assert "modprobe br_netfilter" in loader["command"][-1]
+    for other in pod["containers"]:
+        assert "SYS_MODULE" not in other["securityContext"]["capabilities"]["add"]
 
 
 def test_the_daemonset_probes_kube_proxys_health_endpoints(container):
@@ -187,7 +204,8 @@ def test_the_daemonset_probes_kube_proxys_health_endpoints(container):
 
 def test_the_daemonset_mounts_the_node_paths_it_needs(pod, container):
     host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
-    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    containers = pod["initContainers"] + [container]
+    mounts = {m["name"]: m for c in containers for m in c["volumeMounts"]}
     wanted = {
         "/etc/cni/net.d": ("/etc/cni/net.d", "DirectoryOrCreate"),
         "/opt/cni/bin": ("/opt/cni/bin", "DirectoryOrCreate"),
@@ -204,7 +222,7 @@ def test_the_daemonset_mounts_the_node_paths_it_needs(pod, container):
     assert got == wanted
     by_path = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert not by_path["/host/proc/sys/net"].get("readOnly")
-    assert by_path["/lib/modules"]["readOnly"] is True
+    assert "/lib/modules" not in by_path
     (config,) = [v for v in pod["volumes"] if v["name"] == by_path["/etc/knit"]["name"]]
     assert config["configMap"]["name"] == "knit-config"
 
