@@ -169,11 +169,13 @@ def test_the_daemonset_runs_on_every_node_unprivileged(objects, pod, container):
     assert container["securityContext"] == {
         "privileged": False,
         "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
         "capabilities": {
             "drop": ["ALL"],
             "add": ["NET_ADMIN", "NET_RAW", "SYS_ADMIN"],
         },
     }
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
     # /proc/sys is read-only in a non-privileged container: sysctls go through the node's
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KNIT_PROC_SYS"] == "/host/proc/sys"
@@ -186,6 +188,7 @@ def test_only_the_module_loading_init_container_holds_sys_module(pod):
     assert loader["securityContext"] == {
         "privileged": False,
         "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"], "add": ["SYS_MODULE"]},
     }
     assert [(m["mountPath"], m.get("readOnly")) for m in loader["volumeMounts"]] == [
@@ -194,6 +197,13 @@ def test_only_the_module_loading_init_container_holds_sys_module(pod):
     assert "modprobe br_netfilter" in loader["command"][-1]
     for other in pod["containers"]:
         assert "SYS_MODULE" not in other["securityContext"]["capabilities"]["add"]
+
+
+def test_the_daemon_writes_only_to_its_mounts(pod, container):
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == tmp["name"]]
+    assert "emptyDir" in volume
 
 
 def test_the_daemonset_probes_kube_proxys_health_endpoints(container):
