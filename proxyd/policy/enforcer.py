@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 from cni.nftables import NftError
 from proxyd import gc_pause
@@ -36,6 +37,16 @@ from proxyd.policy.state import PolicyState
 from proxyd.runner import BoundedFrequencyRunner, backoff
 
 log = logging.getLogger(__name__)
+
+
+class PolicyHealth(NamedTuple):
+    """One family's policy, for /healthz."""
+
+    healthy: bool
+    """Not failing, or failing for less than the health timeout."""
+    last_updated: float | None
+    """The family's last successful sync (wall clock), if any."""
+    quarantined: int
 
 
 DeniedKey = tuple[str, str, str]
@@ -72,6 +83,9 @@ class PolicyEnforcer:
         when nft refused them."""
         self.failures: dict[int, int] = dict.fromkeys(self.families, 0)
         """Per family, the syncs that failed in a row."""
+        self._failing_since: dict[int, float] = {}
+        """Per family failing now, when the first failure in a row was (wall clock)."""
+        self._last_synced: dict[int, float] = {}
         self._loaders = {
             family: ThreadPoolExecutor(1, thread_name_prefix=f"policy-nft{family}")
             for family in self.families
@@ -112,7 +126,11 @@ class PolicyEnforcer:
             self._written[family] = wanted
             self._in_kernel[family] = True
             self.failures[family] = 0
-            self.metrics.policy_last_sync.labels(family_label(family)).set_to_current_time()
+            self._failing_since.pop(family, None)
+            self._last_synced[family] = time.time()
+            self.metrics.policy_last_sync.labels(family_label(family)).set(
+                self._last_synced[family]
+            )
             loading_total += loading
             loader_cpu += cpu
         elapsed = time.monotonic() - start
@@ -223,6 +241,7 @@ class PolicyEnforcer:
         whole table is tried again, sooner after a first failure than after many in a row:
         a table that nft keeps refusing is not rewritten every second, forever."""
         self.failures[family] += 1
+        self._failing_since.setdefault(family, time.time())
         delay = backoff(self.failures[family], 1.0)
         log.exception(
             "IPv%d policy sync failed (%d in a row); the whole table is written in %.0f s",
@@ -234,6 +253,18 @@ class PolicyEnforcer:
         self._written[family] = None
         self._in_kernel[family] = None
         self.runner.retry_after(delay)
+
+    def health(self, timeout: float, now: float) -> dict[int, PolicyHealth]:
+        """Each family's policy health: unhealthy once its syncs have failed for `timeout`
+        seconds in a row (a quarantine is contained, and healthy)."""
+        return {
+            family: PolicyHealth(
+                now - self._failing_since.get(family, now) < timeout,
+                self._last_synced.get(family),
+                len(self._quarantine[family]),
+            )
+            for family in self.families
+        }
 
     def denied(self) -> Counter[DeniedKey]:
         """Packets the pod chains dropped, by what denied them, read from the kernel's

@@ -6,6 +6,7 @@ tests/integration/test_hostile_objects_kernel.py."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -154,4 +155,26 @@ def test_a_table_nft_keeps_refusing_is_retried_later_and_later(
     enforcer.sync()
     assert enforcer.failures[4] == 0 and enforcer._written[4] is not None
     assert sample(enforcer, "knit_network_policy_sync_last_timestamp_seconds") > 0
+    enforcer.stop()
+
+
+def test_policy_health_fails_once_syncs_failed_for_the_timeout_and_not_for_a_quarantine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nft = FakeNft()
+    nft.install(monkeypatch)
+    enforcer = enforcer_with([pod("good", "10.0.0.2"), pod("bad", "10.0.0.3")])
+    monkeypatch.setattr(enforcer.runner, "retry_after", lambda delay: None)
+    enforcer.sync()
+    now = time.time()
+    (health,) = enforcer.health(60, now).values()
+    assert health.healthy and health.quarantined == 1 and health.last_updated is not None
+
+    nft.refusing = True
+    enforcer.sync()
+    assert enforcer.health(60, now + 59)[4].healthy, "failing, not yet for the timeout"
+    assert not enforcer.health(60, now + 61)[4].healthy
+    nft.refusing = False
+    enforcer.sync()
+    assert enforcer.health(60, now + 61)[4].healthy
     enforcer.stop()
