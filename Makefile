@@ -72,12 +72,13 @@ lint: venv
 unit: venv
 	$(PY) -m pytest -q tests/unit
 
-# The plugin's generated-input runs, longer than make test's: FUZZ_EXAMPLES configs and stdins
-# through its call path, an eighth of that through the real executable in namespaces
+# The generated-input runs, longer than make test's: FUZZ_EXAMPLES configs and stdins through the
+# plugin's call path, an eighth of that through the real executable in namespaces, a twelfth of
+# it as API objects through the proxy and policy into a namespace's kernel
 FUZZ_EXAMPLES ?= 20000
 fuzz: venv
 	KNIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/unit/test_cni_fuzz.py \
-		tests/integration/test_cni_fuzz_kernel.py
+		tests/integration/test_cni_fuzz_kernel.py tests/integration/test_hostile_fuzz_kernel.py
 
 test: setup cni go-tools e2e-tools lint
 	$(PY) -m pytest -q -p no:cacheprovider tests

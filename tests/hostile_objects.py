@@ -21,9 +21,9 @@ NODE = "node-a"
 ENDPOINTS_4 = ("10.244.1.5", "10.244.2.5")
 ENDPOINTS_6 = ("fd10:ffff:ffff:ffff:ffff:ffff:ffff:5", "fd10:ffff:ffff:ffff:ffff:ffff:ffff:6")
 """IPv6 endpoints that write out long."""
-PROTOCOLS = ("TCP", "UDP")
-"""SCTP too in the kernel's rule text, where its module loads (not in the development kernel's
-sockets, but nft and iptables take its rules)."""
+PROTOCOLS = ("TCP", "UDP", "SCTP")
+"""Every protocol a Service port takes (the development kernel has no SCTP sockets, but nft and
+iptables take SCTP rules)."""
 
 Obj = dict[str, Any]
 
