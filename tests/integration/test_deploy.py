@@ -206,6 +206,10 @@ def test_the_daemon_writes_only_to_its_mounts(pod, container):
     assert "emptyDir" in volume
 
 
+def test_the_daemon_has_a_memory_limit(container):
+    assert container["resources"]["limits"] == {"memory": "1Gi"}
+
+
 def test_the_daemonset_probes_kube_proxys_health_endpoints(container):
     assert container["ports"] == [{"name": "healthz", "containerPort": 10256, "protocol": "TCP"}]
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "healthz"}
