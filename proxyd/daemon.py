@@ -228,7 +228,12 @@ class Daemon:
         cni_server = self._prepare_cni()
         api = _api_client(self.config)
         serve_metrics(self.config.metrics_bind_address, self.metrics, self.proxier.mode)
-        serve_health(self.config.healthz_bind_address, self.health, self.metrics)
+        policy_health = (
+            (lambda: self.policy.health(self.health.timeout, time.time()))
+            if self.config.network_policy
+            else None
+        )
+        serve_health(self.config.healthz_bind_address, self.health, self.metrics, policy_health)
         reflectors = [
             watch.Reflector(
                 api,

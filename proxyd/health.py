@@ -11,7 +11,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from email.utils import formatdate
 from http import HTTPStatus
@@ -344,6 +344,29 @@ def split_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+class PolicyHealth(NamedTuple):
+    """One family's NetworkPolicy enforcement, for /healthz."""
+
+    healthy: bool
+    """Not failing, or failing for less than the health timeout."""
+    last_updated: float | None
+    """The family's last successful policy sync (wall clock), if any."""
+    quarantined: int
+    """Pods whose rules nft refused, dropping everything (contained: still healthy)."""
+
+
+def policy_body(policy: Mapping[int, PolicyHealth]) -> dict[str, object]:
+    """knit's own part of /healthz: each family's policy enforcement."""
+    return {
+        family_label(family): {
+            "healthy": health.healthy,
+            "lastUpdated": _stamp(health.last_updated),
+            "quarantinedPods": health.quarantined,
+        }
+        for family, health in sorted(policy.items())
+    }
+
+
 def health_body(status: HealthStatus, node_eligible: bool | None, ok: bool) -> dict[str, object]:
     """kube-proxy's /healthz and /livez JSON: lastUpdated reads `now` when answering ok (its
     compatibility rule), nodeEligible only on /healthz, and the state of each family."""
@@ -362,15 +385,27 @@ def health_body(status: HealthStatus, node_eligible: bool | None, ok: bool) -> d
     return body
 
 
-def serve_health(address: str, health: ProxyHealth, metrics: Metrics) -> _Server:
+def serve_health(
+    address: str,
+    health: ProxyHealth,
+    metrics: Metrics,
+    policy: Callable[[], Mapping[int, PolicyHealth]] | None = None,
+) -> _Server:
+    """`policy`: NetworkPolicy enforcement's health, which /healthz reports and answers 503 for
+    when it fails, and /livez leaves out: a restart cannot mend a table nft refuses."""
+
     def answer(check_node: bool, counter: object) -> Response:
         status = health.status()
         eligible = not health.node_deleting if check_node else None
+        enforced = policy() if policy is not None and check_node else {}
         ok = status.healthy and eligible is not False
+        body = health_body(status, eligible, ok)
+        if enforced:
+            ok = ok and all(family.healthy for family in enforced.values())
+            body["policy"] = policy_body(enforced)
         code = 200 if ok else 503
         counter.labels(code=str(code)).inc()  # type: ignore[attr-defined]
-        body = json.dumps(health_body(status, eligible, ok)).encode()
-        return Response(code, "application/json", body)
+        return Response(code, "application/json", json.dumps(body).encode())
 
     routes = {
         "/healthz": lambda: answer(True, metrics.healthz),

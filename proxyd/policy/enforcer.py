@@ -22,11 +22,11 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
 
 from cni.nftables import NftError
 from proxyd import gc_pause
 from proxyd.containment import refused
+from proxyd.health import PolicyHealth
 from proxyd.metrics import Metrics, family_label
 from proxyd.nftables.kernel import Nft, counter_packets
 from proxyd.policy.compile import Cluster, FamilyCompiler, FamilyPolicy, PodKey
@@ -37,16 +37,6 @@ from proxyd.policy.state import PolicyState
 from proxyd.runner import BoundedFrequencyRunner, backoff
 
 log = logging.getLogger(__name__)
-
-
-class PolicyHealth(NamedTuple):
-    """One family's policy, for /healthz."""
-
-    healthy: bool
-    """Not failing, or failing for less than the health timeout."""
-    last_updated: float | None
-    """The family's last successful sync (wall clock), if any."""
-    quarantined: int
 
 
 DeniedKey = tuple[str, str, str]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from proxyd import health
-from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health
+from proxyd.health import PolicyHealth, ProxyHealth, ServiceHealthServers, serve_health
 from proxyd.metrics import Metrics
 
 
@@ -125,6 +125,30 @@ def test_healthz_and_livez_answer_kube_proxys_json_and_only_healthz_minds_the_no
     exposition = metrics.exposition()
     assert b'kubeproxy_proxy_healthz_total{code="503"} 1.0' in exposition
     assert b'kubeproxy_proxy_livez_total{code="503"} 1.0' in exposition
+
+
+def test_failing_policy_makes_healthz_fail_and_leaves_livez_alone() -> None:
+    """A table nft keeps refusing is no reason to restart the daemon (livez), but the node's
+    health says it (healthz); a quarantine is contained and healthy."""
+    policy = {
+        4: PolicyHealth(True, 1000.0, 1),
+        6: PolicyHealth(False, None, 0),
+    }
+    server = serve_health("127.0.0.1:0", ProxyHealth((4, 6), 60), Metrics(), lambda: policy)
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        status, body = get(f"{base}/healthz")
+        assert status == 503 and body["healthy"] is True
+        assert body["policy"] == {
+            "IPv4": {"healthy": True, "lastUpdated": "1970-01-01T00:16:40Z", "quarantinedPods": 1},
+            "IPv6": {"healthy": False, "lastUpdated": "0001-01-01T00:00:00Z", "quarantinedPods": 0},
+        }
+        status, body = get(f"{base}/livez")
+        assert status == 200 and "policy" not in body
+        policy[6] = PolicyHealth(True, 1000.0, 0)
+        assert get(f"{base}/healthz")[0] == 200
+    finally:
+        server.close()
 
 
 def test_health_check_node_port_counts_local_endpoints() -> None:
