@@ -8,30 +8,18 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cni.install import installed_version
 from deploy.lab import e2e, image
-from deploy.lab.lab import KUBECTL, PROXY_MODES, Lab
-from deploy.lab.netns import unique_name
+from deploy.lab.lab import KUBECTL, Lab
 from deploy.lab.paths import IMAGES
 from deploy.lab.process import eventually
 
 # bringing a lab up takes a minute or two; the e2e selection tens of minutes
 pytestmark = pytest.mark.timeout(3600)
-
-
-@pytest.fixture(scope="module", params=PROXY_MODES)
-def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    lab = Lab(unique_name("knit-t"), tmp_path_factory.mktemp("lab") / "lab", request.param)
-    try:
-        lab.up()
-        yield lab
-    finally:
-        lab.down()
 
 
 def test_traffic_flows_between_real_pods(lab: Lab) -> None:
