@@ -4,7 +4,11 @@ rendering tests (tests/unit) and the kernel's verdict on the rendered text (test
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+from proxyd.model import NodeInfo, endpoints_for, parse_endpoint_slice, parse_service
+from proxyd.tracker import Changes, ServiceView
 
 NAMESPACE = "n" * 63
 """A namespace name: a DNS-1123 label."""
@@ -159,3 +163,17 @@ def policies() -> list[Obj]:
             },
         }
     ]
+
+
+def changes(services: Iterable[tuple[Obj, list[Obj]]], node: str = NODE) -> Changes:
+    """A sync's changes for Services and their slices, parsed as the daemon parses them, on a
+    node of both families."""
+    views = {}
+    for service, slices in services:
+        ports = parse_service(service)
+        parsed = [s for raw in slices if (s := parse_endpoint_slice(raw)) is not None]
+        meta = service["metadata"]
+        views[meta["namespace"], meta["name"]] = ServiceView(
+            ports, {port: endpoints_for(port, parsed) for port in ports}
+        )
+    return Changes(services=views, node=NodeInfo(node, addresses=("192.0.2.10", "2001:db8::10")))

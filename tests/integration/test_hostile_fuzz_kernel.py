@@ -18,15 +18,15 @@ from hypothesis import strategies as st
 from deploy.lab.netns import Netns
 from proxyd.iptables.proxier import IptablesProxier
 from proxyd.metrics import Metrics
-from proxyd.model import NodeInfo, endpoints_for, parse_endpoint_slice, parse_service
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.policy.enforcer import PolicyEnforcer
 from proxyd.proxier import Proxier, ProxyOptions
-from proxyd.tracker import Changes, ServiceView
+from proxyd.tracker import Changes
+from tests import hostile_objects
 
 EXAMPLES = max(1, int(os.environ.get("KNIT_FUZZ_EXAMPLES", "300")) // 12)
 """25 per test in make test, 1,666 in make fuzz (about 17 minutes for the three)."""
-NODE = "node-a"
+NODE = hostile_objects.NODE
 OPTIONS = ProxyOptions(cluster_cidrs=("10.244.0.0/16", "fd10::/48"))
 PROTOCOLS = ("TCP", "UDP", "SCTP")
 SETTINGS = settings(
@@ -139,16 +139,7 @@ def service(draw: st.DrawFn, index: int) -> tuple[dict[str, Any], list[dict[str,
 
 @st.composite
 def services(draw: st.DrawFn) -> Changes:
-    views = {}
-    for index in range(draw(st.integers(1, 4))):
-        obj, slices = draw(service(index))
-        ports = parse_service(obj)
-        parsed = [s for raw in slices if (s := parse_endpoint_slice(raw)) is not None]
-        views["ns", obj["metadata"]["name"]] = ServiceView(
-            ports, {p: endpoints_for(p, parsed) for p in ports}
-        )
-    node = NodeInfo(NODE, addresses=("192.0.2.10", "2001:db8::10"))
-    return Changes(services=views, node=node)
+    return hostile_objects.changes(draw(service(index)) for index in range(draw(st.integers(1, 4))))
 
 
 @pytest.mark.parametrize("proxier", [IptablesProxier, NftablesProxier])

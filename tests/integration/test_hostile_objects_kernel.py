@@ -15,12 +15,6 @@ from proxyd.iptables import render as iptables_render
 from proxyd.iptables.proxier import IptablesProxier
 from proxyd.iptables.render import ServiceRules
 from proxyd.metrics import Metrics
-from proxyd.model import (
-    NodeInfo,
-    endpoints_for,
-    parse_endpoint_slice,
-    parse_service,
-)
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nftables.render import PortContext, ServiceObjects
@@ -29,7 +23,7 @@ from proxyd.policy.enforcer import PolicyEnforcer
 from proxyd.policy.quarantine import QUARANTINED
 from proxyd.port_plan import FamilyContext, PortPlan
 from proxyd.proxier import Proxier, ProxyOptions
-from proxyd.tracker import Changes, ServiceView
+from proxyd.tracker import Changes
 from tests import hostile_objects
 
 OPTIONS = ProxyOptions(cluster_cidrs=("10.244.0.0/16", "fd10::/48"))
@@ -37,20 +31,10 @@ FAMILIES = (4, 6)
 
 
 def changes() -> Changes:
-    views = {}
-    for service in hostile_objects.services():
-        ports = parse_service(service)
-        slices = [
-            parsed
-            for obj in hostile_objects.endpoint_slices(service)
-            if (parsed := parse_endpoint_slice(obj)) is not None
-        ]
-        meta = service["metadata"]
-        views[meta["namespace"], meta["name"]] = ServiceView(
-            ports, {port: endpoints_for(port, slices) for port in ports}
-        )
-    node = NodeInfo(hostile_objects.NODE, addresses=("192.0.2.10", "2001:db8::10"))
-    return Changes(services=views, node=node)
+    return hostile_objects.changes(
+        (service, hostile_objects.endpoint_slices(service))
+        for service in hostile_objects.services()
+    )
 
 
 @pytest.mark.parametrize("proxier", [IptablesProxier, NftablesProxier])
