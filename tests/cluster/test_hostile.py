@@ -254,3 +254,111 @@ def test_idle_connections_to_the_health_port_hold_no_threads(hostile_lab: Lab) -
     print(f"knit-proxyd threads: {before} before, {during} with {IDLE} idle connections")
     assert answer == "200"
     assert during <= before + 4, (before, during)
+
+
+# A root process with the fast path's folder mounted asks knit-proxyd to run its own IPAM
+# plugin, kept in that folder, with the daemon's capabilities. The plugin leaves a mark if it
+# ever runs; the copy of the compiled client talks to the node's socket.
+BORROW = r"""
+printf '#!/bin/sh\ntouch /run/knit/borrowed-ran\necho "{}"\n' > /run/knit/borrowed
+chmod 755 /run/knit/borrowed
+mkdir -p /tmp/client/knit.d
+cp /opt/knit/cni-bundle/bin/knit /tmp/client/knit
+printf 'plugin=absent\nsocket=/run/knit/cni.sock\n' > /tmp/client/knit.d/launch
+echo '{"cniVersion":"1.0.0","name":"knit","type":"knit","ipam":{"type":"borrowed"}}' |
+  CNI_COMMAND=ADD CNI_CONTAINERID=borrower CNI_NETNS=/proc/self/ns/net CNI_IFNAME=eth9 \
+  CNI_PATH=/run/knit /tmp/client/knit
+echo "exit $?"
+"""
+
+
+def _borrower(name: str, user: int) -> dict[str, object]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": "default", "name": name},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": "node1"},
+            "restartPolicy": "Never",
+            "securityContext": {"runAsUser": user},
+            "containers": [
+                {
+                    "name": "borrower",
+                    "image": "knit:dev",
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", BORROW],
+                    "volumeMounts": [{"name": "run-knit", "mountPath": "/run/knit"}],
+                }
+            ],
+            "volumes": [{"name": "run-knit", "hostPath": {"path": "/run/knit"}}],
+        },
+    }
+
+
+def _finished_log(lab: Lab, name: str) -> str:
+    def finished() -> bool:
+        pod = json.loads(lab.kubectl("get", "pod", name, "-o", "json"))
+        return pod["status"].get("phase") in ("Succeeded", "Failed")
+
+    eventually(finished, 120, what=f"{name} finished")
+    return lab.kubectl("logs", name)
+
+
+def test_the_fast_path_lends_no_capability_to_a_local_caller(hostile_lab: Lab) -> None:
+    """A root pod with the socket's folder mounted gets its plugin refused (the daemon runs
+    delegated plugins from its own bin dirs only); a non-root one cannot reach the socket."""
+    lab = hostile_lab
+    folder = lab.nodes["node1"].folder / "run/knit"
+    mark = folder / "borrowed-ran"
+    try:
+        _apply(lab, _borrower("borrower-root", 0), _borrower("borrower-nobody", 65534))
+        as_root = _finished_log(lab, "borrower-root")
+        as_nobody = _finished_log(lab, "borrower-nobody")
+        print(f"as root: {as_root.strip()}\nas nobody: {as_nobody.strip()}")
+        assert "exit 0" not in as_root and "not found" in as_root, as_root
+        assert "exit 0" not in as_nobody, as_nobody
+        assert not mark.exists(), "the borrowed plugin never ran"
+        assert folder.stat().st_mode & 0o777 == 0o700
+        assert _knit_ready(lab)
+    finally:
+        lab.kubectl("delete", "pod", "borrower-root", "borrower-nobody", "--wait=false")
+        for leftover in (mark, folder / "borrowed"):
+            leftover.unlink(missing_ok=True)
+
+
+def _carved_policy(namespace: str, name: str, holes: int) -> dict[str, object]:
+    """Ingress from 10.0.0.0/8 but `holes` /30s of 10.128.0.0/9, far from the pods."""
+    excepted = [f"10.{128 + (n >> 14)}.{(n >> 6) & 255}.{(n & 63) * 4}/30" for n in range(holes)]
+    block = {"ipBlock": {"cidr": "10.0.0.0/8", "except": excepted}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"namespace": namespace, "name": name},
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": [{"from": [block]}]},
+    }
+
+
+def test_an_ip_block_with_thousands_of_excepts_neither_stalls_nor_opens(hostile_lab: Lab) -> None:
+    """20,000 except entries (what knit takes) compile at once on the node and allow what they
+    allow; 20,001 are not read, and the policy's pods are isolated (fail closed)."""
+    lab = hostile_lab
+    namespace = "hostile-excepts"
+    namespace_object = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    try:
+        _apply(lab, namespace_object, _server(namespace, "server", "node1"))
+        address = _pod_ip(lab, namespace, "server")
+        # create, not apply: apply would copy the object into an annotation, past its limit
+        lab.kubectl(
+            "create", "-f", _write(lab, json.dumps(_carved_policy(namespace, "wide", 20_000)))
+        )
+        assert eventually(lambda: _answers(lab, address), 30, what="allowed by the ipBlock")
+        syncs = [line for line in _knit_log(lab, "node1").splitlines() if "policy sync:" in line]
+        print(f"node1's policy sync with 20,000 except entries: {syncs[-1]}")
+        lab.kubectl("-n", namespace, "delete", "networkpolicy", "wide")
+        too_many = _carved_policy(namespace, "too-many", 20_001)
+        lab.kubectl("create", "-f", _write(lab, json.dumps(too_many)))
+        eventually(lambda: not _answers(lab, address), 30, what="isolated, nothing allowed")
+        assert "over knit's 20000" in _knit_log(lab, "node1")
+        assert _knit_ready(lab)
+    finally:
+        lab.kubectl("delete", "namespace", namespace, "--wait=false")
