@@ -48,7 +48,7 @@ $(BUILD)/cni/knit: cni/client.c
 $(BUILD)/cni/knit.d/launch: venv Makefile
 	mkdir -p $(@D)
 	purelib=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	printf '#!%s -IS\nimport sys\nsys.path[:0] = ["%s", "%s"]\nfrom cni.client import main\nmain()\n' \
+	printf '#!%s -IS\nimport sys\nsys.path[:0] = ["%s", "%s"]\nfrom cni.in_process import main\nmain()\n' \
 		"$(PY)" "$(ROOT)" "$$purelib" > $(@D)/knit-in-process
 	chmod 755 $(@D)/knit-in-process
 	printf 'plugin=knit.d/knit-in-process\nsocket=%s\n' "$(CNI_SOCKET)" > $@.tmp

@@ -7,7 +7,7 @@ node daemon installs it next to the `knit` launcher (`cni.install`). Layout:
                            calls to the node daemon, and the rest to bin/knit-in-process
     bin/knit-in-process    a sh launcher running knit.py on the interpreter beside it
     bin/python3.X          the real interpreter binary
-    knit.py                the Python plugin's entry (cni.client)
+    knit.py                the Python plugin's entry (cni.in_process)
     lib/python3.X/         its standard library, pruned, with lib-dynload/
     lib/*.so*              the shared libraries the binary and the extension modules link
                            (libpython when the binary links it dynamically), except glibc's own
@@ -215,7 +215,7 @@ def write_entry(tree: Path, client: Path) -> None:
     (tree / ENTRY).write_text(
         "import sys\n"
         f"sys.path.append(__file__.rpartition('/')[0] + {'/' + SITE!r})\n"
-        "from cni.client import main\n"
+        "from cni.in_process import main\n"
         "main()\n"
     )
     in_process = tree / IN_PROCESS

@@ -1,4 +1,6 @@
-"""The `knit` executable: reads a CNI call, runs the verb, prints a result or the error JSON."""
+"""The plugin's verbs: a CNI call, read from the environment and stdin (in-process, through
+cni.in_process) or handed over by the node daemon (cni.server), run, and its result or error
+JSON printed. The executable the runtime starts is the compiled client, cni/client.c."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ HEADER_BYTES = 2 + LENGTH_BYTES
 IN_PROCESS = (
     f"#!{sys.executable} -IS\n"
     f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {sysconfig.get_paths()['purelib']!r}]\n"
-    "from cni.client import main\nmain()\n"
+    "from cni.in_process import main\nmain()\n"
 )
 
 

@@ -1,5 +1,5 @@
 """The fast path's two ends without a kernel network: the plugin's compiled client
-(cni/client.c) against a stand-in daemon, with the Python plugin it execs (cni.client), and
+(cni/client.c) against a stand-in daemon, with the Python plugin it execs (cni.in_process), and
 cni.server on a socket in a temporary dir."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from cni import client, plugin, version
+from cni import in_process, plugin, version
 from cni.errors import CniError, Code
 from cni.invocation import call_deadline, from_environ
 from cni.ipam import delegate
@@ -135,7 +135,7 @@ def test_the_client_speaks_the_servers_protocol():
         "DECLINED": str(DECLINED),
         "LENGTH_BYTES": str(LENGTH_BYTES),
     }
-    assert f'#define ERROR_VARIABLE "{client.ERROR_VARIABLE}"' in source
+    assert f'#define ERROR_VARIABLE "{in_process.ERROR_VARIABLE}"' in source
     verbs = set(re.findall(r'strcmp\(command, "(\w+)"\)', source))
     assert verbs == SERVED
 
@@ -348,9 +348,10 @@ def test_a_client_without_its_launch_file_says_so(compiled, tmp_path):
 
 
 def python_plugin(env: dict[str, str], prelude: str = "") -> subprocess.CompletedProcess[bytes]:
-    """cni.client.main as the in-process launcher runs it."""
+    """cni.in_process.main as the in-process launcher runs it."""
     code = (
-        f"import sys; sys.path[:0] = [{str(ROOT)!r}]; {prelude}from cni.client import main; main()"
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}]; {prelude}"
+        "from cni.in_process import main; main()"
     )
     return subprocess.run(
         [sys.executable, "-I", "-S", "-c", code], env=env, input=CONF, capture_output=True
@@ -371,7 +372,7 @@ def test_ld_library_path_stays_out_of_what_the_python_plugin_runs():
 
 
 def test_the_clients_error_is_printed_as_the_calls_error_json():
-    done = python_plugin({"CNI_COMMAND": "ADD", client.ERROR_VARIABLE: "went wrong"})
+    done = python_plugin({"CNI_COMMAND": "ADD", in_process.ERROR_VARIABLE: "went wrong"})
     assert done.returncode == 1
     assert done.stdout == plugin.error_output(CniError(Code.UNEXPECTED, "went wrong"), CONF)
 
