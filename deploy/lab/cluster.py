@@ -292,7 +292,7 @@ class Cluster(Network):
             "--args", f"IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}",
         )  # fmt: skip
 
-    def publish(self, name: str, pods: list[LabPod], port: int = 80, **spec: Any) -> dict:
+    def publish(self, name: str, pods: list[LabPod], port: int = 80, **spec: Any) -> dict[str, Any]:
         """A dual-stack Service over pods with its EndpointSlices (the controller's job)."""
         service = self.kube.create(
             SERVICES,

@@ -170,7 +170,8 @@ def kubeconfig_for(pki: Path, server: str, user: str = "admin") -> dict[str, obj
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        port: int = probe.getsockname()[1]
+        return port
 
 
 _prctl = ctypes.CDLL(None, use_errno=True).prctl

@@ -22,7 +22,9 @@ NODES = "/api/v1/nodes"
 
 
 def api_client(kubeconfig: Path) -> ApiClient:
-    return new_client_from_config(config_file=str(kubeconfig))
+    # the kubernetes client leaves new_client_from_config unannotated: it makes an ApiClient
+    client: ApiClient = new_client_from_config(config_file=str(kubeconfig))
+    return client
 
 
 class Kube:
@@ -50,12 +52,13 @@ class Kube:
         return json.loads(data) if data else None
 
     def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
-        created = self.call("POST", collection, obj)
+        created: dict[str, Any] = self.call("POST", collection, obj)
         self.created.append(f"{collection}/{created['metadata']['name']}")
         return created
 
     def patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return self.call("PATCH", path, patch, "application/merge-patch+json")
+        patched: dict[str, Any] = self.call("PATCH", path, patch, "application/merge-patch+json")
+        return patched
 
     def delete(self, path: str) -> None:
         self.call("DELETE", path)

@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -189,9 +190,7 @@ class Lab:
     def wait_ready(self) -> None:
         names = list(self.nodes)
         for name in names:
-            eventually(
-                lambda name=name: self._node_ready(name), 180, what=f"{name} Ready", interval=1
-            )
+            eventually(partial(self._node_ready, name), 180, what=f"{name} Ready", interval=1)
         self.kubectl(
             "-n", "kube-system", "rollout", "status", "daemonset/knit", "--timeout=180s",
             timeout=200,

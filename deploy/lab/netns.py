@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from cni import netns as cni_netns
 
@@ -44,6 +44,27 @@ class Netns:
     @property
     def path(self) -> str:
         return f"/var/run/netns/{self.name}"
+
+    # text in and out, unless the input is bytes
+    @overload
+    def run(
+        self,
+        *argv: str,
+        check: bool = True,
+        stdin: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[str]: ...
+
+    @overload
+    def run(
+        self,
+        *argv: str,
+        check: bool = True,
+        stdin: bytes,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[bytes]: ...
 
     def run(
         self,

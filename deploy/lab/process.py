@@ -53,7 +53,10 @@ def detach(
 
 
 def eventually(
-    check: Callable[[], T], timeout: float = 15, what: str = "condition", interval: float = 0.2
+    check: Callable[[], T | None],
+    timeout: float = 15,
+    what: str = "condition",
+    interval: float = 0.2,
 ) -> T:
     """The first truthy result of check(), tried every `interval` seconds; TimeoutError naming
     the last error after timeout."""

@@ -157,7 +157,7 @@ def cached_step(
 
 def prune_blobs() -> None:
     """Drop the blobs no cached step refers to."""
-    wanted = set()
+    wanted: set[str] = set()
     for record in (CACHE / "steps").glob("*/layers.json"):
         wanted.update(layer["digest"] for layer in json.loads(record.read_text()))
     for blob in (CACHE / "blobs" / "sha256").glob("*"):

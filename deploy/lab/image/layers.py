@@ -18,7 +18,7 @@ import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from deploy.lab.image.cache import Layer, blob_path, new_blob_path
 
@@ -30,7 +30,7 @@ GZIP_LEVEL = 6
 class _HashingWriter(io.RawIOBase):
     """A write-only stream that hashes and counts what passes through to `target`."""
 
-    def __init__(self, target: IO[bytes]) -> None:
+    def __init__(self, target: io.BufferedIOBase) -> None:
         self.target = target
         self.sha256 = hashlib.sha256()
         self.size = 0
@@ -135,8 +135,12 @@ def _tarinfo(tar: tarfile.TarFile, path: Path, arcname: str) -> tarfile.TarInfo:
     info = tar.gettarinfo(str(path), arcname)
     info.mtime = int(info.mtime)
     info.uname = info.gname = ""
-    for name, value in _xattrs(path).items():
-        info.pax_headers["SCHILY.xattr." + name] = value.decode("utf-8", "surrogateescape")
+    xattrs = {
+        "SCHILY.xattr." + name: value.decode("utf-8", "surrogateescape")
+        for name, value in _xattrs(path).items()
+    }
+    # typeshed types pax_headers as a read-only Mapping: a new dict, not an update in place
+    info.pax_headers = {**info.pax_headers, **xattrs}
     return info
 
 

@@ -49,11 +49,11 @@ CHROOT = (
 
 def run(argv: Sequence[str | Path], env: dict[str, str] | None = None) -> str:
     """Run argv; returns its output, or raises with the end of it."""
-    argv = [str(a) for a in argv]
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    args = [str(a) for a in argv]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-30:])
-        raise ImageError(f"{shlex.join(argv)} failed ({result.returncode}):\n{tail}")
+        raise ImageError(f"{shlex.join(args)} failed ({result.returncode}):\n{tail}")
     return result.stdout
 
 
