@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from bench import record
 from cni.server import encode_response, read_request
@@ -67,7 +68,9 @@ def build_launcher(directory: Path, socket_path: str = "") -> Path:
     return target.parent
 
 
-def conflist(plugin_type: str, bridge: str, subnet: str, data_dir: Path, ip_masq: bool) -> dict:
+def conflist(
+    plugin_type: str, bridge: str, subnet: str, data_dir: Path, ip_masq: bool
+) -> dict[str, Any]:
     return {
         "cniVersion": "1.1.0",
         "name": f"bench-{bridge}",
@@ -116,13 +119,17 @@ def add_node_addresses(node: str, count: int) -> None:
     sh("ip", "-n", node, "-batch", "-", stdin=batch)
 
 
-def run_driver(node: str, work: Path, name: str, conf: dict, cni_path: str) -> dict:
+def run_driver(
+    node: str, work: Path, name: str, conf: dict[str, Any], cni_path: str
+) -> dict[str, list[float]]:
+    """The driver's seconds per call, by verb."""
     path = work / f"{name}.conflist"
     path.write_text(json.dumps(conf))
     files = ["--conflist", str(path), "--cache-dir", str(work / "cache")]
     files += ["--netns-list", str(work / "netns")]
     out = sh("ip", "netns", "exec", node, str(CNIDRIVER), "bench", *files, "--cni-path", cni_path)
-    return json.loads(out)
+    times: dict[str, list[float]] = json.loads(out)
+    return times
 
 
 @contextmanager
@@ -194,7 +201,7 @@ def client_alone(directory: Path, calls: int = 50) -> float:
     return statistics.median(times)
 
 
-def daemon_steps(node: str, conf: dict, pods: list[str]) -> dict[str, dict[str, float]]:
+def daemon_steps(node: str, conf: dict[str, Any], pods: list[str]) -> dict[str, dict[str, float]]:
     """bench.cni_steps in the node namespace: the daemon's work per verb by step (ms)."""
     plugin = {**conf["plugins"][0], "cniVersion": conf["cniVersion"], "name": conf["name"]}
     argv = [sys.executable, "-m", "bench.cni_steps", json.dumps(plugin), *pods]
@@ -205,7 +212,11 @@ def daemon_steps(node: str, conf: dict, pods: list[str]) -> dict[str, dict[str, 
     return steps
 
 
-def figures(samples: dict, served: dict, breakdown: dict) -> list[dict[str, object]]:
+def figures(
+    samples: dict[str, dict[str, list[float]]],
+    served: dict[str, list[float]],
+    breakdown: dict[str, float],
+) -> list[dict[str, object]]:
     """One figure per verb: each contender's median ms, knit's ratios to the reference, and
     the fast path's daemon work; then where a call's start-up time goes."""
     rows: list[dict[str, object]] = []

@@ -147,9 +147,9 @@ def conntrack(node: Netns, count: int, rounds: int, figures: Figures) -> None:
         ):
             figures.report(
                 figure,
-                median_ms(lambda f=frontends: clear_stale(f), rounds),
+                median_ms(partial(clear_stale, frontends), rounds),
                 "pyroute2's",
-                median_ms(lambda f=frontends: pyroute2_clean(ct, f), rounds),
+                median_ms(partial(pyroute2_clean, ct, frontends), rounds),
             )
         took: dict[str, list[float]] = {"knit": [], "pyroute2": []}
         gone = range(0, count, 2)

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -128,7 +129,7 @@ class PolicyBench:
     def make_namespaces(self) -> None:
         self.bulk(
             [
-                lambda i=i: self.kube.create_namespace(namespace_name(i), {"team": f"t{i % 10}"})
+                partial(self.kube.create_namespace, namespace_name(i), {"team": f"t{i % 10}"})
                 for i in range(NAMESPACES)
             ]
         )
@@ -147,7 +148,7 @@ class PolicyBench:
             obj = pod_object(name, node, labels, [("web", CONNECTION_PORT, "TCP")])
             self.kube.create_running_pod(namespace, obj, (simulated_address(index),))
 
-        self.bulk([lambda i=i: one(i) for i in range(self.pods, total)])
+        self.bulk([partial(one, i) for i in range(self.pods, total)])
         self.pods = total
 
     def make_policies(self) -> None:
@@ -158,7 +159,7 @@ class PolicyBench:
                 {"metadata": {"name": f"policy-{index}"}, "spec": policy_spec(index)},
             )
 
-        self.bulk([lambda i=i: one(i) for i in range(POLICIES)])
+        self.bulk([partial(one, i) for i in range(POLICIES)])
 
     # ------------------------------------------------------------ the kernel, from the node
     def in_node(self, fn: Callable[[], T]) -> T:
@@ -200,7 +201,11 @@ class PolicyBench:
             joins = turn % 2 == 0
             tier = "t0" if joins else "t1"
             self.kube.patch(path, {"metadata": {"labels": {"tier": tier}}})
-            samples.append(self.wait_for(lambda nft, j=joins: member(nft) == j))
+
+            def settled(nft: Nft, joins: bool = joins) -> bool:
+                return member(nft) == joins
+
+            samples.append(self.wait_for(settled))
         self.add_latency(step, "pod label change -> peer set element in the kernel", samples)
 
     def policy_change_latency(self, step: str) -> None:
@@ -392,9 +397,9 @@ def client_peer_set(bench: PolicyBench, client: LabPod) -> str:
 def run(options: argparse.Namespace, folder: Path) -> list[Figure]:
     plane: ControlPlane = start(folder / "controlplane")
     bundle = folder / "cni-bundle"
-    client = PLUGIN_DIR / "knit"
+    cni_client = PLUGIN_DIR / "knit"
     subprocess.run(
-        [sys.executable, "-m", "cni.bundle", "--output", str(bundle), "--client", str(client)],
+        [sys.executable, "-m", "cni.bundle", "--output", str(bundle), "--client", str(cni_client)],
         check=True,
     )
     try:

@@ -337,7 +337,7 @@ class Iptables(Mode):
 
     def prepare(self, node: Netns) -> None:
         if self.flavour == "legacy":
-            node.run(self.kernel.binary, "-t", "mangle", "-N", LEGACY_HINT)
+            node.run(self.kernels[4].binary, "-t", "mangle", "-N", LEGACY_HINT)
         detected = in_netns(node, detect_iptables_flavour)
         assert detected == self.flavour, f"the node detects {detected}"
 
