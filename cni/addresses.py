@@ -32,9 +32,9 @@ class LinkAddress(NamedTuple):
 def link_addresses(family: int | None = None, index: int | None = None) -> list[LinkAddress]:
     """The addresses of one family (4 or 6; None: both) on the link with that index (None:
     every link's), in one dump. A link's are picked by the kernel where it checks requests
-    strictly (Linux 4.20 and later), elsewhere here: one address of a link beside 10,000 on
-    another (an IPVS dummy link's) took 0.03 ms against 10 ms picked here (590 ms through
-    pyroute2, which decodes them all)."""
+    strictly (Linux 4.20 and later), elsewhere here: beside another link's thousands (an IPVS
+    dummy link's), the kernel's pick spares reading them at all, and picking here still spares
+    decoding them all as pyroute2 does (docs/benchmarks.md#on-a-crowded-node)."""
     address_family = socket.AF_UNSPEC if family is None else ADDRESS_FAMILIES[family]
     wanted = set(ADDRESS_FAMILIES.values()) if family is None else {address_family}
 

@@ -156,8 +156,9 @@ def copy_libraries(tree: Path) -> None:
 
 
 def strip_binaries(tree: Path) -> None:
-    """Drop debug symbols (a pyenv build carries ~30 MB of them) when binutils is here; the
-    dynamic symbol table, which extension modules link against, stays."""
+    """Drop debug symbols (a pyenv build carries them, and every node would receive them)
+    when binutils is here; the dynamic symbol table, which extension modules link against,
+    stays."""
     strip = shutil.which("strip")
     if strip is not None:
         binaries = [tree / "bin" / PYVER, *sorted((tree / "lib").rglob("*.so*"))]

@@ -102,8 +102,9 @@ def _legacy_tables(version: int) -> set[str]:
 
 def _mangle_chains(flavour: str) -> set[str]:
     """The chains of the flavour's mangle table: listed with `-S` on nft, whose save of one table
-    reads the others too (0.8 s beside a 160,000-rule nat table here); saved on legacy, whose
-    `-S` would take the xtables lock."""
+    reads the others too, a nat table kube-proxy filled included
+    (docs/benchmarks.md#on-a-crowded-node); saved on legacy, whose `-S` would take the xtables
+    lock."""
     if flavour == "legacy":
         saved = _output("iptables-legacy-save", "-t", "mangle").splitlines()
         return {line[1:].split()[0] for line in saved if line.startswith(":")}
@@ -138,8 +139,9 @@ def detect_iptables_flavour() -> str:
     """
     # Kubelet makes its hint at start and keeps it, so a hint's answer holds for the
     # namespace's life: the daemon's fast path, serving every call of its node, lists the
-    # mangle table once instead of per call (~3 ms, 20-25 ms beside 160,000 nat rules). An
-    # answer from counting rules is not kept: kubelet's hint may come after it.
+    # mangle table once instead of per call, a listing that grows with the node's other rules
+    # (docs/benchmarks.md#on-a-crowded-node). An answer from counting rules is not kept:
+    # kubelet's hint may come after it.
     cookie = _netns_cookie()
     if cookie is not None and cookie in _hinted_flavours:
         return _hinted_flavours[cookie]
@@ -159,9 +161,10 @@ def detect_iptables_flavour() -> str:
 
 def _chain_listing_argv(binary: str, flavour: str, table: str, chain: str) -> list[str]:
     """The command that lists one chain's rules (`binary` is `iptables-nft`,
-    `ip6tables-legacy`, ...). On nft, the chain alone: iptables-nft-save of a nat table
-    kube-proxy filled (160,000 rules) takes 4.5 s here, one of its chains a few milliseconds.
-    Legacy xtables hands out whole tables anyway, and its save, unlike `-S`, takes no lock."""
+    `ip6tables-legacy`, ...). On nft, the chain alone: iptables-nft-save of one table reads
+    every rule of every table, a nat table kube-proxy filled included, where a chain's listing
+    reads that chain (docs/benchmarks.md#on-a-crowded-node). Legacy xtables hands out whole
+    tables anyway, and its save, unlike `-S`, takes no lock."""
     if flavour == "legacy":
         return [f"{binary}-save", "-t", table]
     return [binary, "-w", "5", "-t", table, "-S", chain]

@@ -1,8 +1,8 @@
 """The plugin's links through rawnetlink, one request each, encoded and read with struct
-(through pyroute2 a request cost ~0.9 ms here, which a pod's ADD paid seven times): look up,
-create, set and delete links, a bridge port's hairpin and VLAN settings, a link's global
-addresses and their changes; netlink errors turned into CNI ones. Each works in the calling
-thread's network namespace."""
+(through pyroute2 each request's answer was decoded whole into objects, and a pod's ADD makes
+seven: docs/benchmarks.md#plain): look up, create, set and delete links, a bridge port's
+hairpin and VLAN settings, a link's global addresses and their changes; netlink errors turned
+into CNI ones. Each works in the calling thread's network namespace."""
 
 from __future__ import annotations
 

@@ -83,9 +83,9 @@ class Context:
 
     def rehearse(self, text: str) -> None:
         """Parse, check and encode the commands as run would, sending nothing to the kernel
-        (nft's dry run). A process's first transaction costs 2-3 ms of CPU more than the
-        same one run again (nft's code paged in, its cache and memory grown); a rehearsal
-        pays that ahead of a transaction that is waited for."""
+        (nft's dry run). A process's first transaction costs more CPU than the same one run
+        again (nft's code paged in, its cache and memory grown); a rehearsal pays that ahead
+        of a transaction that is waited for (docs/benchmarks.md#networkpolicy-make-bench-policy)."""
         lib = _libnftables()
         lib.nft_ctx_set_dry_run(self._handle, True)
         try:

@@ -4,9 +4,9 @@ be cheap: a link's addresses or every link's (cni.addresses: the plugin's bridge
 dummy link, node networking's uplink MTU), the UDP conntrack clean-up's conversation (its
 dumps, the table's size, its deletes), NetworkPolicy's NFLOG denials, and every request of the
 plugin's (cni.links, cni.routes). pyroute2 decodes every attribute of every message into
-objects, ~85 µs an address and ~320 µs a conntrack entry here (`make bench-netlink`), and
-spends ~0.9 ms on a request; what these callers need is two to six attributes of each, read
-here in 3-15 µs. The daemon's links, routes, neighbours, IPVS and ipsets stay with pyroute2."""
+objects, a request's answer too; what these callers need is two to six attributes of each,
+read here alone for a small part of that cost (docs/benchmarks.md#netlink-make-bench-netlink).
+The daemon's links, routes, neighbours, IPVS and ipsets stay with pyroute2."""
 
 from __future__ import annotations
 

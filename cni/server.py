@@ -50,13 +50,14 @@ SERVED = frozenset({"ADD", "CHECK", "DEL"})
 # worst every pod of a node (kubelet's default max-pods is 110) has its ADD in flight while its
 # previous sandbox's DEL runs, 220 calls. A call over the limit is declined, so runs in-process.
 MAX_CALLS = 256
-# From accept to the whole request read. The plugin sends its call at once, well under 10 ms
-# even for MAX_STDIN_BYTES; a plugin this late is declined, so runs in-process: the deadline
-# costs no call its success, and a stuck client holds a thread for 2 s at most.
+# From accept to the whole request read. The plugin sends its call at once, so even
+# MAX_STDIN_BYTES arrive long before this; a plugin this late is declined, so runs in-process:
+# the deadline costs no call its success, and a stuck client holds a thread for 2 s at most.
 REQUEST_DEADLINE = 2.0
 # How long a connection that finds every slot taken waits for one before it is declined: a
-# call in the daemon takes 2 to 40 ms, and running in-process costs ~90-100 ms more than the
-# fast path (docs/benchmarks.md), so a longer wait could cost more than declining does.
+# call in the daemon ends well within it, and running in-process costs about as much more than
+# the fast path (docs/benchmarks.md#plain), so a longer wait could cost more than declining
+# does.
 ADMISSION_WAIT = 0.1
 # From the whole request read to the call's end, for what a call waits on outside the kernel:
 # its delegated IPAM plugin is killed when this comes before the plugin's own deadline (a DEL,
@@ -161,7 +162,8 @@ class CniServer:
             if not self._from_root(connection):
                 continue
             # Declining is safe: the executable runs a declined call in-process, as without a
-            # daemon, so a connection over the limit costs its call ~160 ms, not its success.
+            # daemon, so a connection over the limit costs its call the in-process start-up
+            # (docs/benchmarks.md#plain), not its success.
             # (A connection closed without an answer would be an error 199 instead: once
             # connected, the client never redoes a call the daemon may have started.)
             if not self._admit():

@@ -7,8 +7,9 @@ covers both an endpoint going away and a service gaining endpoints after having 
 entry then points at the frontend itself). TCP and SCTP entries are never touched.
 
 The kernel picks the entries to look at: one dump per frontend port, filtered on it
-(CTA_FILTER, Linux 5.8 and later), costs a walk of the whole table in the kernel (10 ms for
-10,000 entries here), where reading an entry of the dump costs ~15 µs here. Past
+(CTA_FILTER, Linux 5.8 and later), costs a walk of the whole table in the kernel, far less
+per entry than reading an entry of the dump here costs
+(docs/benchmarks.md#netlink-make-bench-netlink). Past
 FILTERED_DUMPS_UP_TO ports (a full sync of many UDP services), past KERNEL_WALK_BUDGET entries
 walked in all by two or more dumps (a table of mostly TCP entries), or on a kernel that ignores
 the filter, one dump of the family's UDP entries is asked for instead. An entry is deleted by

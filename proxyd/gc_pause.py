@@ -1,14 +1,12 @@
 """Python's cyclic garbage collector around syncs.
 
 A sync allocates hundreds of thousands of small acyclic objects (plans, rendered rules,
-claims), and each collection they trigger walks every object still alive: 40% of the Python
-part of an nftables full sync at 10,000 services, measured with the collector off. So a sync
-runs with the collector held off, and the collection it put off runs at a known moment after
-a full sync, once its metrics are recorded (0.4 s at 10,000 services, timed with
-`gc.callbacks`), rather than whenever the heap's growth next triggers it, possibly inside a
-partial sync. The informers' lists are read and parsed with the collector held
-off too (10,000 Services and EndpointSlices: 2.2 s -> 1.1 s, in a scratch run of the same
-code).
+claims), and each collection they trigger walks every object still alive, a large share of a
+full sync's Python. So a sync runs with the collector held off, and the collection it put off,
+itself a walk of the whole heap, runs at a known moment after a full sync, once its metrics
+are recorded, rather than whenever the heap's growth next triggers it, possibly inside a
+partial sync. The informers' lists are read and parsed with the collector held off too. The
+figures: docs/benchmarks.md#nftables-mode-the-full-syncs-python-and-nfts-own-time.
 
 The switch is process-wide and pauses overlap (an informer's list ends by queueing the first
 sync, which starts while that pause lasts), so pauses are counted: the collector stays off

@@ -43,8 +43,9 @@ class Resource:
     label_selector: str = ""
     field_selector: str = ""
     trim: Callable[[Obj], Obj] = _whole
-    """What of each listed object to keep, applied as each page arrives: a list of 10,000
-    pods, each with its managedFields, holds ~150 MiB at once otherwise."""
+    """What of each listed object to keep, applied as each page arrives: otherwise a list of
+    pods holds every pod whole, managedFields and all, at once
+    (docs/benchmarks.md#networkpolicy-make-bench-policy)."""
     optional: bool = False
     """A resource the API server may not serve (404): a custom resource not installed, or one
     too new for it. Until a first list it counts as empty; once listed, a 404 keeps what was
@@ -189,8 +190,8 @@ class Reflector:
 
     def _relist(self) -> str:
         """List, hand the objects over, and return the list's resourceVersion. The list is
-        not held past the hand-over: kept in run()'s frame while it watched, 10,000 Services'
-        and EndpointSlices' JSON stayed alive for good (114 MiB of the daemon's 282 traced)."""
+        not held past the hand-over: kept in run()'s frame while it watched, every listed
+        object's JSON stayed alive for good (docs/benchmarks.md#beside-kube-proxy)."""
         with gc_pause.paused():
             items, resource_version = self.list()
             self._on_replace(items)

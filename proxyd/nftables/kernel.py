@@ -5,10 +5,11 @@ process per family, kept open (the binding, shared with the plugin, is cni.nftab
 Why text (see docs/dependencies.md): nft's parser and its compiler to netlink are
 the reference implementation of the rule language and a transaction is atomic. Why in this
 process rather than through `nft -f` processes: a partial sync is a few elements, which the
-context commits in ~0.5 ms, where an nft process costs ~3 ms to start and, after any
-transaction that deleted something (a replaced endpoint, a full sync's flushed maps), ~10-20
-ms more at exit, the kernel closing its netlink socket only after an RCU grace period; the
-context's socket stays open, so nothing waits for that. nft's memory for a full sync's
+context commits in less time than an nft process takes to start, and after any transaction
+that deleted something (a replaced endpoint, a full sync's flushed maps) a process waits
+again at exit, the kernel closing its netlink socket only after an RCU grace period; the
+context's socket stays open, so nothing waits for that
+(docs/benchmarks.md#nftables-mode-the-one-service-change). nft's memory for a full sync's
 transactions is given back to the system after them (malloc_trim), as a process's would be when
 it ended.
 """
@@ -117,8 +118,8 @@ class Nft:
 
     def exists(self) -> bool:
         """Whether the table is in the kernel, asked with one netlink request naming it (nft's
-        `list tables` first caches every rule of every table: 17 ms beside 900 iptables-nft
-        rules)."""
+        `list tables` first caches every rule of every table, iptables-nft's included:
+        docs/benchmarks.md#networkpolicy-make-bench-policy)."""
         request = NFGENMSG.pack(NFPROTO[self.family], 0, 0)
         request += attribute(NFTA_TABLE_NAME, self.name.encode() + b"\0")
         try:
@@ -133,7 +134,7 @@ class Nft:
     def delete_table(self) -> bool:
         """Delete the table; whether it existed. Asked first, since the kernel aborts a
         transaction deleting an absent table, and each abort waits for an RCU grace period
-        (5-30 ms) holding the namespace's nf_tables lock, which every other writer of rules
+        holding the namespace's nf_tables lock, which every other writer of rules
         (iptables-nft-restore included) then waits for."""
         try:
             if not self.exists():
@@ -147,8 +148,8 @@ class Nft:
 def counter_packets(family: int, table: str) -> dict[str, int]:
     """The packets each named counter of one of the family's tables counted, by name, read
     with one netlink dump the kernel filters to that table's counters. (nft's `list
-    counters` first caches every rule of every table: 2-3 s on a node whose iptables-nft
-    holds 100,000 rules, which a metrics scrape must not cost.)"""
+    counters` first caches every rule of every table, iptables-nft's included, which a
+    metrics scrape must not cost: docs/benchmarks.md#networkpolicy-make-bench-policy.)"""
     name = table.encode() + b"\0"
     request = NFGENMSG.pack(NFPROTO[family], 0, 0)
     request += attribute(NFTA_OBJ_TABLE, name)

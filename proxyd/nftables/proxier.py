@@ -25,9 +25,10 @@ from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
 FIRST_CHUNK = 100
 LARGEST_CHUNK = 1000
 """Service ports per transaction of a full sync: the first chunk is small, as the Python making
-it is the one part nft does not overlap, and they double up to 1,000 (at 10 endpoints a port
-costs nft ~0.1 ms and Python ~0.03 ms; nft holds one chunk's transaction in memory at a
-time)."""
+it is the one part nft does not overlap, and they double up to 1,000 (a port costs Python less
+than nft, so later chunks' Python keeps ahead of nft's loads:
+docs/benchmarks.md#nftables-mode-the-full-syncs-python-and-nfts-own-time; nft holds one
+chunk's transaction in memory at a time)."""
 
 
 def chunks(names: list[ServicePortName]) -> Iterator[list[ServicePortName]]:

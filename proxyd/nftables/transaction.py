@@ -75,7 +75,8 @@ def live_generation(
     """The generation the table's rules name (None: neither): the one whose maps the table
     holds; when it holds both (a full sync that did not end), the one the listing of the
     `services` chain names (None: no such chain). Only then is the chain listed: nft fetches
-    every element of the maps a listed chain names (2.6 s at 10,000 services)."""
+    every element of the maps a listed chain names, which grows with the services
+    (docs/benchmarks.md#nftables-mode-full-sync-at-10000-services-the-ways-compared)."""
     held = [i for i in (0, 1) if generation_of(base, i).name(SERVICE_IPS) in kernel_sets]
     if len(held) < 2:
         return held[0] if held else None

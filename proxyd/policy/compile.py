@@ -214,8 +214,8 @@ def _peers_key(namespace: str, peers: tuple[Peer, ...]) -> PeersKey:
 
 def _intervals(block: IpBlock, family: int) -> list[Interval]:
     """The block's addresses less its `except`s, in one sweep over the holes in order
-    (linear in the number of holes once sorted: carving each from every piece was quadratic,
-    2 s for 4,000 of them)."""
+    (linear in the number of holes once sorted, where carving each from every piece was
+    quadratic: docs/benchmarks.md#networkpolicy-make-bench-policy)."""
     if block.family != family:
         return []
     network = ipaddress.ip_network(block.cidr)

@@ -64,8 +64,8 @@ class PolicyEnforcer:
         self._written: dict[int, FamilyPolicy | None] = dict.fromkeys(self.families)
         self._in_kernel: dict[int, bool | None] = dict.fromkeys(self.families)
         """Whether each family's table is in the kernel, where known: asked at start (a
-        netlink round trip, then 1-3 ms waiting for the GIL in a first sync), and again
-        after a failure."""
+        netlink round trip, which a first sync would follow with a wait for the GIL), and
+        again after a failure."""
         self._quarantine: dict[int, dict[str, tuple[object, ...]]] = {
             family: {} for family in self.families
         }
@@ -285,9 +285,8 @@ class PolicyEnforcer:
     def start(self) -> threading.Thread:
         """Sync from now on, on a thread of its own. While the watches list, the nft contexts
         open, whether the tables are in the kernel is asked, and the contexts rehearse a
-        table on the loader threads: the first sync's loads then take 1-2 ms of CPU each
-        rather than 3-4 (measured in a fresh process beside the bench node's iptables-nft
-        rules)."""
+        table on the loader threads, so the first sync's loads do not pay for a process's
+        first transaction (docs/benchmarks.md#networkpolicy-make-bench-policy)."""
         for family, nft in self._nft.items():
             nft.open()
             with contextlib.suppress(OSError):  # asked again by the first sync, which logs it

@@ -26,8 +26,9 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 TERMINAL_PHASES = ("Succeeded", "Failed")
 MAX_EXCEPT = 20_000
-"""The most `except` entries knit takes in one ipBlock (compiled in 0.1 s); the API server
-takes as many as fit in an object (about 75,000)."""
+"""The most `except` entries knit takes in one ipBlock, few enough that one ipBlock's compile
+stays short (docs/benchmarks.md#networkpolicy-make-bench-policy); the API server takes as many
+as fit in an object (about 75,000)."""
 
 Labels = Mapping[str, str]
 
