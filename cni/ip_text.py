@@ -11,6 +11,7 @@ holds only address characters.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -42,3 +43,12 @@ def interface(value: object) -> Interface:
     scope ID."""
     parsed = ipaddress.ip_interface(_text(value, "an address with a prefix length"))
     return ipaddress.ip_interface((parsed.ip.packed, parsed.network.prefixlen))
+
+
+def collapsed(networks: Iterable[Network]) -> list[Network]:
+    """The networks merged where they overlap or adjoin, IPv4 first (ipaddress's
+    collapse_addresses takes one family at a time)."""
+    listed = list(networks)
+    v4 = [network for network in listed if isinstance(network, ipaddress.IPv4Network)]
+    v6 = [network for network in listed if isinstance(network, ipaddress.IPv6Network)]
+    return [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]

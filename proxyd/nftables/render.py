@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from cni import ip_text
 from proxyd.model import PROTOCOLS as SERVICE_PROTOCOLS
 from proxyd.model import Endpoint, ServicePortName
 from proxyd.naming import NFT_NAME_MAX, short_hash, within
@@ -492,12 +493,7 @@ def render_base(ctx: FamilyContext) -> BaseObjects:
 
 def _collapsed(cidrs: Iterable[str]) -> list[str]:
     """The ranges without overlaps, which an anonymous interval set refuses."""
-    networks = [ipaddress.ip_network(cidr) for cidr in cidrs]
-    v4 = [net for net in networks if isinstance(net, ipaddress.IPv4Network)]
-    v6 = [net for net in networks if isinstance(net, ipaddress.IPv6Network)]
-    return [
-        str(net) for net in (*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6))
-    ]
+    return [str(net) for net in ip_text.collapsed(ipaddress.ip_network(c) for c in cidrs)]
 
 
 def _external_local(kind: FrontendKind, ctx: FamilyContext) -> Rules:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from cni import ip_text
 from proxyd.model import InvalidObject, family_of
 
 ROUTING_MODES = ("auto", "direct", "vxlan", "none")
@@ -191,9 +192,9 @@ def check_peers(
     }
     # Two sets, since this node's networks and pod CIDRs overlap (its bridge's address).
     own = (_Disjoint(), _Disjoint())
-    for cidr in _collapsed(ipaddress.ip_network(text) for text in local.pod_cidrs):
+    for cidr in ip_text.collapsed(ipaddress.ip_network(text) for text in local.pod_cidrs):
         own[0].add(cidr, "this node's pod CIDR")
-    for network in _collapsed(interface.network for interface in interfaces):
+    for network in ip_text.collapsed(interface.network for interface in interfaces):
         own[1].add(network, "this node's network")
     clusters = [ipaddress.ip_network(cidr) for cidr in cluster_cidrs]
     others = sorted((node for node in nodes if node.name != local.name), key=_age)
@@ -228,14 +229,6 @@ def check_peers(
                 refused.append(Refusal(node.name, f"InternalIP {text}", reason))
         checked.append(replace(node, pod_cidrs=kept_cidrs[node.name], internal_ips=tuple(kept)))
     return Peers(tuple(checked), tuple(refused))
-
-
-def _collapsed(networks: Iterable[Network]) -> list[Network]:
-    """The networks merged where they overlap or adjoin (collapse_addresses takes one family)."""
-    listed = list(networks)
-    v4 = [network for network in listed if isinstance(network, ipaddress.IPv4Network)]
-    v6 = [network for network in listed if isinstance(network, ipaddress.IPv6Network)]
-    return [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]
 
 
 def _cidr_refusal(

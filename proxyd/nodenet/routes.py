@@ -9,6 +9,7 @@ to it, and a new route is added, never written over one.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import socket
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 ROUTE_PROTOCOL = 107
 """rtm_protocol of knit's routes (unassigned in iproute2's rt_protos)."""
 MAIN_TABLE = 254
-EEXIST = 17
 HELD = "a route knit did not make holds it"
 VXLAN_DEVICE = "knit.vxlan"
 VXLAN_VNI = 1
@@ -142,7 +142,7 @@ class RouteTable:
             try:
                 self.ipr.route("add", proto=ROUTE_PROTOCOL, table=MAIN_TABLE, **spec)
             except NetlinkError as err:
-                if err.code != EEXIST:  # one made since the dump above
+                if err.code != errno.EEXIST:  # one made since the dump above
                     raise
                 held.append((route.cidr, HELD))
                 continue
@@ -183,7 +183,7 @@ class RouteTable:
             try:
                 self.ipr.addr("add", index=index, address=vtep_address(cidr), prefixlen=32)
             except NetlinkError as err:
-                if err.code != 17:  # EEXIST
+                if err.code != errno.EEXIST:
                     raise
         return index
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 
+from cni import ip_text
 from proxyd.iptables.kernel import IptablesKernel
 from proxyd.model import family_of
 from proxyd.nodenet.route_plan import PeerVtep
@@ -35,11 +36,7 @@ def render(family: int, pod_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ..
     chain stays short and nodes joining and leaving do not rewrite it."""
     rules = []
     networks = [ipaddress.ip_network(cidr) for cidr in _in_family(cluster_cidrs, family)]
-    # All of one family; collapse_addresses takes IPv4 or IPv6 networks, not a mix of both.
-    v4 = [network for network in networks if isinstance(network, ipaddress.IPv4Network)]
-    v6 = [network for network in networks if isinstance(network, ipaddress.IPv6Network)]
-    collapsed = [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]
-    exempt = [str(network) for network in collapsed]
+    exempt = [str(network) for network in ip_text.collapsed(networks)]
     for source in _in_family(pod_cidrs, family):
         rules += [f"-A {EGRESS_CHAIN} -s {source} -d {dst} -j RETURN" for dst in exempt]
         rules.append(f"-A {EGRESS_CHAIN} -s {source} -j MASQUERADE --random-fully")
