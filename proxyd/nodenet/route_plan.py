@@ -35,8 +35,6 @@ from proxyd.model import InvalidObject, family_of
 ROUTING_MODES = ("auto", "direct", "vxlan", "none")
 VXLAN_OVERHEAD = {4: 50, 6: 70}
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
 
 @dataclass(frozen=True)
 class NodeNet:
@@ -113,14 +111,14 @@ def parse_node_net(obj: dict[str, Any]) -> NodeNet:
     spec = obj.get("spec") or {}
     cidrs = spec.get("podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else [])
     try:
-        pod_cidrs = tuple(str(ipaddress.ip_network(c)) for c in cidrs)
-    except (ValueError, TypeError) as err:
+        pod_cidrs = tuple(str(ip_text.network(c, strict=True)) for c in cidrs)
+    except ValueError as err:
         raise InvalidObject(f"node {meta.get('name')}: bad podCIDRs {cidrs!r}") from err
     internal = []
     for entry in (obj.get("status") or {}).get("addresses") or []:
         if entry.get("type") == "InternalIP":
             try:
-                internal.append(str(ipaddress.ip_address(entry.get("address"))))
+                internal.append(str(ip_text.address(entry.get("address"))))
             except ValueError:
                 continue
     return NodeNet(str(meta.get("name", "")), pod_cidrs, tuple(internal), _created(meta))
@@ -151,15 +149,15 @@ class _Disjoint:
 
     def __init__(self) -> None:
         self._starts: dict[int, list[int]] = {4: [], 6: []}
-        self._entries: dict[int, list[tuple[Network, str]]] = {4: [], 6: []}
+        self._entries: dict[int, list[tuple[ip_text.Network, str]]] = {4: [], 6: []}
 
-    def add(self, network: Network, label: str) -> None:
+    def add(self, network: ip_text.Network, label: str) -> None:
         starts = self._starts[network.version]
         at = bisect.bisect(starts, int(network.network_address))
         starts.insert(at, int(network.network_address))
         self._entries[network.version].insert(at, (network, label))
 
-    def overlapping(self, network: Network) -> tuple[Network, str] | None:
+    def overlapping(self, network: ip_text.Network) -> tuple[ip_text.Network, str] | None:
         """The entry network overlaps, if any. Of the entries starting at or before network's
         last address, the last one reaches furthest, being disjoint from the others."""
         at = bisect.bisect(self._starts[network.version], int(network.broadcast_address))
@@ -213,7 +211,8 @@ def check_peers(
             else:
                 refused.append(Refusal(node.name, f"pod CIDR {text}", reason))
         kept_cidrs[node.name] = tuple(kept)
-    # Addresses are judged against every accepted pod CIDR, so only after all of them.
+    # Addresses are judged against every accepted pod CIDR, so only after all of them, and
+    # against this node's own: an address there is a local pod's.
     holders: dict[str, str] = {}
     checked: list[NodeNet] = []
     for node in others:
@@ -221,7 +220,7 @@ def check_peers(
         for text in node.internal_ips:
             if holders.get(text) == node.name:
                 continue  # listed twice by the same node
-            reason = _address_refusal(text, own_addresses, broadcasts, taken, holders)
+            reason = _address_refusal(text, own_addresses, broadcasts, own[0], taken, holders)
             if reason is None:
                 kept.append(text)
                 holders[text] = node.name
@@ -232,9 +231,9 @@ def check_peers(
 
 
 def _cidr_refusal(
-    cidr: Network,
+    cidr: ip_text.Network,
     node: str,
-    clusters: list[Network],
+    clusters: list[ip_text.Network],
     own: tuple[_Disjoint, _Disjoint],
     taken: _Disjoint,
 ) -> str | None:
@@ -257,7 +256,7 @@ def _cidr_refusal(
     return None
 
 
-def _subnet_of(cidr: Network, cluster: Network) -> bool:
+def _subnet_of(cidr: ip_text.Network, cluster: ip_text.Network) -> bool:
     if isinstance(cidr, ipaddress.IPv4Network) and isinstance(cluster, ipaddress.IPv4Network):
         return cidr.subnet_of(cluster)
     if isinstance(cidr, ipaddress.IPv6Network) and isinstance(cluster, ipaddress.IPv6Network):
@@ -269,6 +268,7 @@ def _address_refusal(
     text: str,
     own_addresses: set[str],
     broadcasts: set[str],
+    own_pods: _Disjoint,
     taken: _Disjoint,
     holders: dict[str, str],
 ) -> str | None:
@@ -287,6 +287,8 @@ def _address_refusal(
     if claimed := taken.overlapping(ipaddress.ip_network(text)):
         cidr, owner = claimed
         return f"inside pod CIDR {cidr} of node {owner}"
+    if local := own_pods.overlapping(ipaddress.ip_network(text)):
+        return f"inside {local[1]} {local[0]}"
     return f"held by the older node {holders[text]}" if text in holders else None
 
 

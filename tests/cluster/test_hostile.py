@@ -8,6 +8,7 @@ mode's lab only."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -157,18 +158,24 @@ def _node(name: str, pod_cidrs: list[str], addresses: list[str]) -> dict[str, ob
 
 def test_node_objects_cannot_steer_routes(hostile_lab: Lab) -> None:
     """Whoever may write Node objects writes ones claiming every address, the underlay, another
-    node's pods and address, and an address with text after it: every node's routes stay as
-    they were, and pods still reach each other across nodes directly and over VXLAN."""
+    node's pods and address, a pod's address, and an address with text after it: every node's
+    routes stay as they were, and pods still reach each other across nodes directly and over
+    VXLAN."""
     lab = hostile_lab
     node2 = json.loads(lab.kubectl("get", "node", "node2", "-o", "json"))
     node2_cidrs = node2["spec"]["podCIDRs"]
     node2_address = lab.nodes["node2"].addresses[0]
+    # an address inside node1's pod CIDR: a pod's, whose source node1's policies would trust
+    node1_cidr = json.loads(lab.kubectl("get", "node", "node1", "-o", "json"))["spec"]["podCIDR"]
+    node1_pod = str(ipaddress.ip_network(node1_cidr)[250])
     before = _routes(lab)
     hostile = [
         _node("hostile-everything", ["0.0.0.0/0", "::/0"], ["10.77.1.201"]),
         _node("hostile-underlay", ["10.77.1.0/24"], ["10.77.1.202"]),
         _node("hostile-twin", node2_cidrs, [node2_address]),
-        _node("hostile-text", ["10.244.200.0/24"], ["fe80::1%a\nflush ruleset", "224.0.0.1"]),
+        _node("hostile-squatter", ["10.244.201.0/24"], [node1_pod]),
+        # the API server validates podCIDRs, not status addresses
+        _node("hostile-text", ["10.244.200.0/24"], ["2001:db8::5%a\nflush ruleset", "224.0.0.1"]),
     ]
     try:
         _apply(lab, *hostile)

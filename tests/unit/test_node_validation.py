@@ -8,9 +8,11 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxyd.model import InvalidObject
 from proxyd.nodenet.manager import ReportedOnce
 from proxyd.nodenet.route_plan import (
     NodeNet,
@@ -214,3 +216,37 @@ def test_the_accepted_cidrs_are_those_no_older_accepted_one_overlaps(
             accepted.append(cidr)
     peers = check_peers(LOCAL, nodes, ("10.245.0.0/16",), CONNECTED)
     assert [c for node in peers.nodes for c in node.pod_cidrs] == [str(c) for c in accepted]
+
+
+def test_an_internal_ip_inside_this_nodes_own_pod_cidr_is_refused() -> None:
+    """A peer claiming a local pod's address would be routed and tunnelled to that pod, and its
+    overlay traffic given that pod's address as its source, which this node's policies trust."""
+    squatter = node(
+        "x", ("10.244.3.0/24",), ("10.244.1.5", "fd10:244:0:1::5"), "2024-01-03T00:00:00Z"
+    )
+    assert routed(GOOD, squatter) == {"10.244.2.0/24", "fd10:244:0:2::/64"}
+    assert refusals(squatter) == [
+        "node x: InternalIP 10.244.1.5 refused: inside this node's pod CIDR 10.244.1.0/24",
+        "node x: InternalIP fd10:244:0:1::5 refused: inside this node's pod CIDR fd10:244:0:1::/64",
+    ]
+    plan = plan_routes(
+        LOCAL, check_peers(LOCAL, [LOCAL, squatter], CLUSTER, CONNECTED), "auto", on_link
+    )
+    assert plan.peer_vteps == () and plan.peers == ()
+
+
+def test_address_text_with_a_scope_id_is_no_claim_at_all() -> None:
+    """A scope ID survives Python's ipaddress with any text after it, and pyroute2 refuses it:
+    such a pod CIDR makes the Node unreadable, such an InternalIP is left out."""
+    scoped = {
+        "metadata": {"name": "x", "creationTimestamp": "2024-01-03T00:00:00Z"},
+        "spec": {"podCIDRs": ["fd10:244:0:3::%x/64"]},
+        "status": {"addresses": [{"type": "InternalIP", "address": "10.77.1.13"}]},
+    }
+    with pytest.raises(InvalidObject):
+        parse_node_net(scoped)
+    scoped["spec"]["podCIDRs"] = ["10.244.3.0/24"]
+    scoped["status"]["addresses"].insert(
+        0, {"type": "InternalIP", "address": "2001:db8::5%a\nflush ruleset"}
+    )
+    assert parse_node_net(scoped).internal_ips == ("10.77.1.13",)
