@@ -11,6 +11,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from email.utils import formatdate
@@ -101,7 +102,11 @@ Route = Callable[[], Response]
 REQUEST_SECONDS = 5.0
 """How long a connection has, from its accept, to send its request and read the answer."""
 MAX_CONNECTIONS = 512
-"""Connections open at once over every server; past it, a new one closes the oldest."""
+"""Connections open at once over every server of a loop; past it, a new one closes the oldest
+of the source holding most."""
+MAX_PER_SOURCE = 64
+"""Connections open at once from one address; past it, a new one closes that address's
+oldest."""
 MAX_REQUEST_HEAD = 8192
 """Bytes of request line and headers; past them, the answer is 431."""
 ACCEPTS_PER_WAKE = 64
@@ -129,17 +134,20 @@ class _Server:
         self.name = name
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
 
+    loop: _Loop
+
     def close(self) -> None:
         """Stop listening, and close the connections this server accepted."""
-        _LOOP.stop(self)
+        self.loop.stop(self)
 
 
 class _Connection:
-    __slots__ = ("deadline", "received", "server", "sock", "unsent")
+    __slots__ = ("deadline", "received", "server", "sock", "source", "unsent")
 
-    def __init__(self, sock: socket.socket, server: _Server, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, server: _Server, source: str, deadline: float) -> None:
         self.sock = sock
         self.server = server
+        self.source = source
         self.deadline = deadline
         self.received = b""
         self.unsent = b""
@@ -178,17 +186,21 @@ def _encode(answer: Response) -> bytes:
 
 
 class _Loop:
-    """One thread serving every _Server with a selector: a connection costs a descriptor and
-    a few hundred bytes, never a thread. Each gets REQUEST_SECONDS for its whole exchange, and
-    at most MAX_CONNECTIONS are open, the oldest closed for a new one, so connections left idle
-    (from any pod: healthz and health-check node ports listen on every address) cannot hold
-    back a real client or the daemon's descriptors. The answers are small and computed at
-    once, so the loop answers in its own thread."""
+    """One thread serving its _Servers with a selector: a connection costs a descriptor and a
+    few hundred bytes, never a thread. Each gets REQUEST_SECONDS for its whole exchange, at
+    most MAX_PER_SOURCE are open from one address and MAX_CONNECTIONS in all, so connections
+    left idle (from any pod: healthz and health-check node ports listen on every address)
+    cannot hold back a real client or the daemon's descriptors: a flood closes its own
+    connections first, not a load balancer's probe. The answers are small and computed at
+    once, so the loop answers in its own thread; /metrics, whose answer reads the kernel's
+    counters, has a loop of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self._selector = selectors.DefaultSelector()
         self._connections: dict[int, _Connection] = {}
         """By descriptor, oldest first: with one timeout for all, also by deadline."""
+        self._by_source: Counter[str] = Counter()
         self._wake, self._waker = socket.socketpair()
         self._wake.setblocking(False)
         self._selector.register(self._wake, selectors.EVENT_READ, None)
@@ -208,7 +220,7 @@ class _Loop:
         done = threading.Event()
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="http", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._changes.append((change, done))
         self._waker.send(b"\0")
@@ -267,7 +279,7 @@ class _Loop:
     def _accept(self, server: _Server) -> None:
         for _ in range(ACCEPTS_PER_WAKE):
             try:
-                sock, _ = server.socket.accept()
+                sock, peer = server.socket.accept()
             except BlockingIOError:
                 return
             except OSError as err:
@@ -280,15 +292,22 @@ class _Loop:
                     return
                 self._close(next(iter(self._connections.values())))
                 continue
-            if len(self._connections) >= MAX_CONNECTIONS:
-                self._close(next(iter(self._connections.values())))
+            source = str(peer[0])
+            if self._by_source[source] >= MAX_PER_SOURCE:
+                self._close(self._oldest_from(source))
+            elif len(self._connections) >= MAX_CONNECTIONS:
+                self._close(self._oldest_from(self._by_source.most_common(1)[0][0]))
             sock.setblocking(False)
-            conn = _Connection(sock, server, time.monotonic() + REQUEST_SECONDS)
+            conn = _Connection(sock, server, source, time.monotonic() + REQUEST_SECONDS)
             self._connections[sock.fileno()] = conn
+            self._by_source[source] += 1
             self._selector.register(sock, selectors.EVENT_READ, conn)
             # A real client's request is usually there by the accept: answered now, it is
             # not evicted by the connections accepted after it.
             self._receive(conn)
+
+    def _oldest_from(self, source: str) -> _Connection:
+        return next(c for c in self._connections.values() if c.source == source)
 
     def _receive(self, conn: _Connection) -> None:
         try:
@@ -327,15 +346,20 @@ class _Loop:
     def _close(self, conn: _Connection) -> None:
         if self._connections.pop(conn.sock.fileno(), None) is None:
             return  # closed already (a closed socket's descriptor reads -1)
+        self._by_source[conn.source] -= 1
+        if not self._by_source[conn.source]:
+            del self._by_source[conn.source]
         self._selector.unregister(conn.sock)
         conn.sock.close()
 
 
-_LOOP = _Loop()
+_HEALTH_LOOP = _Loop("http-health")
+_METRICS_LOOP = _Loop("http-metrics")
 
 
-def _start(server: _Server) -> _Server:
-    _LOOP.serve(server)
+def _start(server: _Server, loop: _Loop = _HEALTH_LOOP) -> _Server:
+    server.loop = loop
+    loop.serve(server)
     return server
 
 
@@ -420,7 +444,7 @@ def serve_metrics(address: str, metrics: Metrics, mode: str) -> _Server:
         "/proxyMode": lambda: Response(200, "text/plain", mode.encode()),
         "/healthz": lambda: Response(200, "text/plain", b"ok"),
     }
-    return _start(_Server(split_address(address), routes, "metrics"))
+    return _start(_Server(split_address(address), routes, "metrics"), _METRICS_LOOP)
 
 
 class ServiceHealthServers:

@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 
 from proxyd import health
-from proxyd.health import PolicyHealth, ProxyHealth, ServiceHealthServers, serve_health
+from proxyd.health import (
+    PolicyHealth,
+    ProxyHealth,
+    ServiceHealthServers,
+    serve_health,
+    serve_metrics,
+)
 from proxyd.metrics import Metrics
 
 
@@ -190,9 +196,9 @@ def test_health_check_node_ports_fall_back_to_ipv4_on_a_node_without_ipv6(
         servers.close()
 
 
-def idle_connection(port: int) -> socket.socket:
+def idle_connection(port: int, source: str = "127.0.0.1") -> socket.socket:
     """A connection that sent half a request and waits."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: node\r\n")
     return sock
 
@@ -246,6 +252,74 @@ def test_past_the_connection_cap_a_new_connection_closes_the_oldest(
         for sock in idle:
             sock.close()
         servers.close()
+
+
+def test_a_flood_from_one_address_closes_its_own_connections_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pod flooding a health port cannot push out a load balancer's probe: past its own cap,
+    or the loop's, the flooding address loses its oldest connection."""
+    monkeypatch.setattr(health, "MAX_PER_SOURCE", 3)
+    monkeypatch.setattr(health, "MAX_CONNECTIONS", 5)
+    servers = ServiceHealthServers(ProxyHealth((4,), timeout=60), bind_host="127.0.0.1")
+    port = free_port()
+    servers.update({port: ("ns", "web", 1)})
+    probe = idle_connection(port, "127.0.0.2")
+    other = idle_connection(port, "127.0.0.3")
+    flood = [idle_connection(port) for _ in range(3)]
+    try:
+        for sock in (probe, other, *flood):
+            sock.settimeout(0.2)
+        assert not any(closed_by_server(sock) for sock in (probe, other, *flood)), "5 of 5"
+        flood.append(idle_connection(port))
+        flood[-1].settimeout(0.2)
+        assert closed_by_server(flood[0]), "past its own cap, the flood's oldest went"
+        assert not closed_by_server(probe) and not closed_by_server(other)
+        monkeypatch.setattr(health, "MAX_PER_SOURCE", 10)
+        flood.append(idle_connection(port))
+        flood[-1].settimeout(0.2)
+        assert closed_by_server(flood[1]), "past the loop's cap, the biggest holder's oldest"
+        assert not closed_by_server(probe) and not closed_by_server(other)
+        probe.sendall(b"\r\n")
+        assert probe.recv(12) == b"HTTP/1.1 200", "the oldest connection of all is answered"
+    finally:
+        for sock in (probe, other, *flood):
+            sock.close()
+        servers.close()
+
+
+def test_a_metrics_scrape_reading_the_kernel_does_not_hold_healthz_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/metrics reads the policy's counters from the kernel; healthz and the health-check
+    node ports are answered meanwhile, from a loop of their own."""
+    entered, release = threading.Event(), threading.Event()
+
+    def blocked_exposition() -> bytes:
+        entered.set()
+        release.wait(10)
+        return b""
+
+    metrics = Metrics()
+    monkeypatch.setattr(metrics, "exposition", blocked_exposition)
+    scraped = serve_metrics("127.0.0.1:0", metrics, "iptables")
+    probed = serve_health("127.0.0.1:0", ProxyHealth((4,), 60), Metrics())
+    scrape = threading.Thread(
+        target=urllib.request.urlopen,
+        args=(f"http://127.0.0.1:{scraped.server_address[1]}/metrics",),
+    )
+    try:
+        scrape.start()
+        assert entered.wait(5)
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{probed.server_address[1]}/healthz", timeout=2
+        ) as answer:
+            assert answer.status == 200
+    finally:
+        release.set()
+        scrape.join()
+        scraped.close()
+        probed.close()
 
 
 def test_a_request_head_past_the_bound_is_refused() -> None:
