@@ -166,6 +166,8 @@ class Daemon:
         self._conntrack_tuned = False
         self._failures = 0
         """Syncs that failed in a row."""
+        self._retry_at = 0.0
+        """After a failed sync, when its backoff lets the next one run (monotonic)."""
 
     def _queued(self, families: frozenset[int]) -> None:
         now = time.time()
@@ -191,6 +193,10 @@ class Daemon:
 
     def _sync_changes(self) -> bool:
         """Program what changed and record it; returns whether the sync was full."""
+        if time.monotonic() < self._retry_at:
+            # a failed sync waits out its backoff, whatever events come meanwhile: their
+            # changes stay queued for it
+            return False
         changes = self.state.take()
         self.metrics.service_changes.inc(changes.service_changes)
         self.metrics.endpoint_changes.inc(changes.endpoint_changes)
@@ -206,6 +212,7 @@ class Daemon:
             log.exception("sync failed (%d in a row); a full sync in %.0f s", self._failures, delay)
             failed = err.families if isinstance(err, ProgramError) else self.proxier.families
             self.health.synced(failed=frozenset(failed))
+            self._retry_at = time.monotonic() + delay
             self.runner.retry_after(delay)
             return False
         self._failures = 0

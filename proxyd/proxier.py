@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from cni.addresses import LinkAddress, link_addresses
 from proxyd import conntrack
 from proxyd.addresses import nodeport_addresses
-from proxyd.containment import Unprogrammable, refused
+from proxyd.containment import Held, Unprogrammable, refused
 from proxyd.metrics import FamilyMetrics, Metrics, family_label
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName, family_of
 from proxyd.port_plan import FamilyContext, PortPlan, plan_port
@@ -80,9 +80,9 @@ class Proxier(ABC):
         self._no_local_external: dict[int, set[ServicePortName]] = {f: set() for f in families}
         self._last_full = 0.0
         self._on_links: dict[int, list[LinkAddress]] = {}
-        self._refused: dict[int, Plans] = {family: {} for family in families}
-        """Per family, the ports left out because the kernel refused their rules, with the
-        plan it refused."""
+        self._refused: dict[int, Held[ServicePortName]] = {family: Held() for family in families}
+        """Per family, the ports left out because the kernel refused their rules, each with
+        the plan it refused."""
 
     @abstractmethod
     def _program(
@@ -207,13 +207,12 @@ class Proxier(ABC):
 
     def _hold_refused(self, family: int, plans: Plans, names: set[ServicePortName]) -> None:
         """Leave out of `plans` the ports among `names` whose rules the kernel refused, while
-        their plan is the one it refused; a port whose plan changed is tried again."""
+        their plan is the one it refused (and their hold lasts: containment.Held); a port
+        whose plan changed is tried again."""
         held = self._refused[family]
-        for name in names & held.keys():
-            if plans.get(name) == held[name]:
+        for name in [name for name in held if name in names]:
+            if held.keeps(name, plans.get(name)):
                 del plans[name]
-            else:
-                del held[name]
         self.metrics.refused_service_ports.labels(family_label(family)).set(len(held))
 
     def _contain(self, ctx: FamilyContext, plans: Plans) -> Plans | None:
@@ -233,13 +232,13 @@ class Proxier(ABC):
             log.error("IPv%d: the rules without any refused service port failed: %s", family, err)
             return None
         for name in bad:
-            log.error(
-                "IPv%d: the kernel refused the rules of Service port %s; it is not served "
-                "until it changes",
-                family,
-                name,
-            )
-            self._refused[family][name] = plans[name]
+            if self._refused[family].hold(name, plans[name]):
+                log.error(
+                    "IPv%d: the kernel refused the rules of Service port %s; it is not served "
+                    "until it changes",
+                    family,
+                    name,
+                )
         self.metrics.refused_service_ports.labels(family_label(family)).set(
             len(self._refused[family])
         )

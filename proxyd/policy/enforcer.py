@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from cni.nftables import NftError
 from proxyd import gc_pause
-from proxyd.containment import refused
+from proxyd.containment import Held, refused
 from proxyd.health import PolicyHealth
 from proxyd.metrics import Metrics, family_label
 from proxyd.nftables.kernel import Nft, counter_packets
@@ -66,11 +66,11 @@ class PolicyEnforcer:
         """Whether each family's table is in the kernel, where known: asked at start (a
         netlink round trip, which a first sync would follow with a wait for the GIL), and
         again after a failure."""
-        self._quarantine: dict[int, dict[str, tuple[object, ...]]] = {
-            family: {} for family in self.families
-        }
-        """Per family, the quarantined pods (their first chain) -> their rules as compiled
-        when nft refused them."""
+        self._quarantine: dict[int, Held[str]] = {family: Held() for family in self.families}
+        """Per family, the quarantined pods (their first chain), each with its rules as
+        compiled when nft refused them."""
+        self._retry_at: dict[int, float] = {}
+        """Per family failing now, when its backoff lets it be written again (monotonic)."""
         self.failures: dict[int, int] = dict.fromkeys(self.families, 0)
         """Per family, the syncs that failed in a row."""
         self._failing_since: dict[int, float] = {}
@@ -93,6 +93,9 @@ class PolicyEnforcer:
         # a full compile allocates an object per pod and set element: see gc_pause
         with gc_pause.paused():
             for family in self.families:
+                if time.monotonic() < self._retry_at.get(family, 0.0):
+                    # a failing family waits out its backoff, whatever events come meanwhile
+                    continue
                 made = self._make(family, cluster, changed_pods)
                 if made is not None:
                     wanted, transaction, full = made
@@ -117,6 +120,7 @@ class PolicyEnforcer:
             self._in_kernel[family] = True
             self.failures[family] = 0
             self._failing_since.pop(family, None)
+            self._retry_at.pop(family, None)
             self._last_synced[family] = time.time()
             self.metrics.policy_last_sync.labels(family_label(family)).set(
                 self._last_synced[family]
@@ -168,11 +172,9 @@ class PolicyEnforcer:
         held = self._quarantine[family]
         if not held:
             return compiled, False
-        lifted = [pod for pod, was in held.items() if signature(compiled, pod) != was]
-        for pod in lifted:
-            del held[pod]
+        lifted = [pod for pod in held if not held.keeps(pod, signature(compiled, pod))]
         self._count_quarantined(family)
-        return quarantined(compiled, held.keys()), bool(lifted)
+        return quarantined(compiled, set(held)), bool(lifted)
 
     def _contain(self, family: int, wanted: FamilyPolicy) -> FamilyPolicy:
         """Run on the family's loader thread once nft refused the whole table: finds the
@@ -194,9 +196,11 @@ class PolicyEnforcer:
         nft.run(renderer.full(contained, replacing=in_kernel))
         held = self._quarantine[family]
         for pod in bad:
-            if pod not in held:
+            # a pod quarantined already (in a part refused whole) keeps the rules it was
+            # refused with: its chain in `wanted` is the one dropping all
+            if held.hold(pod, signature(wanted, pod)):
                 namespace, name = wanted.owners.get(pod, ("?", "?"))
-                direction = "ingress" if pod.startswith("ingress") else "egress"
+                direction = _direction(pod)
                 log.error(
                     "IPv%d: nft refused the %s rules of pod %s/%s; the pod is quarantined "
                     "(all its %s dropped) until its rules change",
@@ -206,7 +210,6 @@ class PolicyEnforcer:
                     name,
                     direction,
                 )
-            held[pod] = signature(wanted, pod) or ()
         self._count_quarantined(family)
         return contained
 
@@ -242,6 +245,7 @@ class PolicyEnforcer:
         self.metrics.policy_sync_failures.labels(family_label(family)).inc()
         self._written[family] = None
         self._in_kernel[family] = None
+        self._retry_at[family] = time.monotonic() + delay
         self.runner.retry_after(delay)
 
     def health(self, timeout: float, now: float) -> dict[int, PolicyHealth]:
@@ -267,7 +271,7 @@ class PolicyEnforcer:
             for chain, packets in counter_packets(family, TABLE).items():
                 owner = written.owners.get(chain)
                 if owner is not None:
-                    direction = "ingress" if chain.startswith("ingress") else "egress"
+                    direction = _direction(chain)
                     policies = ",".join(sorted(written.isolating[chain]))
                     totals[direction, owner[0], policies] += packets
         return totals
@@ -307,3 +311,8 @@ class PolicyEnforcer:
     def cleanup(self) -> int:
         """Delete the policy tables; returns how many existed."""
         return sum(self._nft[family].delete_table() for family in self.families)
+
+
+def _direction(chain: str) -> str:
+    """A pod chain's direction, from its name (compile.chain_name)."""
+    return "ingress" if chain.startswith("ingress") else "egress"

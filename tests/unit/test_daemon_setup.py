@@ -1,6 +1,6 @@
 """What the daemon sets up on its node before syncing: kernel modules (unit level: a fake
 modprobe on PATH, since this kernel has br_netfilter built in and the daemon never needs
-to load it here)."""
+to load it here); and how it retries a sync the kernel refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from proxyd.daemon import _load_br_netfilter
+from proxyd.config import load
+from proxyd.daemon import Daemon, _load_br_netfilter
+from proxyd.proxier import ProgramError
 
 
 def fake_modprobe(directory: Path, exit_code: int) -> Path:
@@ -50,3 +52,27 @@ def test_a_failed_load_is_a_warning_naming_what_breaks(
     assert "own node gets no answer" in caplog.text
     if installed:
         assert "FATAL: not found" in caplog.text
+
+
+def test_a_failed_sync_waits_out_its_backoff_whatever_events_come(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Events arriving while a failed sync backs off queue their changes; they do not make the
+    proxy try the whole table again at once."""
+    daemon = Daemon(load(["--hostname-override", "n1", "--proxy-mode", "nftables"]))
+    tried: list[int] = []
+
+    def refused(changes: object) -> None:
+        tried.append(1)
+        raise ProgramError("refused", frozenset({4}))
+
+    delays: list[float] = []
+    monkeypatch.setattr(daemon.proxier, "sync", refused)
+    monkeypatch.setattr(daemon.state, "ready", lambda: True)
+    monkeypatch.setattr(daemon.runner, "retry_after", delays.append)
+    daemon.sync()
+    daemon.sync()
+    assert len(tried) == 1 and delays == [1.0]
+    daemon._retry_at = 0.0  # the backoff ran out
+    daemon.sync()
+    assert len(tried) == 2 and delays == [1.0, 2.0]

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 
 from cni.nftables import NftError
-from proxyd.containment import Unprogrammable, refused
+from proxyd.containment import Held, Unprogrammable, refused
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft
+from proxyd.policy import enforcer as enforcer_module
 from proxyd.policy.compile import DROP, PodChain
 from proxyd.policy.enforcer import PolicyEnforcer
-from proxyd.policy.quarantine import QUARANTINED
+from proxyd.policy.quarantine import QUARANTINED, signature
 
 POISON = 'comment "ns/bad"'
 """What the fake nft refuses: the bad pod's chain, as its owner's comment names it."""
@@ -44,9 +45,12 @@ class FakeNft:
 
     def __init__(self) -> None:
         self.loaded: list[str] = []
+        self.tried: list[str] = []
+        """Every transaction and dry run asked for."""
         self.refusing = False
 
     def check(self, text: str) -> None:
+        self.tried.append(text)
         if self.refusing or POISON in text:
             raise NftError("refused", text)
 
@@ -148,6 +152,10 @@ def test_a_table_nft_keeps_refusing_is_retried_later_and_later(
     monkeypatch.setattr(enforcer.runner, "retry_after", delays.append)
     for _ in range(8):
         enforcer.sync()
+        loads = len(nft.tried)
+        enforcer.sync()
+        assert len(nft.tried) == loads, "an event within the backoff tries nothing"
+        enforcer._retry_at.clear()  # the backoff ran out
     assert delays == [1, 2, 4, 8, 16, 32, 60, 60]
     assert sample(enforcer, "knit_network_policy_sync_failures_total") == 8
     assert enforcer._written[4] is None
@@ -175,6 +183,47 @@ def test_policy_health_fails_once_syncs_failed_for_the_timeout_and_not_for_a_qua
     assert enforcer.health(60, now + 59)[4].healthy, "failing, not yet for the timeout"
     assert not enforcer.health(60, now + 61)[4].healthy
     nft.refusing = False
+    enforcer._retry_at.clear()  # the backoff ran out
     enforcer.sync()
     assert enforcer.health(60, now + 61)[4].healthy
+    enforcer.stop()
+
+
+def test_a_hold_doubles_with_each_refusal_of_the_same_object() -> None:
+    now = [0.0]
+    held = Held[str](clock=lambda: now[0])
+    assert held.hold("pod", "rules") and not held.hold("pod", "rules"), "held once"
+    assert held.keeps("pod", "rules"), "unchanged: held"
+    assert held.keeps("pod", "edited"), "changed within its first second: still held"
+    now[0] = 1.0
+    assert not held.keeps("pod", "edited") and "pod" not in held, "changed, hold over: tried"
+    assert held.hold("pod", "edited")
+    now[0] = 2.5
+    assert held.keeps("pod", "edited again"), "refused again: held two seconds"
+    now[0] = 3.0
+    assert not held.keeps("pod", "edited again")
+    held.hold("pod", "x")
+    assert not held.keeps("pod", None) and len(held) == 0, "gone: forgotten"
+    assert held.hold("pod", "x") and held.keeps("pod", "y"), "strikes forgotten: a first hold"
+
+
+def test_an_already_quarantined_pod_refused_again_with_others_keeps_its_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A part refused whole can hold a pod quarantined already: its hold keeps the rules it
+    was refused with, not its chain that drops all (which would lift it at every sync)."""
+    nft = FakeNft()
+    nft.install(monkeypatch)
+    enforcer = enforcer_with([pod("good", "10.0.0.2"), pod("bad", "10.0.0.3")])
+    enforcer.sync()
+    written = enforcer._written[4]
+    assert written is not None
+    bad_chain = written.ingress["10.0.0.3"]
+    compiled = signature(enforcer._compilers[4].compile(enforcer.state.take()[0], None), bad_chain)
+    monkeypatch.setattr(enforcer_module, "refused", lambda pods, accepts: list(pods))
+    enforcer._contain(4, written)
+    assert enforcer._quarantine[4].keeps(bad_chain, compiled)
+    loads = len(nft.loaded)
+    enforcer.sync()
+    assert len(nft.loaded) == loads, "nothing changed, nothing written: no lift"
     enforcer.stop()
