@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, TypeVar
 
-from proxyd.model import Obj, key_of, parse_or_skip
+from proxyd.model import Obj, key_of
 from proxyd.policy.cluster_model import ClusterNetworkPolicy, parse_cluster_policy
 from proxyd.policy.compile import Cluster, PodKey, PodViews
 from proxyd.policy.model import (
@@ -26,50 +26,24 @@ from proxyd.policy.model import (
     parse_pod,
     parse_policy,
 )
+from proxyd.store import Store
 
 log = logging.getLogger(__name__)
 
 Parsed = TypeVar("Parsed", Pod, Namespace, NetworkPolicy, ClusterNetworkPolicy)
 
 
-class _Store(Generic[Parsed]):
-    """One kind of object by (namespace, name); `on_set` hears each change, with the object
-    it replaced and the one that replaced it."""
+def _log_problems(kind: str) -> Callable[[PodKey, Any, Any], None]:
+    """What a policy's store hears on a change: the problems that narrowed the policy, logged
+    with its name once per change, not at each of its resyncs."""
 
-    def __init__(
-        self,
-        kind: str,
-        parse: Callable[[Obj], Parsed | None],
-        on_set: Callable[[PodKey, Parsed | None, Parsed | None], None] = lambda *_: None,
+    def log_problems(
+        key: PodKey, old: Any, new: NetworkPolicy | ClusterNetworkPolicy | None
     ) -> None:
-        self.kind = kind
-        self._parse: Callable[[Obj], Parsed | None] = parse
-        self._on_set: Callable[[PodKey, Parsed | None, Parsed | None], None] = on_set
-        self.items: dict[PodKey, Parsed] = {}
-        self.listed = False
+        for problem in new.problems if new is not None else ():
+            log.warning("%s %s: %s", kind, "/".join(filter(None, key)), problem)
 
-    def set(self, key: PodKey, obj: Obj | None) -> bool:
-        """Whether what is stored changed."""
-        parsed = parse_or_skip(self._parse, obj, self.kind) if obj is not None else None
-        old = self.items.get(key)
-        if parsed == old:
-            return False
-        if isinstance(parsed, NetworkPolicy | ClusterNetworkPolicy):
-            for problem in parsed.problems:
-                log.warning("%s %s: %s", self.kind, "/".join(filter(None, key)), problem)
-        if parsed is None:
-            del self.items[key]
-        else:
-            self.items[key] = parsed
-        self._on_set(key, old, parsed)
-        return True
-
-    def replace(self, objs: list[Obj]) -> bool:
-        present = {key_of(obj): obj for obj in objs}
-        changed = [self.set(key, None) for key in list(self.items.keys() - present.keys())]
-        changed += [self.set(key, obj) for key, obj in present.items()]
-        self.listed = True
-        return any(changed)
+    return log_problems
 
 
 class PolicyState:
@@ -83,11 +57,13 @@ class PolicyState:
         """The pods changed since the last take; None when anything may have (a namespace's
         labels, a fresh list of pods)."""
         self._views = PodViews(node_name)
-        self._pods = _Store[Pod]("Pod", parse_pod, self._views.change)
-        self._namespaces = _Store[Namespace]("Namespace", parse_namespace)
-        self._policies = _Store[NetworkPolicy]("NetworkPolicy", parse_policy)
-        self._cluster_policies = _Store[ClusterNetworkPolicy](
-            "ClusterNetworkPolicy", parse_cluster_policy
+        self._pods = Store[Pod]("Pod", parse_pod, self._views.change)
+        self._namespaces = Store[Namespace]("Namespace", parse_namespace)
+        self._policies = Store[NetworkPolicy](
+            "NetworkPolicy", parse_policy, _log_problems("NetworkPolicy")
+        )
+        self._cluster_policies = Store[ClusterNetworkPolicy](
+            "ClusterNetworkPolicy", parse_cluster_policy, _log_problems("ClusterNetworkPolicy")
         )
         self._stores = (self._pods, self._namespaces, self._policies, self._cluster_policies)
 
@@ -112,10 +88,10 @@ class PolicyState:
             changed, self._changed_pods = self._changed_pods, set()
             return cluster, changed
 
-    def _event(self, store: _Store[Parsed], kind: str, obj: Obj) -> None:
+    def _event(self, store: Store[Parsed], kind: str, obj: Obj) -> None:
         key = key_of(obj)
         with self._lock:
-            changed = store.set(key, None if kind == "DELETED" else obj)
+            changed = store.event(kind, obj)
             if changed and store is self._pods and self._changed_pods is not None:
                 self._changed_pods.add(key)
             elif changed and store is self._namespaces:
@@ -123,7 +99,7 @@ class PolicyState:
         if changed:
             self._on_change()
 
-    def _replace(self, store: _Store[Parsed], objs: list[Obj]) -> None:
+    def _replace(self, store: Store[Parsed], objs: list[Obj]) -> None:
         """Take a fresh list's objects; the list is emptied, so that the watch's objects
         are freed here, before the sync is queued, rather than by the watch thread while
         that sync runs, holding the interpreter, which the sync would wait for
