@@ -6,13 +6,12 @@ the services they touch. Objects the proxy cannot use are logged and left out.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from typing import Any
 
 from cni.families import IP_FAMILIES
 from proxyd.model import (
@@ -24,18 +23,15 @@ from proxyd.model import (
     endpoints_for,
     family_of,
     ignored,
-    key_of,
     parse_endpoint_slice,
     parse_node,
     parse_or_skip,
     parse_service,
     parse_service_cidr,
 )
-
-log = logging.getLogger(__name__)
+from proxyd.store import Store
 
 ServiceKey = tuple[str, str]
-TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 
 
 @dataclass
@@ -63,18 +59,6 @@ class Changes:
     """EndpointSlice events that changed something since the last sync."""
 
 
-def _trigger_time(obj: Obj) -> float | None:
-    """The slice's last-change-trigger-time annotation; None when absent or unreadable."""
-    annotations = obj.get("metadata", {}).get("annotations") or {}
-    stamp = annotations.get(TRIGGER_TIME_ANNOTATION)
-    if not isinstance(stamp, str):
-        return None
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def _cluster_ip_families(ports: list[ServicePort]) -> frozenset[int]:
     return frozenset(family_of(ip) for port in ports for ip in port.cluster_ips)
 
@@ -90,12 +74,17 @@ class ClusterState:
     ) -> None:
         self._lock = threading.Lock()
         self._on_change = on_change
-        self._services: dict[ServiceKey, list[ServicePort]] = {}
-        self._slices: dict[ServiceKey, dict[str, EndpointSlice]] = {}
-        self._slice_owner: dict[tuple[str, str], ServiceKey] = {}
+        self._services = Store[list[ServicePort]]("Service", _ports, self._service_set)
+        self._slices = Store[EndpointSlice]("EndpointSlice", _slice, self._slice_set)
+        self._service_cidrs = Store[tuple[str, ...]](
+            "ServiceCIDR", parse_service_cidr, self._service_cidr_set
+        )
+        """ServiceCIDR -> its ranges."""
+        self._by_service: dict[ServiceKey, dict[str, EndpointSlice]] = {}
+        """The slices of each service, by slice name."""
         self.node = NodeInfo(node_name)
-        self._service_cidrs: dict[str, tuple[str, ...]] = {}
-        """ServiceCIDR name -> its ranges."""
+        self._touched: set[int] = set()
+        """The IP families the store changes under way touched."""
         self._pending_services: set[ServiceKey] = set()
         self._pending_endpoints: dict[int, set[ServiceKey]] = {}
         """Per IP family, the services whose slices of that family changed."""
@@ -103,12 +92,11 @@ class ClusterState:
         self._endpoint_events = 0
         self._trigger_times: dict[tuple[int, ServiceKey], float] = {}
         self._started = time.time()
-        self._listed: set[str] = set()
 
     # ------------------------------------------------------------ feeding
     def ready(self) -> bool:
         with self._lock:
-            return {"services", "endpointslices"} <= self._listed
+            return self._services.listed and self._slices.listed
 
     def pending(self) -> tuple[int, Counter[int]]:
         """Services with changes to program, and per family those with endpoint changes."""
@@ -120,89 +108,77 @@ class ClusterState:
         with self._lock:
             return bool(self._pending_services or self._pending_endpoints)
 
-    def _set_service(self, key: ServiceKey, obj: Obj | None) -> frozenset[int]:
-        """The IP families the change touches; none when nothing changed."""
-        ports: list[ServicePort] = []
-        if obj is not None and not ignored(obj):
-            ports = parse_or_skip(parse_service, obj, "Service") or []
-        old = self._services.get(key, [])
-        if old == ports:
-            return frozenset()
-        if ports:
-            self._services[key] = ports
-        else:
-            self._services.pop(key, None)
+    def _service_set(
+        self, key: ServiceKey, old: list[ServicePort] | None, new: list[ServicePort] | None
+    ) -> None:
         self._pending_services.add(key)
         self._service_events += 1
-        return _cluster_ip_families(old) | _cluster_ip_families(ports)
+        self._touched |= _cluster_ip_families(old or []) | _cluster_ip_families(new or [])
 
-    def _set_slice(self, slice_key: tuple[str, str], obj: Obj | None) -> frozenset[int]:
-        """The IP families the change touches; none when nothing changed."""
-        parsed: EndpointSlice | None = None
-        if obj is not None and not ignored(obj):
-            parsed = parse_or_skip(parse_endpoint_slice, obj, "EndpointSlice")
-        old_owner = self._slice_owner.pop(slice_key, None)
-        old: EndpointSlice | None = None
-        if old_owner is not None:
-            old = self._slices[old_owner].pop(slice_key[1], None)
-            if not self._slices[old_owner]:
-                del self._slices[old_owner]
-        if parsed is not None:
-            key = (parsed.namespace, parsed.service)
-            self._slice_owner[slice_key] = key
-            self._slices.setdefault(key, {})[parsed.name] = parsed
-        if old == parsed:
-            return frozenset()
-        changed = {old_owner} if old_owner is not None else set()
-        if parsed is not None:
-            changed.add((parsed.namespace, parsed.service))
-        families = frozenset(s.family for s in (old, parsed) if s is not None)
-        for key in changed:
+    def _slice_set(
+        self, key: tuple[str, str], old: EndpointSlice | None, new: EndpointSlice | None
+    ) -> None:
+        owners: set[ServiceKey] = set()
+        if old is not None:
+            owner = (old.namespace, old.service)
+            owners.add(owner)
+            del self._by_service[owner][old.name]
+            if not self._by_service[owner]:
+                del self._by_service[owner]
+        if new is not None:
+            owner = (new.namespace, new.service)
+            owners.add(owner)
+            self._by_service.setdefault(owner, {})[new.name] = new
+            if new.trigger_time is not None and new.trigger_time > self._started:
+                timed = (new.family, owner)
+                self._trigger_times[timed] = min(
+                    self._trigger_times.get(timed, new.trigger_time), new.trigger_time
+                )
+        families = {s.family for s in (old, new) if s is not None}
+        for owner in owners:
             for family in families:
-                self._pending_endpoints.setdefault(family, set()).add(key)
+                self._pending_endpoints.setdefault(family, set()).add(owner)
         self._endpoint_events += 1
-        at = _trigger_time(obj) if obj is not None and parsed is not None else None
-        if parsed is not None and at is not None and at > self._started:
-            timed = (parsed.family, (parsed.namespace, parsed.service))
-            self._trigger_times[timed] = min(self._trigger_times.get(timed, at), at)
-        return families
+        self._touched |= families
 
-    def _notify(self, families: frozenset[int]) -> None:
+    def _service_cidr_set(
+        self, key: tuple[str, str], old: tuple[str, ...] | None, new: tuple[str, ...] | None
+    ) -> None:
+        self._touched |= {family_of(cidr) for cidr in set(old or ()) ^ set(new or ())}
+
+    def _event(self, store: Store[Any], kind: str, obj: Obj) -> None:
+        with self._lock:
+            store.event(kind, obj)
+            families, self._touched = frozenset(self._touched), set()
         if families:
             self._on_change(families)
 
-    def service_event(self, kind: str, obj: Obj) -> None:
+    def _replace(self, store: Store[Any], objs: list[Obj]) -> None:
+        """A fresh list; the list is emptied once the lock is let go (see store.py). It always
+        calls on_change, maybe with no family, so that the first sync follows."""
         with self._lock:
-            families = self._set_service(key_of(obj), None if kind == "DELETED" else obj)
-        self._notify(families)
+            store.replace(objs)
+            families, self._touched = frozenset(self._touched), set()
+        objs.clear()
+        self._on_change(families)
+
+    def service_event(self, kind: str, obj: Obj) -> None:
+        self._event(self._services, kind, obj)
 
     def slice_event(self, kind: str, obj: Obj) -> None:
-        with self._lock:
-            families = self._set_slice(key_of(obj), None if kind == "DELETED" else obj)
-        self._notify(families)
+        self._event(self._slices, kind, obj)
+
+    def service_cidr_event(self, kind: str, obj: Obj) -> None:
+        self._event(self._service_cidrs, kind, obj)
 
     def replace_services(self, objs: list[Obj]) -> None:
-        """A fresh list: services missing from it are gone."""
-        with self._lock:
-            present = {key_of(obj): obj for obj in objs}
-            families: set[int] = set()
-            for key in list(self._services.keys() - present.keys()):
-                families |= self._set_service(key, None)
-            for key, obj in present.items():
-                families |= self._set_service(key, obj)
-            self._listed.add("services")
-        self._on_change(frozenset(families))
+        self._replace(self._services, objs)
 
     def replace_slices(self, objs: list[Obj]) -> None:
-        with self._lock:
-            present = {key_of(obj): obj for obj in objs}
-            families: set[int] = set()
-            for slice_key in list(self._slice_owner.keys() - present.keys()):
-                families |= self._set_slice(slice_key, None)
-            for slice_key, obj in present.items():
-                families |= self._set_slice(slice_key, obj)
-            self._listed.add("endpointslices")
-        self._on_change(frozenset(families))
+        self._replace(self._slices, objs)
+
+    def replace_service_cidrs(self, objs: list[Obj]) -> None:
+        self._replace(self._service_cidrs, objs)
 
     def node_event(self, kind: str, obj: Obj) -> None:
         with self._lock:
@@ -213,35 +189,13 @@ class ClusterState:
             )
             families = frozenset(IP_FAMILIES) if node != self.node else frozenset()
             self.node = node
-        self._notify(families)
-
-    def _set_service_cidr(self, name: str, obj: Obj | None) -> frozenset[int]:
-        """The IP families whose ranges changed."""
-        old = self._service_cidrs.pop(name, ())
-        new = parse_or_skip(parse_service_cidr, obj, "ServiceCIDR") if obj is not None else None
-        if new:
-            self._service_cidrs[name] = new
-        return frozenset(family_of(cidr) for cidr in set(old) ^ set(new or ()))
-
-    def service_cidr_event(self, kind: str, obj: Obj) -> None:
-        with self._lock:
-            families = self._set_service_cidr(key_of(obj)[1], None if kind == "DELETED" else obj)
-        self._notify(families)
-
-    def replace_service_cidrs(self, objs: list[Obj]) -> None:
-        with self._lock:
-            present = {key_of(obj)[1]: obj for obj in objs}
-            families: set[int] = set()
-            for name in list(self._service_cidrs.keys() - present.keys()):
-                families |= self._set_service_cidr(name, None)
-            for name, obj in present.items():
-                families |= self._set_service_cidr(name, obj)
-        self._notify(frozenset(families))
+        if families:
+            self._on_change(families)
 
     # ------------------------------------------------------------ taking
     def _view(self, key: ServiceKey) -> ServiceView:
-        ports = self._services.get(key, [])
-        slices = list(self._slices.get(key, {}).values())
+        ports = self._services.items.get(key, [])
+        slices = list(self._by_service.get(key, {}).values())
         return ServiceView(ports, {port: endpoints_for(port, slices) for port in ports})
 
     def take(self) -> Changes:
@@ -254,7 +208,9 @@ class ClusterState:
             changes = Changes(
                 services={key: self._view(key) for key in changed},
                 node=self.node,
-                service_cidrs=tuple(sorted({c for cs in self._service_cidrs.values() for c in cs})),
+                service_cidrs=tuple(
+                    sorted({c for cs in self._service_cidrs.items.values() for c in cs})
+                ),
                 trigger_times=trigger_times,
                 service_changes=self._service_events,
                 endpoint_changes=self._endpoint_events,
@@ -264,3 +220,13 @@ class ClusterState:
             self._service_events = self._endpoint_events = 0
             self._trigger_times.clear()
             return changes
+
+
+def _ports(obj: Obj) -> list[ServicePort] | None:
+    """The ports the proxy programs for a Service; None (absent) for one another proxy owns,
+    a headless or ExternalName one, or one without ports."""
+    return None if ignored(obj) else parse_service(obj) or None
+
+
+def _slice(obj: Obj) -> EndpointSlice | None:
+    return None if ignored(obj) else parse_endpoint_slice(obj)
