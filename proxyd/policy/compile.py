@@ -427,7 +427,7 @@ class FamilyCompiler:
             if self._last is not None and self._chains_hold(cluster, changed):
                 self._last = self._refreshed(self._last, cluster, bool(changed))
                 return self._last
-        self._last = _Run(self, cluster).result()
+        self._last = _TableBuild(self, cluster).result()
         self._last_policies = (*cluster.policies, *cluster.cluster_policies)
         return self._last
 
@@ -476,7 +476,7 @@ class FamilyCompiler:
                     entry.add(key, pod, address[1])
 
     def peer_set(
-        self, cluster: Cluster, namespace: str, peers: tuple[Peer, ...], run: _Run
+        self, cluster: Cluster, namespace: str, peers: tuple[Peer, ...], build: _TableBuild
     ) -> _PeerSet:
         """The set of the peers of a rule of a policy of `namespace` ("" for a cluster
         policy)."""
@@ -492,7 +492,7 @@ class FamilyCompiler:
             entry = _PeerSet(f"peers-{short_hash(repr(key))}", key[0], peers, blocks)
             entry.fill(cluster, self.index, self.family)
             self._peer_sets[key] = entry
-        run.used.add(key)
+        build.used.add(key)
         return entry
 
     def forget_unused(self, used: set[PeersKey]) -> None:
@@ -500,8 +500,9 @@ class FamilyCompiler:
             del self._peer_sets[key]
 
 
-class _Run:
-    """One compile: the pod chains of this node's pods, and the sets they name."""
+class _TableBuild:
+    """A family's table being built by one full compile: the pod chains of this node's pods
+    and the sets they name (`out`), and which of the compiler's kept peer sets it used."""
 
     def __init__(self, compiler: FamilyCompiler, cluster: Cluster) -> None:
         self.compiler = compiler
