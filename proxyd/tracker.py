@@ -104,10 +104,6 @@ class ClusterState:
             families = {family: len(keys) for family, keys in self._pending_endpoints.items()}
             return len(self._pending_services), Counter(families)
 
-    def has_pending(self) -> bool:
-        with self._lock:
-            return bool(self._pending_services or self._pending_endpoints)
-
     def _service_set(
         self, key: ServiceKey, old: list[ServicePort] | None, new: list[ServicePort] | None
     ) -> None:

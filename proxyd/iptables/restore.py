@@ -91,9 +91,6 @@ class Script:
         self.declared[table].append(f":{chain} - [0:0]")
         self.removed[table].append(f"-X {chain}")
 
-    def written_rules(self) -> int:
-        return sum(len(lines) for lines in self.rules.values())
-
     def empty(self) -> bool:
         return not any(
             self.declared[t] or self.deletions[t] or self.rules[t] or self.removed[t]

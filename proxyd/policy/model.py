@@ -22,7 +22,6 @@ from proxyd.model import PROTOCOLS, InvalidObject, Obj, family_of
 INGRESS = "Ingress"
 EGRESS = "Egress"
 DIRECTIONS = (INGRESS, EGRESS)
-NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 TERMINAL_PHASES = ("Succeeded", "Failed")
 MAX_EXCEPT = 20_000
