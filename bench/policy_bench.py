@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench import record
-from bench.proxy_bench import CLIENT_LOOP, SERVER, in_netns
+from bench.proxy_connections import CLIENT_LOOP, SERVER
+from bench.proxy_netns import in_netns
 from cni.nftables import NftError
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane, start
