@@ -13,8 +13,8 @@ from deploy.lab.kube import Kube
 from deploy.lab.netns import Netns
 from deploy.lab.paths import PLUGIN_DIR, ROOT
 from tests.conftest import netns_factory
-from tests.integration.cni_env import Node
-from tests.integration.proxy_env import ProxyNode, running_proxy_node
+from tests.support.cni_env import Node
+from tests.support.proxy_env import ProxyNode, running_proxy_node
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from cni.links import addresses
 from cni.rawnetlink import NetlinkSocket
 from deploy.lab.netns import Netns
 from deploy.lab.paths import PLUGIN_DIR, REFERENCE_PLUGINS
-from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, bridge_conf
+from tests.support.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, bridge_conf
 
 
 def test_pods_reach_each_other_and_the_gateway(node):

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from cni.netconf import MASQ_BACKENDS
-from tests.integration.cni_env import NETWORK, Node, bridge_conf
+from tests.support.cni_env import NETWORK, Node, bridge_conf
 
 
 def delete_ipv6_masquerade(node: Node, backend: str) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from cni.invocation import SPEC_VARIABLES
 from deploy.lab.netns import Netns
-from tests.integration.cni_env import Node, bridge_conf
 from tests.integration.test_fastpath import (
     DAEMON_ENV,
     build_launcher,
@@ -23,6 +22,7 @@ from tests.integration.test_fastpath import (
     raw_call,
     running_daemon,
 )
+from tests.support.cni_env import Node, bridge_conf
 
 IPAM_TYPE = "netns-recording-ipam"
 # Records the CNI_NETNS it got and what opening it finds; answers ADD with one address, and

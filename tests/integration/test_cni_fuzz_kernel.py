@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy.lab.netns import Netns
-from tests.integration.cni_env import Node, bridge_conf
+from tests.support.cni_env import Node, bridge_conf
 from tests.unit.test_cni_fuzz import RANGE, TOP_FIELDS, VALUES
 
 EXAMPLES = max(1, int(os.environ.get("KNIT_FUZZ_EXAMPLES", "300")) // 8)

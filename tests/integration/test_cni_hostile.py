@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cni_env import Node, bridge_conf
+from tests.support.cni_env import Node, bridge_conf
 
 
 def files_under(root: Path) -> list[str]:

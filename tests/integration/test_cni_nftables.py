@@ -15,7 +15,7 @@ from cni.firewall import Tag
 from cni.nftables import LIBRARY_ENV, nft_apply, nft_tagged_rules
 from deploy.lab.netns import Netns
 from deploy.lab.paths import ROOT
-from tests.integration.cni_env import Node, bridge_conf
+from tests.support.cni_env import Node, bridge_conf
 
 MASQ = {"ipMasq": True, "ipMasqBackend": "nftables"}
 SPOOFCHK = {"macspoofchk": True}

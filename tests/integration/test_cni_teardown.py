@@ -12,7 +12,7 @@ import pytest
 
 from cni.netconf import MASQ_BACKENDS
 from cni.nftables import LIBRARY_ENV
-from tests.integration.cni_env import bridge_conf
+from tests.support.cni_env import bridge_conf
 
 
 def only_binaries(directory: Path, *names: str) -> str:

@@ -25,7 +25,7 @@ from cni.server import read_request
 from deploy.lab.netns import Netns
 from deploy.lab.paths import CNIDRIVER, PLUGIN_DIR, REFERENCE_PLUGINS, ROOT
 from deploy.lab.process import eventually
-from tests.integration.cni_env import NETWORK, Node, bridge_conf
+from tests.support.cni_env import NETWORK, Node, bridge_conf
 
 SERVER = """
 import logging, sys

@@ -25,7 +25,7 @@ import pytest
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from deploy.lab.netns import Netns
 from deploy.lab.process import eventually
-from tests.integration.proxy_env import LAST_SYNC, ProxyNode
+from tests.support.proxy_env import LAST_SYNC, ProxyNode
 
 IDLE_CONNECTIONS = int(os.environ.get("KNIT_IDLE_CONNECTIONS", "3000"))
 HALF_A_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: node\r\n"

@@ -22,7 +22,7 @@ from proxyd.nftables.proxier import NftablesProxier
 from proxyd.policy.enforcer import PolicyEnforcer
 from proxyd.proxier import Proxier, ProxyOptions
 from proxyd.tracker import Changes
-from tests import hostile_objects
+from tests.support import hostile_objects
 
 EXAMPLES = max(1, int(os.environ.get("KNIT_FUZZ_EXAMPLES", "300")) // 12)
 """25 per test in make test, 1,666 in make fuzz (about 17 minutes for the three)."""

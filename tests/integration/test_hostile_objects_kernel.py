@@ -1,4 +1,4 @@
-"""Objects at the API server's limits (tests/hostile_objects.py) render into text the kernel
+"""Objects at the API server's limits (tests/support/hostile_objects.py) render into text the kernel
 takes: every proxy mode this kernel has, both families, and the policy tables. A name that
 passes a kernel limit must be hashed, never make the node's whole sync fail."""
 
@@ -24,7 +24,7 @@ from proxyd.policy.quarantine import QUARANTINED
 from proxyd.port_plan import FamilyContext, PortPlan
 from proxyd.proxier import Proxier, ProxyOptions
 from proxyd.tracker import Changes
-from tests import hostile_objects
+from tests.support import hostile_objects
 
 OPTIONS = ProxyOptions(cluster_cidrs=("10.244.0.0/16", "fd10::/48"))
 FAMILIES = (4, 6)

@@ -22,7 +22,7 @@ from cni.bundle import GLIBC, MANIFEST, PLUGINS, read_manifest, seal
 from cni.install import LAUNCH, LAUNCHER, TEMP_PREFIX, VERSIONS, InstallError, install
 from deploy.lab.netns import Netns
 from deploy.lab.paths import CNIDRIVER, PLUGIN_DIR, REFERENCE_PLUGINS, ROOT
-from tests.integration.cni_env import NETWORK, Node, bridge_conf
+from tests.support.cni_env import NETWORK, Node, bridge_conf
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 CONTAINERD_ARGS = "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}"

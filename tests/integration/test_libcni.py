@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from deploy.lab.paths import CNIDRIVER, PLUGIN_DIR, REFERENCE_PLUGINS
-from tests.integration.cni_env import NETWORK, UPLINK_NODE, UPLINK_OUTSIDE, bridge_conf
+from tests.support.cni_env import NETWORK, UPLINK_NODE, UPLINK_OUTSIDE, bridge_conf
 
 CONTAINERD_ARGS = (
     "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name};"

@@ -28,7 +28,7 @@ from proxyd.policy.render import TABLE as POLICY_TABLE
 from proxyd.policy.render import Renderer
 from proxyd.proxier import ProgramError, ProxyOptions
 from proxyd.tracker import Changes, ServiceView
-from tests.unit.example_service import NODE, PORT, READY
+from tests.support.example_service import NODE, PORT, READY
 
 OPTIONS = ProxyOptions(cluster_cidrs=("10.244.0.0/16",))
 SHARED_IP = ("203.0.113.7",)

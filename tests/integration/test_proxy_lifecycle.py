@@ -18,8 +18,8 @@ from deploy.lab.netns import ECHO, Netns
 from deploy.lab.paths import ROOT
 from deploy.lab.process import eventually
 from proxyd.iptables.chains import owned_by_knit
-from tests.integration.cni_env import UPLINK_NODE
-from tests.integration.proxy_env import (
+from tests.support.cni_env import UPLINK_NODE
+from tests.support.proxy_env import (
     ProxyNode,
     running_proxy_node,
 )

@@ -34,8 +34,8 @@ from deploy.lab.netns import ECHO
 from deploy.lab.process import eventually
 from proxyd.model import ZONE_LABEL
 from proxyd.nftables.render import UNDECLARED_PORTS_CHECK
-from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE
-from tests.integration.proxy_env import (
+from tests.support.cni_env import UPLINK_NODE, UPLINK_OUTSIDE
+from tests.support.proxy_env import (
     REMOTE_NODE,
     ProxyNode,
 )

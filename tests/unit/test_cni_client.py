@@ -37,7 +37,7 @@ from cni.server import (
     serve,
 )
 from deploy.lab.paths import ROOT
-from tests.fastpath import (
+from tests.support.fastpath import (
     IN_PROCESS,
     call_plugin,
     compile_client,

@@ -26,7 +26,7 @@ from cni.server import (
     serve,
 )
 from deploy.lab.process import eventually
-from tests.fastpath import (
+from tests.support.fastpath import (
     HEADER_BYTES,
     call_plugin,
     compile_client,

@@ -19,7 +19,7 @@ from proxyd.conntrack import (
     MSG_NEW,
     PORT,
 )
-from tests.unit.netlink_script import ScriptedKernel, message, scripted
+from tests.support.netlink_script import ScriptedKernel, message, scripted
 
 ID, ZONE = b"\x00\x00\x00\x2a", b"\x00\x07"
 

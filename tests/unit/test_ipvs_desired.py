@@ -21,7 +21,7 @@ from proxyd.ipvs.desired import (
 from proxyd.ipvs.rules import render
 from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.port_plan import FamilyContext
-from tests.unit.example_service import CTX, CTX6, NAME, PORT, planned
+from tests.support.example_service import CTX, CTX6, NAME, PORT, planned
 
 LOCAL = Endpoint("10.244.1.5", 8080, node_name="node-a")
 REMOTE = Endpoint("10.244.2.5", 8080, node_name="node-b")

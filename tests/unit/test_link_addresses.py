@@ -12,7 +12,7 @@ import pytest
 from cni import addresses
 from cni.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, RTM_NEWADDR, LinkAddress
 from cni.rawnetlink import DONE, ERROR_CODE, HEADER, NETLINK_GET_STRICT_CHK, SOL_NETLINK, attribute
-from tests.unit.netlink_script import ScriptedKernel, message, scripted
+from tests.support.netlink_script import ScriptedKernel, message, scripted
 
 
 def address(family: int, link: int, prefix: int, scope: int, *attrs: tuple[int, str]) -> bytes:

@@ -23,7 +23,7 @@ from proxyd.nftables.transaction import (
     partial_transaction,
 )
 from proxyd.port_plan import FamilyContext, PortPlan
-from tests.unit.example_service import CTX, CTX6, NAME, PORT, READY, planned
+from tests.support.example_service import CTX, CTX6, NAME, PORT, READY, planned
 
 
 def objects(

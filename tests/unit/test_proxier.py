@@ -15,7 +15,7 @@ from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.port_plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
 from proxyd.tracker import Changes, ServiceView
-from tests.unit.example_service import NAME, NODE, PORT, READY
+from tests.support.example_service import NAME, NODE, PORT, READY
 
 
 class RecordingProxier(Proxier):

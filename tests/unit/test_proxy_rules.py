@@ -11,7 +11,7 @@ from proxyd.iptables.render import ServiceRules, render_base, render_service
 from proxyd.iptables.restore import RuleSet, batched_full_scripts, full_script, partial_script
 from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.port_plan import FamilyContext, plan_port
-from tests.unit.example_service import CTX, NAME, PORT, READY
+from tests.support.example_service import CTX, NAME, PORT, READY
 
 
 def rendered(

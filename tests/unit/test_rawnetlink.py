@@ -19,7 +19,7 @@ from cni.rawnetlink import (
     attribute,
     attributes,
 )
-from tests.unit.netlink_script import ScriptedKernel, error, message, scripted
+from tests.support.netlink_script import ScriptedKernel, error, message, scripted
 
 
 def test_an_attribute_is_padded_to_four_bytes() -> None:

@@ -18,7 +18,7 @@ from deploy.lab.kube_proxy_node import kube_proxy_config, launch_kube_proxy
 from deploy.lab.netns import Netns, unique_name
 from deploy.lab.process import eventually
 from deploy.lab.proxyd_node import NodeFiles, launch_proxyd, proxyd_flags
-from tests.integration.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, bridge_conf
+from tests.support.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, bridge_conf
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
 EXTERNAL_NET = "203.0.113.0/24"
