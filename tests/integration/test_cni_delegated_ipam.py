@@ -15,14 +15,14 @@ from pathlib import Path
 
 from cni.invocation import SPEC_VARIABLES
 from deploy.lab.netns import Netns
-from tests.integration.test_fastpath import (
+from tests.support.cni_env import Node, bridge_conf
+from tests.support.fastpath_daemon import (
     DAEMON_ENV,
     build_launcher,
     hidden_netns,
     raw_call,
     running_daemon,
 )
-from tests.support.cni_env import Node, bridge_conf
 
 IPAM_TYPE = "netns-recording-ipam"
 # Records the CNI_NETNS it got and what opening it finds; answers ADD with one address, and

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from deploy.lab.netns import Netns
 from tests.support.cni_env import Node, bridge_conf
-from tests.unit.test_cni_fuzz import RANGE, TOP_FIELDS, VALUES
+from tests.support.cni_strategies import RANGE, TOP_FIELDS, VALUES
 
 EXAMPLES = max(1, int(os.environ.get("KNIT_FUZZ_EXAMPLES", "300")) // 8)
 FUZZED_IPAM = ("subnet", "rangeStart", "rangeEnd", "gateway", "routes", "unknownOption")

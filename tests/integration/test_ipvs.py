@@ -34,8 +34,8 @@ from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from proxyd.port_plan import FamilyContext, plan_port
 from proxyd.proxier import ProgramError, ProxyOptions
-from tests.unit.test_ipvs_netlink import FakeIpvs
-from tests.unit.test_proxier import changes
+from tests.support.example_service import changes
+from tests.support.ipvs_doubles import FakeIpvs
 
 HAS_IPVS = os.path.exists("/proc/net/ip_vs")
 needs_ipvs = pytest.mark.skipif(not HAS_IPVS, reason="the kernel has no IPVS (/proc/net/ip_vs)")

@@ -28,9 +28,15 @@ from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import NODES, SERVICES, SLICES, Kube, endpoint, node_object, slice_object
 from deploy.lab.netns import ECHO, Netns, unique_name
 from deploy.lab.process import eventually
-from tests.integration.test_proxy_services import SLICE_HTTP, create_service
 from tests.support.cni_env import UPLINK_NODE
-from tests.support.proxy_env import LAST_SYNC, REMOTE_NODE, ProxyNode, running_proxy_node
+from tests.support.proxy_env import (
+    LAST_SYNC,
+    REMOTE_NODE,
+    SLICE_HTTP,
+    ProxyNode,
+    create_service,
+    running_proxy_node,
+)
 
 KNIT, KUBE_PROXY = "knit-proxyd", "kube-proxy"
 PORTS = ((8080, "tcp"), (8080, "udp"))

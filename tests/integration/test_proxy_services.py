@@ -27,7 +27,6 @@ from deploy.lab.kube import (
     SLICES,
     Kube,
     endpoint,
-    service_object,
     slice_object,
 )
 from deploy.lab.netns import ECHO
@@ -36,20 +35,15 @@ from proxyd.model import ZONE_LABEL
 from proxyd.nftables.render import UNDECLARED_PORTS_CHECK
 from tests.support.cni_env import UPLINK_NODE, UPLINK_OUTSIDE
 from tests.support.proxy_env import (
+    HTTP,
     REMOTE_NODE,
+    SLICE_HTTP,
     ProxyNode,
+    create_service,
 )
 
 GATEWAY = "10.244.1.1"
 GATEWAY6 = "fd10:244:1::1"
-HTTP = {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}
-SLICE_HTTP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
-
-
-def create_service(
-    kube: Kube, name: str, ports: list[dict[str, Any]] | None = None, **spec: Any
-) -> dict[str, Any]:
-    return kube.create(SERVICES, service_object(name, ports or [HTTP], **spec))
 
 
 def create_backed(

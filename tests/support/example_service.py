@@ -6,6 +6,7 @@ import dataclasses
 
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from proxyd.port_plan import FamilyContext, PortPlan, plan_port
+from proxyd.tracker import Changes, ServiceView
 
 NODE = NodeInfo("node-a", addresses=("192.0.2.10",))
 CTX = FamilyContext(family=4, node=NODE, cluster_cidr="10.244.0.0/16")
@@ -22,3 +23,12 @@ def planned(
     plan = plan_port(port, endpoints, ctx)
     assert plan is not None
     return plan
+
+
+def changes(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> Changes:
+    views: dict[tuple[str, str], ServiceView] = {}
+    for port, endpoints in ports:
+        view = views.setdefault((port.name.namespace, port.name.name), ServiceView([], {}))
+        view.ports.append(port)
+        view.endpoints[port] = endpoints
+    return Changes(services=views, node=NODE)

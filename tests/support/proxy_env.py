@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.lab.controlplane import ControlPlane, NetnsForward
-from deploy.lab.kube import NODES, Kube, node_object
+from deploy.lab.kube import NODES, SERVICES, Kube, node_object, service_object
 from deploy.lab.kube_proxy_node import kube_proxy_config, launch_kube_proxy
 from deploy.lab.netns import Netns, unique_name
 from deploy.lab.process import eventually
@@ -206,3 +206,13 @@ def running_proxy_node(
             proxy.stop()
             forward = proxy.forward  # a test may have replaced it
         forward.stop()
+
+
+HTTP = {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}
+SLICE_HTTP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
+
+
+def create_service(
+    kube: Kube, name: str, ports: list[dict[str, Any]] | None = None, **spec: Any
+) -> dict[str, Any]:
+    return kube.create(SERVICES, service_object(name, ports or [HTTP], **spec))

@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 from cni import plugin
 from cni.errors import Code
-from cni.ipam.hostlocal import IPAM_KEYS
-from cni.netconf import BRIDGE_OPTIONS, RUNTIME_KEYS
+from tests.support.cni_strategies import IPAM_FIELDS, RANGE, TOP_FIELDS, VALUES
 
 EXAMPLES = int(os.environ.get("KNIT_FUZZ_EXAMPLES", "300"))
 ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "fuzz", "CNI_NETNS": "/nonexistent/netns",
@@ -30,29 +29,6 @@ BASE: dict[str, Any] = {
     "type": "knit",
     "ipam": {"type": "host-local", "subnet": "10.9.0.0/24", "dataDir": "/nonexistent/ipam"},
 }
-ADDRESSES = st.sampled_from(
-    ["10.9.0.5", "10.9.0.5/24", "10.9.0.0", "10.9.0.255", "fd09::5", "fd09::/64", "10.9.0.0/24"]
-)
-SCALARS = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats()
-    | st.text(max_size=12)
-    | ADDRESSES
-)
-VALUES = st.recursive(
-    SCALARS,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
-    ),
-    max_leaves=10,
-)
-TOP_FIELDS = sorted(RUNTIME_KEYS | set(BRIDGE_OPTIONS) | {"unknownOption"})
-IPAM_FIELDS = sorted(IPAM_KEYS | {"unknownOption"})
-RANGE = st.fixed_dictionaries(
-    {}, optional={k: ADDRESSES | VALUES for k in ("subnet", "rangeStart", "rangeEnd", "gateway")}
-)
 
 
 @st.composite

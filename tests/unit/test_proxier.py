@@ -14,8 +14,8 @@ from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.port_plan import FamilyContext
 from proxyd.proxier import Plans, ProgramError, Proxier, ProxyOptions
-from proxyd.tracker import Changes, ServiceView
-from tests.support.example_service import NAME, NODE, PORT, READY
+from proxyd.tracker import Changes
+from tests.support.example_service import NAME, NODE, PORT, READY, changes
 
 
 class RecordingProxier(Proxier):
@@ -38,15 +38,6 @@ class RecordingProxier(Proxier):
 
     def cleanup(self) -> int:
         return 0
-
-
-def changes(*ports: tuple[ServicePort, tuple[Endpoint, ...]]) -> Changes:
-    views: dict[tuple[str, str], ServiceView] = {}
-    for port, endpoints in ports:
-        view = views.setdefault((port.name.namespace, port.name.name), ServiceView([], {}))
-        view.ports.append(port)
-        view.endpoints[port] = endpoints
-    return Changes(services=views, node=NODE)
 
 
 def test_a_family_refused_leaves_the_other_written_and_catches_up_by_a_full_sync() -> None:
