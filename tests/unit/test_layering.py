@@ -1,5 +1,6 @@
-"""The layering the project keeps: the product never imports its test worlds, and nothing
-outside tests/ imports from tests/ (deploy/lab builds every world the tests and benches use)."""
+"""The layering the project keeps: the product never imports its test worlds, nothing
+outside tests/ imports from tests/ (deploy/lab builds every world the tests and benches use),
+and test modules share only tests/support."""
 
 from __future__ import annotations
 
@@ -44,6 +45,37 @@ def test_the_product_does_not_import_the_lab_or_the_benches() -> None:
         )
         for path in sources("cni", "proxyd")
     }
+    assert {path: mods for path, mods in offenders.items() if mods} == {}
+
+
+def imported_from_tests(path: Path) -> set[str]:
+    """The modules of tests/ that path imports (`from tests.unit import test_x` names the
+    module tests.unit.test_x)."""
+    found: set[str] = set()
+    for module in imported_modules(path):
+        if module.split(".")[0] != "tests":
+            continue
+        if not (ROOT / module.replace(".", "/")).is_dir():
+            found.add(module)
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == module and node.level == 0:
+                found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_test_modules_share_only_tests_support() -> None:
+    """What tests share (doubles, world helpers, strategies) lives in tests.support: no module
+    under tests/ imports a test module, and a test module imports nothing else of tests/."""
+    offenders = {}
+    for path in sources("tests"):
+        test_module = path.name.startswith("test_")
+        offenders[str(path.relative_to(ROOT))] = sorted(
+            module
+            for module in imported_from_tests(path)
+            if module.split(".")[-1].startswith("test_")
+            or (test_module and not (module + ".").startswith("tests.support."))
+        )
     assert {path: mods for path, mods in offenders.items() if mods} == {}
 
 
