@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cni import bridge, masq, netconf, netns, plugin
+from cni import bridge, masq, netconf, plugin
 from cni import ipam as ipam_module
 from cni.ipam.hostlocal import HostLocal
+from cni.kernel import netns
 
 # (owner, function name, label): each patched where its callers look it up
 STEPS: list[tuple[Any, str, str]] = [

@@ -36,7 +36,7 @@ from pyroute2 import Conntrack, IPRoute
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
 from bench import record
-from cni.addresses import link_addresses
+from cni.kernel.addresses import link_addresses
 from deploy.lab.conntrack_entries import add_entry
 from deploy.lab.netns import Netns, namespaces
 from deploy.lab.process import exit_on_termination

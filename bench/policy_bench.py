@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 from bench import record
 from bench.proxy_connections import CLIENT_LOOP, SERVER
 from bench.proxy_netns import in_netns
-from cni.nftables import NftError
+from cni.kernel.nftables import NftError
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane, start
 from deploy.lab.kube import Kube, pod_object

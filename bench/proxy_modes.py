@@ -12,8 +12,8 @@ from typing import Any
 
 from bench.proxy_cluster import ENDPOINTS, PORT, service_name
 from bench.proxy_netns import in_netns
-from cni.families import IP_FAMILIES
-from cni.firewall import detect_iptables_flavour
+from cni.kernel.families import IP_FAMILIES
+from cni.kernel.firewall import detect_iptables_flavour
 from deploy.lab.netns import Netns
 from proxyd.iptables import render as iptables_render
 from proxyd.iptables.chains import ServiceChains

@@ -8,8 +8,9 @@ import hashlib
 import ipaddress
 from typing import NoReturn
 
-from cni import links, netns, sysctl
+from cni import links
 from cni.errors import CniError, Code
+from cni.kernel import netns, sysctl
 from cni.links import (
     IFF_PROMISC,
     IFF_UP,

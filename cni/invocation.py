@@ -105,7 +105,7 @@ def validate_container_id(container_id: str) -> None:
 def valid_ifname(name: str) -> bool:
     """The kernel's rule for a link's name (dev_valid_name: no '/', ':' or whitespace), less
     quotes, backslashes, ';' and control characters: the name is written into the quoted
-    comment of the attachment's iptables and nftables rules (cni.firewall.Tag), where a quote
+    comment of the attachment's iptables and nftables rules (cni.kernel.firewall.Tag), where a quote
     would end the comment and the rest be read as rule text."""
     return (
         0 < len(os.fsencode(name)) <= MAX_IFNAME_BYTES

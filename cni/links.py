@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from cni.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, link_addresses
 from cni.errors import CniError, Code
-from cni.families import ADDRESS_FAMILIES
-from cni.rawnetlink import CREATE_NEW, U32, RawNetlinkError, attribute, attributes, request
+from cni.kernel.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, link_addresses
+from cni.kernel.families import ADDRESS_FAMILIES
+from cni.kernel.rawnetlink import CREATE_NEW, U32, RawNetlinkError, attribute, attributes, request
 from cni.result import IPInterface
 
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK, RTM_SETLINK = 16, 17, 18, 19

@@ -3,7 +3,7 @@
 iptables backend: a chain per attachment (KNIT-MASQ-<hash>) reached from nat POSTROUTING
 by the pod's source address, as the reference bridge plugin lays it out. nftables backend:
 one tagged rule per pod address in `inet knit_masq` postrouting, written through libnftables
-(cni.nftables).
+(cni.kernel.nftables).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Collection, Iterable
 
-from cni.firewall import Iptables, Selector, Tag, detect_iptables_flavour
-from cni.nftables import nft_apply, nft_tagged_rules
+from cni.kernel.firewall import Iptables, Selector, Tag, detect_iptables_flavour
+from cni.kernel.nftables import nft_apply, nft_tagged_rules
 from cni.result import IPInterface
 
 KIND = "masq"

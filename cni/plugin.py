@@ -15,8 +15,9 @@ from typing import Any
 from cni import ipam as ipam_module
 from cni import netconf, version
 from cni.errors import CniError, Code
-from cni.firewall import Tag, attachment_selector, stale_selector
 from cni.invocation import Invocation, from_environ, parse_stdin
+from cni.kernel.errors import KernelError, NetnsError
+from cni.kernel.firewall import FirewallError, Tag, attachment_selector, stale_selector
 from cni.netconf import NetConf
 from cni.result import Result
 
@@ -73,6 +74,18 @@ def _cni_args_mac(cni_args: dict[str, str]) -> str:
     return mac
 
 
+def cni_error(err: KernelError) -> CniError:
+    """The kernel layer's failure as the CNI error the plugin reports: a firewall's 103, a
+    namespace gone 3 (the container is), any other 5."""
+    if isinstance(err, FirewallError):
+        code = Code.FIREWALL_FAILURE
+    elif isinstance(err, NetnsError) and err.gone:
+        code = Code.UNKNOWN_CONTAINER
+    else:
+        code = Code.IO_FAILURE
+    return CniError(code, err.msg, err.details)
+
+
 def _best_effort(steps: list[Callable[[], None]]) -> list[CniError]:
     """Run every step even when some fail; return what failed."""
     failures = []
@@ -81,6 +94,8 @@ def _best_effort(steps: list[Callable[[], None]]) -> list[CniError]:
             step()
         except CniError as err:
             failures.append(err)
+        except KernelError as err:
+            failures.append(cni_error(err))
         except Exception as err:
             failures.append(CniError(Code.UNEXPECTED, f"{type(err).__name__}: {err}"))
     return failures
@@ -102,7 +117,8 @@ def _firewall_teardown(
 
 
 def cmd_add(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> dict[str, Any]:
-    from cni import bridge, masq, netns, spoofcheck
+    from cni import bridge, masq, spoofcheck
+    from cni.kernel import netns
 
     conf = netconf.parse(raw)
     mac = _requested_mac(raw, invocation.args)
@@ -151,7 +167,7 @@ def _families(result: Result) -> set[int]:
 def _attachment_families(raw: dict[str, Any]) -> Collection[int]:
     """The address families the attachment has rules in: those of prevResult's addresses, or
     every family when the runtime passed no prevResult (or one that cannot be read)."""
-    from cni.families import IP_FAMILIES
+    from cni.kernel.families import IP_FAMILIES
 
     try:
         return _families(Result.from_json(raw.get("prevResult")))
@@ -172,7 +188,7 @@ def _delete_attachment_links(conf: NetConf, invocation: Invocation, netns_fd: in
 
 
 def cmd_del(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
-    from cni import netns
+    from cni.kernel import netns
 
     conf = netconf.parse(raw)
     ipam = ipam_module.for_config(raw, stdin, invocation)
@@ -181,7 +197,7 @@ def cmd_del(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
     if invocation.netns:
         try:
             netns_fd = netns.open_netns(invocation.netns, invocation.netns_fd)
-        except CniError:
+        except NetnsError:
             netns_fd = None
     try:
         failures = _best_effort(
@@ -199,7 +215,8 @@ def cmd_del(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
 
 
 def cmd_check(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
-    from cni import bridge, netns
+    from cni import bridge
+    from cni.kernel import netns
 
     conf = netconf.parse(raw)
     if not version.at_least(conf.cni_version, "0.4.0"):
@@ -250,7 +267,7 @@ def valid_attachments(raw: dict[str, Any]) -> set[tuple[str, str]]:
 
 def cmd_gc(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
     from cni import masq, spoofcheck
-    from cni.families import IP_FAMILIES
+    from cni.kernel.families import IP_FAMILIES
 
     conf = netconf.parse(raw)
     if not version.at_least(conf.cni_version, "1.1.0"):
@@ -287,6 +304,8 @@ def execute(
         answer = run(from_environ(environ, netns_fd), stdin)
     except CniError as err:
         return 1, error_output(err, stdin)
+    except KernelError as err:
+        return 1, error_output(cni_error(err), stdin)
     except Exception as err:
         failure = CniError(Code.UNEXPECTED, f"{type(err).__name__}: {err}", traceback.format_exc())
         return 1, error_output(failure, stdin)

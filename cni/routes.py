@@ -8,8 +8,8 @@ import ipaddress
 import socket
 import struct
 
-from cni.families import ADDRESS_FAMILIES
-from cni.rawnetlink import CREATE_NEW, U32, NetlinkSocket, attribute, attributes, request
+from cni.kernel.families import ADDRESS_FAMILIES
+from cni.kernel.rawnetlink import CREATE_NEW, U32, NetlinkSocket, attribute, attributes, request
 from cni.result import IPNetwork, Route
 
 RTM_NEWROUTE, RTM_GETROUTE = 24, 26

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cni.firewall import Selector, Tag
-from cni.nftables import nft_apply, nft_tagged_rules
+from cni.kernel.firewall import Selector, Tag
+from cni.kernel.nftables import nft_apply, nft_tagged_rules
 
 KIND = "spoofchk"
 TABLE = "knit_spoofchk"

@@ -1,5 +1,5 @@
-"""The daemon's side of the node's own addresses (cni.addresses reads them): a link's index by
-name, and the addresses --nodeport-addresses selects."""
+"""The daemon's side of the node's own addresses (cni.kernel.addresses reads them): a link's
+index by name, and the addresses --nodeport-addresses selects."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ipaddress
 import socket
 from collections.abc import Callable, Iterable
 
-from cni.addresses import LinkAddress
+from cni.kernel.addresses import LinkAddress
 from proxyd.model import NodeInfo, family_of
 
 
@@ -26,7 +26,7 @@ def nodeport_addresses(
     local: Callable[[], Iterable[LinkAddress]],
 ) -> tuple[str, ...] | None:
     """The addresses of this family that --nodeport-addresses selects: local addresses inside
-    the given CIDRs (`local()`: cni.addresses.link_addresses' answer, asked only for CIDRs),
+    the given CIDRs (`local()`: cni.kernel.addresses.link_addresses' answer, asked only for CIDRs),
     and the node's primary address (its first InternalIP of the family, else its first
     ExternalIP) for `primary`. None (every local address) when nothing in the flag speaks for
     this family, as kube-proxy reads it."""

@@ -29,8 +29,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cni.families import ADDRESS_FAMILIES
-from cni.rawnetlink import (
+from cni.kernel.families import ADDRESS_FAMILIES
+from cni.kernel.rawnetlink import (
     NETLINK_NETFILTER,
     NFGENMSG,
     NetlinkSocket,

@@ -15,9 +15,11 @@ from types import FrameType
 from kubernetes import client
 from kubernetes import config as kubeconfig
 
-from cni import install, server, sysctl
+from cni import install, server
 from cni.errors import CniError
-from cni.families import IP_FAMILIES
+from cni.kernel import sysctl
+from cni.kernel.errors import KernelError, SysctlError
+from cni.kernel.families import IP_FAMILIES
 from proxyd import gc_pause, watch
 from proxyd.config import MODES, Config, ConfigError, conntrack_sysctls, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
@@ -73,7 +75,7 @@ def _load_br_netfilter() -> None:
 def _write_sysctl(name: str, value: str) -> None:
     try:
         sysctl.write(name, value)
-    except CniError as err:
+    except SysctlError as err:
         log.warning("%s", err.msg)
 
 
@@ -353,7 +355,7 @@ class Daemon:
             log.warning("no CNI plugin bundle at %s: not installing the plugin", bundle)
         try:
             gc.collect(conflist.read(Path(self.config.cni_conf_dir)), bin_dir)
-        except CniError as err:
+        except (CniError, KernelError) as err:
             log.warning("start-up IPAM garbage collection failed: %s", err.msg)
         if not self.config.cni_socket:
             return None

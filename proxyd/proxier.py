@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cni.addresses import LinkAddress, link_addresses
+from cni.kernel.addresses import LinkAddress, link_addresses
 from proxyd import conntrack
 from proxyd.addresses import nodeport_addresses
 from proxyd.containment import Held, Unprogrammable, refused

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cni.families import IP_FAMILIES
+from cni.kernel.families import IP_FAMILIES
 from proxyd.model import (
     Endpoint,
     EndpointSlice,

@@ -33,8 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from cni.errors import CniError
-from cni.netns import entered, open_netns
+from cni.kernel.netns import entered, open_netns
 from deploy.lab.paths import CONTROLPLANE_BIN
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
@@ -536,7 +535,7 @@ def _listen_in(netns: str, address: str, port: int) -> socket.socket:
     """A socket listening on address:port inside /run/netns/NETNS."""
     try:
         return socket_in(netns, lambda: socket.create_server((address, port)))
-    except (OSError, CniError) as err:
+    except OSError as err:
         raise ControlPlaneError(
             f"cannot listen on {address}:{port} in netns {netns} (is lo up there?): {err}"
         ) from err

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, overload
 
-from cni import netns as cni_netns
+from cni.kernel import netns as cni_netns
 
 ECHO = Path(__file__).resolve().parent / "echo.py"
 """The server and clients every world's traffic goes through (see its docstring)."""

@@ -1,13 +1,13 @@
 """The proxy's own chains in the iptables of one family: snapshots of the chains it owns,
 whole and partial restores of its rule sets, and their removal. Running the binaries, the
-flavour and FirewallError come from cni.firewall."""
+flavour and FirewallError come from cni.kernel.firewall."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
 
-from cni.firewall import Iptables
+from cni.kernel.firewall import Iptables
 from proxyd.iptables.render import TABLES
 from proxyd.iptables.restore import RuleSet, Script, TableSnapshot, full_scripts
 

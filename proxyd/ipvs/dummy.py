@@ -13,7 +13,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD
 
-from cni.addresses import LinkAddress
+from cni.kernel.addresses import LinkAddress
 from proxyd.addresses import link_index
 from proxyd.ipvs.names import DUMMY
 from proxyd.model import family_of
@@ -40,7 +40,7 @@ class NodeAddresses:
 
 
 def node_addresses(on_links: Iterable[LinkAddress]) -> NodeAddresses:
-    """`on_links` (cni.addresses.link_addresses' answer) split at the link."""
+    """`on_links` (cni.kernel.addresses.link_addresses' answer) split at the link."""
     index = link_index(DUMMY)
     bound: set[str] = set()
     elsewhere: set[str] = set()

@@ -12,7 +12,7 @@ from typing import Any
 
 from pyroute2.ipset import IPSet, NoSuchObject, PortEntry
 
-from cni.families import ADDRESS_FAMILIES
+from cni.kernel.families import ADDRESS_FAMILIES
 from proxyd.ipvs import names
 from proxyd.ipvs.names import SetSpec
 from proxyd.ipvs.netlink import PROTOCOL_NUMBERS

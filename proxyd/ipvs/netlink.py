@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from pyroute2 import IPVS, IPVSDest, IPVSService
 from pyroute2.netlink.exceptions import NetlinkError
 
-from cni.families import ADDRESS_FAMILIES
+from cni.kernel.families import ADDRESS_FAMILIES
 from proxyd.ipvs.desired import Frontend, RealServer, VirtualServer
 from proxyd.model import family_of
 

@@ -1,6 +1,6 @@
 """The daemon's nftables tables: transactions in nft's text language, and the names of what a
 table holds and a chain's listing (for full syncs), through one libnftables context of this
-process per family, kept open (the binding, shared with the plugin, is cni.nftables).
+process per family, kept open (the binding, shared with the plugin, is cni.kernel.nftables).
 
 Why text (see docs/dependencies.md): nft's parser and its compiler to netlink are
 the reference implementation of the rule language and a transaction is atomic. Why in this
@@ -23,8 +23,8 @@ import struct
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from cni.nftables import Context, NftError, malloc_trim
-from cni.rawnetlink import (
+from cni.kernel.nftables import Context, NftError, malloc_trim
+from cni.kernel.rawnetlink import (
     NETLINK_NETFILTER,
     NFGENMSG,
     NetlinkSocket,

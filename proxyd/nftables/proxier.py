@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from cni.nftables import NftError
+from cni.kernel.nftables import NftError
 from proxyd.metrics import FamilyMetrics, Metrics
 from proxyd.model import ServicePortName
 from proxyd.nftables.kernel import Nft

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from cni.addresses import link_addresses
-from cni.families import ADDRESS_FAMILIES
+from cni.kernel.addresses import link_addresses
+from cni.kernel.families import ADDRESS_FAMILIES
 from proxyd.addresses import link_index
 from proxyd.model import family_of
 from proxyd.nodenet.route_plan import (

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cni.rawnetlink import NETLINK_NETFILTER, NFGENMSG, NetlinkSocket, attribute, attributes
+from cni.kernel.rawnetlink import NETLINK_NETFILTER, NFGENMSG, NetlinkSocket, attribute, attributes
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from cni.nftables import NftError
+from cni.kernel.nftables import NftError
 from proxyd import gc_pause
 from proxyd.containment import Held, refused
 from proxyd.health import PolicyHealth

@@ -1,4 +1,4 @@
-"""The node's addresses as cni.addresses reads them, against pyroute2's reading of the same
+"""The node's addresses as cni.kernel.addresses reads them, against pyroute2's reading of the same
 dump, in a namespace of its own: 1,500 addresses on a link named as IPVS mode's dummy (a
 bridge: this kernel has no dummy links) make the dump span many reads; both families, prefix
 lengths and scopes, the exclusion of the dummy link, the dummy's own addresses (link-local ones
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from pyroute2 import IPRoute
 
-from cni.addresses import link_addresses
+from cni.kernel.addresses import link_addresses
 from deploy.lab.netns import Netns
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.routes import uplink_mtu

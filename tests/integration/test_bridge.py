@@ -10,11 +10,11 @@ from typing import ClassVar, TypeVar
 import pytest
 from pyroute2 import IPRoute
 
-import cni.addresses
-from cni.addresses import RTM_NEWADDR
-from cni.firewall import detect_iptables_flavour
+import cni.kernel.addresses
+from cni.kernel.addresses import RTM_NEWADDR
+from cni.kernel.firewall import detect_iptables_flavour
+from cni.kernel.rawnetlink import NetlinkSocket
 from cni.links import addresses
-from cni.rawnetlink import NetlinkSocket
 from deploy.lab.netns import Netns
 from deploy.lab.paths import PLUGIN_DIR, REFERENCE_PLUGINS
 from tests.support.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, bridge_conf
@@ -520,7 +520,7 @@ def test_a_links_addresses_are_its_own_among_many_of_another(
     batch += "addr add 203.0.113.1 peer 203.0.113.2 dev svc1\n"
     batch += "addr add 169.254.0.1/16 dev svc1 scope link\n"
     node.ns.run("ip", "-batch", "-", stdin=batch)
-    monkeypatch.setattr(cni.addresses, "NetlinkSocket", AddressMessagesCounted)
+    monkeypatch.setattr(cni.kernel.addresses, "NetlinkSocket", AddressMessagesCounted)
     monkeypatch.setattr(AddressMessagesCounted, "received", [])
     with node.ns.entered(), IPRoute() as ipr:
         index = ipr.link_lookup(ifname="svc1")[0]

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from cni.firewall import Tag
-from cni.nftables import LIBRARY_ENV, nft_apply, nft_tagged_rules
+from cni.kernel.firewall import Tag
+from cni.kernel.nftables import LIBRARY_ENV, nft_apply, nft_tagged_rules
 from deploy.lab.netns import Netns
 from deploy.lab.paths import ROOT
 from tests.support.cni_env import Node, bridge_conf
@@ -92,7 +92,8 @@ def test_a_socket_libnftables_cannot_open_is_an_error_not_the_end_of_the_process
     the plugin's nft_apply must raise (the plugin then answers 103) and the process go on."""
     script = (
         "import os, resource\n"
-        "from cni.nftables import NftError, nft_apply, nft_tagged_rules\n"
+        "from cni.kernel.nftables import NftError, nft_apply, nft_tagged_rules\n"
+        "from cni.plugin import cni_error\n"
         "nft_apply('add table ip loaded')\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
         "taken = []\n"
@@ -104,7 +105,7 @@ def test_a_socket_libnftables_cannot_open_is_an_error_not_the_end_of_the_process
         "try:\n"
         "    nft_apply('add table ip never')\n"
         "except NftError as err:\n"
-        "    print(err.code, err.msg)\n"
+        "    print(cni_error(err).code, err.msg)\n"
         "print(nft_tagged_rules('ip', 'loaded', 'c'))\n"
     )
     ns = make_netns("knit-nft")

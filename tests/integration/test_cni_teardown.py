@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cni.kernel.nftables import LIBRARY_ENV
 from cni.netconf import MASQ_BACKENDS
-from cni.nftables import LIBRARY_ENV
 from tests.support.cni_env import bridge_conf
 
 

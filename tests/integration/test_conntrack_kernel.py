@@ -15,7 +15,7 @@ import pytest
 from pyroute2 import Conntrack
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-from cni.rawnetlink import NETLINK_NETFILTER, NetlinkSocket, RawNetlinkError
+from cni.kernel.rawnetlink import NETLINK_NETFILTER, NetlinkSocket, RawNetlinkError
 from deploy.lab.conntrack_entries import add_entry
 from deploy.lab.netns import Netns
 from proxyd import conntrack

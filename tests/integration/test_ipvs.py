@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from cni.addresses import LinkAddress
+from cni.kernel.addresses import LinkAddress
 from deploy.lab.netns import Netns
 from proxyd import proxier as proxier_module
 from proxyd.iptables.kernel import IptablesKernel

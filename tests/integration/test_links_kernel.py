@@ -19,9 +19,9 @@ from pyroute2 import IPRoute
 
 from cni import links
 from cni.errors import CniError, Code
+from cni.kernel.netns import open_netns
+from cni.kernel.rawnetlink import RawNetlinkError
 from cni.links import Link, delete_link, link_by_name
-from cni.netns import open_netns
-from cni.rawnetlink import RawNetlinkError
 from cni.result import Route
 from cni.routes import add_route, routes
 from deploy.lab.netns import Netns

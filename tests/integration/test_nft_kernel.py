@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cni.nftables import Context, NftError
+from cni.kernel.nftables import Context, NftError
 from deploy.lab.netns import Netns
 from proxyd.metrics import Metrics
 from proxyd.model import ServicePort, ServicePortName

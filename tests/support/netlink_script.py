@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import count
 
-from cni.rawnetlink import ERROR, ERROR_CODE, HEADER, NetlinkSocket, align
+from cni.kernel.rawnetlink import ERROR, ERROR_CODE, HEADER, NetlinkSocket, align
 
 
 def message(kind: int, sequence: int, payload: bytes = b"", flags: int = 0) -> bytes:

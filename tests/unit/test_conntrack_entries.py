@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from cni.rawnetlink import DONE, NFGENMSG, attribute
+from cni.kernel.rawnetlink import DONE, NFGENMSG, attribute
 from proxyd import conntrack
 from proxyd.conntrack import (
     CTA_ID,

@@ -116,3 +116,16 @@ def test_the_fast_path_warms_every_module_a_verb_imports_lazily() -> None:
     ).stdout.split()  # fmt: skip
     cold = lazily_imported("cni") - set(warmed) - LEFT_COLD.keys()
     assert cold == set()
+
+
+def test_the_kernel_layer_imports_nothing_else_of_knit() -> None:
+    """cni/kernel is shared by the plugin and the daemon: it may not reach back into either."""
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            module
+            for module in imported_modules(path)
+            if module.split(".")[0] in ("cni", "proxyd") and not module.startswith("cni.kernel")
+        )
+        for path in sources("cni/kernel")
+    }
+    assert {path: mods for path, mods in offenders.items() if mods} == {}

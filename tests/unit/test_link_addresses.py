@@ -1,4 +1,4 @@
-"""The addresses as cni.addresses reads a dump, the kernel's side scripted (the kernel tests
+"""The addresses as cni.kernel.addresses reads a dump, the kernel's side scripted (the kernel tests
 read real dumps): one link's asked of the kernel by index on a strict-checking socket and
 picked on reading as well (a kernel before 4.20 sends every link's), the families asked for,
 the local end of a point-to-point address, prefix lengths and scopes."""
@@ -9,9 +9,16 @@ import socket
 
 import pytest
 
-from cni import addresses
-from cni.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, RTM_NEWADDR, LinkAddress
-from cni.rawnetlink import DONE, ERROR_CODE, HEADER, NETLINK_GET_STRICT_CHK, SOL_NETLINK, attribute
+from cni.kernel import addresses
+from cni.kernel.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, RTM_NEWADDR, LinkAddress
+from cni.kernel.rawnetlink import (
+    DONE,
+    ERROR_CODE,
+    HEADER,
+    NETLINK_GET_STRICT_CHK,
+    SOL_NETLINK,
+    attribute,
+)
 from tests.support.netlink_script import ScriptedKernel, message, scripted
 
 

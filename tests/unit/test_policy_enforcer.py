@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cni.nftables import NftError
+from cni.kernel.nftables import NftError
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft
 from proxyd.policy.enforcer import PolicyEnforcer

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cni.nftables import NftError
+from cni.kernel.nftables import NftError
 from proxyd.containment import Held, Unprogrammable, refused
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft

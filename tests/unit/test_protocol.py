@@ -9,8 +9,8 @@ import pytest
 
 from cni import netconf, plugin, version
 from cni.errors import CniError, Code
-from cni.firewall import Tag
 from cni.invocation import from_environ, parse_cni_args
+from cni.kernel.firewall import Tag
 from cni.result import DNS, Result
 
 BASE_ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "abc", "CNI_NETNS": "/x", "CNI_IFNAME": "eth0"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cni.addresses import LinkAddress
+from cni.kernel.addresses import LinkAddress
 from proxyd.addresses import nodeport_addresses
 from proxyd.config import ConfigError, conntrack_sysctls, load, parse_duration
 from proxyd.model import NodeInfo, parse_node

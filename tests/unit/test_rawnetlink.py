@@ -9,7 +9,7 @@ import errno
 
 import pytest
 
-from cni.rawnetlink import (
+from cni.kernel.rawnetlink import (
     DONE,
     DUMP_ATTEMPTS,
     DUMP_INTERRUPTED,

@@ -1,10 +1,10 @@
 """Talking to the node's packet filter: iptables in the node's flavour, and what the plugin's
-rules share with its nftables ones (cni.nftables): their tags and FirewallError.
+rules share with its nftables ones (cni.kernel.nftables): their tags and FirewallError.
 
 The one place that runs the iptables binaries, for the plugin and for knit-proxyd alike (whose
 proxyd.iptables.kernel builds on Iptables): flavour detection, iptables-restore, iptables-save
 and chain listings, failing with FirewallError. Rules are written as whole transactions
-(iptables-restore --noflush; nftables' through libnftables, cni.nftables) rather than through
+(iptables-restore --noflush; nftables' through libnftables, cni.kernel.nftables) rather than through
 python-iptables, which speaks only legacy xtables and appends one rule at a time. Every rule
 the plugin writes carries a tag naming its attachment, so DEL and GC find it without saved
 state.
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cni.errors import CniError, Code
+from cni.kernel.errors import KernelError
 
 TAG_PATTERN = re.compile(
     r'knit (?P<kind>[^\s"]+) net=(?P<net>[^\s"]+) id=(?P<id>[^\s"]+) if=(?P<ifname>[^\s"]+)'
@@ -62,12 +62,9 @@ def stale_selector(kind: str, network: str, valid: set[tuple[str, str]]) -> Sele
     )
 
 
-class FirewallError(CniError):
-    """An iptables binary is missing or failed, or nftables did (cni.nftables.NftError); the
-    plugin reports code 103."""
-
-    def __init__(self, msg: str, details: str = "") -> None:
-        super().__init__(Code.FIREWALL_FAILURE, msg, details)
+class FirewallError(KernelError):
+    """An iptables binary is missing or failed, or nftables did (cni.kernel.nftables.NftError);
+    the plugin reports code 103."""
 
 
 def run(argv: list[str], stdin: str = "") -> str:

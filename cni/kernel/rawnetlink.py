@@ -1,6 +1,6 @@
 """Netlink requests, dumps and subscriptions encoded and read with struct (standard library
 only), for the plugin and the node daemon, where one message per address, flow or packet must
-be cheap: a link's addresses or every link's (cni.addresses: the plugin's bridge, IPVS mode's
+be cheap: a link's addresses or every link's (cni.kernel.addresses: the plugin's bridge, IPVS mode's
 dummy link, node networking's uplink MTU), the UDP conntrack clean-up's conversation (its
 dumps, the table's size, its deletes), NetworkPolicy's NFLOG denials, and every request of the
 plugin's (cni.links, cni.routes). pyroute2 decodes every attribute of every message into

@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cni.errors import CniError, Code
+from cni.kernel.errors import NetnsError
 
 CLONE_NEWNET = 0x40000000
 NS_GET_NSTYPE = 0xB703  # _IO(0xb7, 0x3): the CLONE_NEW* kind of an nsfs descriptor
@@ -24,20 +24,20 @@ def _setns(fd: int) -> None:
 
 def open_netns(path: str, opened: int | None = None) -> int:
     """An fd of the caller's own for the namespace at path, or for the one opened already
-    (the fast path's plugin opens CNI_NETNS); CniError 3 when the container's netns is gone or
-    path is not a network namespace."""
+    (the fast path's plugin opens CNI_NETNS); NetnsError, `gone` when the container's netns is
+    gone or path is not a network namespace."""
     try:
         # O_NONBLOCK: opening a FIFO placed at path would otherwise wait for a writer forever;
         # an nsfs file ignores the flag
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
         fd = os.open(path, flags) if opened is None else os.dup(opened)
     except FileNotFoundError as err:
-        raise CniError(Code.UNKNOWN_CONTAINER, f"network namespace {path} does not exist") from err
+        raise NetnsError(f"network namespace {path} does not exist", gone=True) from err
     except OSError as err:
-        raise CniError(Code.IO_FAILURE, f"cannot open network namespace {path}: {err}") from err
+        raise NetnsError(f"cannot open network namespace {path}: {err}") from err
     if _namespace_kind(fd) != CLONE_NEWNET:
         os.close(fd)
-        raise CniError(Code.UNKNOWN_CONTAINER, f"{path} is not a network namespace")
+        raise NetnsError(f"{path} is not a network namespace", gone=True)
     return fd
 
 
@@ -56,8 +56,8 @@ def entered(netns_fd: int) -> Iterator[None]:
         try:
             _setns(netns_fd)
         except OSError as err:
-            code = Code.UNKNOWN_CONTAINER if err.errno == errno.EINVAL else Code.IO_FAILURE
-            raise CniError(code, f"cannot enter network namespace: {err}") from err
+            gone = err.errno == errno.EINVAL
+            raise NetnsError(f"cannot enter network namespace: {err}", gone=gone) from err
         try:
             yield
         finally:

@@ -23,8 +23,8 @@ import socket
 import weakref
 from typing import Any
 
-from cni.firewall import FirewallError, Tag
-from cni.rawnetlink import NETLINK_NETFILTER
+from cni.kernel.firewall import FirewallError, Tag
+from cni.kernel.rawnetlink import NETLINK_NETFILTER
 
 LIBRARY_ENV = "KNIT_LIBNFTABLES"
 LIBRARY = "libnftables.so.1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cni.errors import CniError, Code
+from cni.kernel.errors import SysctlError
 
 # A container's /proc/sys is read-only unless it is privileged. knit's DaemonSet, which is not,
 # mounts the node's /proc/sys/net writable at /host/proc/sys/net and names /host/proc/sys here.
@@ -26,7 +26,7 @@ def write(key: str, value: str) -> None:
         if target.read_text().strip() != value:
             target.write_text(value)
     except OSError as err:
-        raise CniError(Code.IO_FAILURE, f"cannot set sysctl {key}={value}: {err}") from err
+        raise SysctlError(f"cannot set sysctl {key}={value}: {err}") from err
 
 
 def interface_key(family: str, ifname: str, name: str) -> str:

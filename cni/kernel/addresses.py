@@ -9,8 +9,8 @@ import socket
 import struct
 from typing import NamedTuple
 
-from cni.families import ADDRESS_FAMILIES
-from cni.rawnetlink import NetlinkSocket, attributes
+from cni.kernel.families import ADDRESS_FAMILIES
+from cni.kernel.rawnetlink import NetlinkSocket, attributes
 
 RTM_NEWADDR, RTM_GETADDR = 20, 22
 IFADDRMSG = struct.Struct("=BBBBI")
