@@ -137,11 +137,12 @@ from bench.proxy_report import (
     ratio,
     secs,
 )
-from deploy.lab.controlplane import ControlPlane, NetnsForward, start
+from deploy.lab.controlplane import ControlPlane, start
 from deploy.lab.kube import SERVICES, Kube, node_object
 from deploy.lab.netns import Netns
 from deploy.lab.process import eventually, exit_on_termination
 from deploy.lab.proxyd_node import NodeFiles, proxyd_flags
+from deploy.lab.relay import NetnsForward
 from proxyd.model import ZONE_LABEL
 
 FORCED_FULL_LIMIT = 120.0

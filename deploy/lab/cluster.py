@@ -221,7 +221,7 @@ class Cluster(Network):
         if not node.forward:
             node.forward = self.spawn(
                 [
-                    PYTHON, "-m", "deploy.lab.controlplane", "forward",
+                    PYTHON, "-m", "deploy.lab.relay",
                     "--netns", node.ns, "--target-port", str(self.control_plane.port),
                 ],
                 node.folder / "forward.log",

@@ -2,9 +2,8 @@
 
 `start(state_dir)` makes a CA and certificates with the openssl CLI, starts etcd and
 kube-apiserver on 127.0.0.1 with free ports (data, logs and pids under state_dir), waits for
-/readyz and writes an admin kubeconfig. `NetnsForward` makes that apiserver reachable at
-127.0.0.1:6443 inside a network namespace, so a daemon in a node namespace talks to it
-without any change to the host namespace's network.
+/readyz and writes an admin kubeconfig. deploy/lab/relay.py makes it reachable inside a
+network namespace.
 
 CLI: `up --dir DIR` leaves both processes running; `down --dir DIR` stops them and removes
 what `up` wrote to DIR.
@@ -13,7 +12,6 @@ what `up` wrote to DIR.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import http.client
 import ipaddress
@@ -26,20 +24,16 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cni.kernel.netns import entered, open_netns
 from deploy.lab.paths import CONTROLPLANE_BIN
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")
 NODE_PORT_RANGE = "30000-32767"
 ADMIN = "knit-admin"
-NETNS_PORT = 6443
 PROCESSES = ("etcd", "kube-apiserver")
 # a whole cluster's controllers (start_controllers), stopped by `down` like the two above
 CONTROLLERS = ("kube-controller-manager", "kube-scheduler")
@@ -236,7 +230,8 @@ class ControlPlane:
 
     def write_kubeconfig(self, path: Path, port: int | None = None) -> Path:
         """An admin kubeconfig for https://127.0.0.1:PORT (default: the apiserver's own port);
-        with a NetnsForward's listen_port, it is the kubeconfig to use inside that namespace."""
+        with a relay's listen_port (deploy/lab/relay.py), it is the kubeconfig to use inside
+        that namespace."""
         return write_kubeconfig(
             path, kubeconfig_for(self.state_dir / "pki", f"https://127.0.0.1:{port or self.port}")
         )
@@ -512,121 +507,7 @@ def down(state_dir: Path) -> None:
         state_dir.rmdir()
 
 
-# ---------------------------------------------------------------- into a namespace
-
-
-def socket_in(netns: str, make: Callable[[], socket.socket]) -> socket.socket:
-    """The socket make() returns, made inside /run/netns/NETNS by a thread of its own that
-    entered the namespace: the socket stays there, the caller's thread never changes it."""
-
-    def made_inside() -> socket.socket:
-        fd = open_netns(f"/run/netns/{netns}")
-        try:
-            with entered(fd):
-                return make()
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(max_workers=1) as one:
-        return one.submit(made_inside).result()
-
-
-def _listen_in(netns: str, address: str, port: int) -> socket.socket:
-    """A socket listening on address:port inside /run/netns/NETNS."""
-    try:
-        return socket_in(netns, lambda: socket.create_server((address, port)))
-    except OSError as err:
-        raise ControlPlaneError(
-            f"cannot listen on {address}:{port} in netns {netns} (is lo up there?): {err}"
-        ) from err
-
-
-def pump(source: socket.socket, sink: socket.socket) -> None:
-    try:
-        while data := source.recv(65536):
-            sink.sendall(data)
-    except OSError:
-        pass
-    with contextlib.suppress(OSError):
-        sink.shutdown(socket.SHUT_WR)
-
-
-class NetnsForward:
-    """Listen on address:listen_port inside network namespace NETNS (/run/netns/NETNS) and
-    relay every connection to 127.0.0.1:target_port in this process's own namespace."""
-
-    def __init__(
-        self,
-        netns: str,
-        target_port: int,
-        listen_port: int = NETNS_PORT,
-        address: str = "127.0.0.1",
-    ) -> None:
-        self.netns = netns
-        self.target_port = target_port
-        self.listen_port = listen_port
-        self._listener = _listen_in(netns, address, listen_port)
-        self._lock = threading.Lock()
-        self._sockets: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
-        self._acceptor = threading.Thread(target=self._accept, name=f"forward-{netns}", daemon=True)
-        self._acceptor.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # stop() shut the listener down
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            relay = threading.Thread(target=self._relay, args=(client, upstream), daemon=True)
-            with self._lock:
-                self._sockets.update((client, upstream))
-                self._threads.add(relay)
-            relay.start()
-
-    def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
-        back = threading.Thread(target=pump, args=(upstream, client), daemon=True)
-        back.start()
-        pump(client, upstream)
-        back.join()
-        with self._lock:
-            self._sockets -= {client, upstream}
-            self._threads.discard(threading.current_thread())
-        client.close()
-        upstream.close()
-
-    def stop(self) -> None:
-        """Close the listener and every relayed connection; calling it again does nothing."""
-        with contextlib.suppress(OSError):  # already closed by an earlier stop()
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._acceptor.join()
-        with self._lock:
-            for sock in self._sockets:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-            relays = list(self._threads)
-        for relay in relays:
-            relay.join()
-
-
 # ---------------------------------------------------------------- CLI
-
-
-def forward_until_signalled(netns: str, target_port: int) -> None:
-    """Run a NetnsForward until SIGTERM or SIGINT (the lab's per-node API access)."""
-    done = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: done.set())
-    forward = NetnsForward(netns, target_port)
-    done.wait()
-    forward.stop()
 
 
 def main() -> None:
@@ -637,13 +518,7 @@ def main() -> None:
         sub.add_argument("--dir", type=Path, required=True, help="state dir (certs, data, logs)")
         sub.add_argument("--bin-dir", type=Path, default=CONTROLPLANE_BIN)
         sub.add_argument("--service-cidrs", default=",".join(SERVICE_CIDRS))
-    forward = actions.add_parser("forward", help="relay 127.0.0.1:6443 in NETNS to the apiserver")
-    forward.add_argument("--netns", required=True)
-    forward.add_argument("--target-port", type=int, required=True)
     options = parser.parse_args()
-    if options.action == "forward":
-        forward_until_signalled(options.netns, options.target_port)
-        return
     state_dir = options.dir.resolve()
     down(state_dir)
     if options.action == "down":

@@ -18,7 +18,7 @@ import socket
 import threading
 from pathlib import Path
 
-from deploy.lab.controlplane import NetnsForward, pump, socket_in
+from deploy.lab.relay import NetnsForward, pump, socket_in
 
 MAX_REQUEST = 8192
 

@@ -13,9 +13,10 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes.config import new_client_from_config
 
-from deploy.lab.controlplane import PROCESSES, SERVICE_CIDRS, NetnsForward
+from deploy.lab.controlplane import PROCESSES, SERVICE_CIDRS
 from deploy.lab.netns import Netns, unique_name
 from deploy.lab.paths import CONTROLPLANE_BIN
+from deploy.lab.relay import NetnsForward
 
 SERVICE_RANGES = [ipaddress.ip_network(cidr) for cidr in SERVICE_CIDRS]
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from deploy.lab.controlplane import ControlPlane, NetnsForward
+from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from deploy.lab.netns import ECHO, Netns
 from deploy.lab.paths import ROOT
 from deploy.lab.process import eventually
+from deploy.lab.relay import NetnsForward
 from proxyd.iptables.chains import owned_by_knit
 from tests.support.cni_env import UPLINK_NODE
 from tests.support.proxy_env import (

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.lab.controlplane import ControlPlane, NetnsForward
+from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import NODES, SERVICES, Kube, node_object, service_object
 from deploy.lab.kube_proxy_node import kube_proxy_config, launch_kube_proxy
 from deploy.lab.netns import Netns, unique_name
 from deploy.lab.process import eventually
 from deploy.lab.proxyd_node import NodeFiles, launch_proxyd, proxyd_flags
+from deploy.lab.relay import NetnsForward
 from tests.support.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, Pod, bridge_conf
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:10:96::/112")

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from deploy.lab.controlplane import SERVICE_CIDRS, ControlPlaneError, NetnsForward, make_pki, start
+from deploy.lab.controlplane import SERVICE_CIDRS, ControlPlaneError, make_pki, start
+from deploy.lab.relay import NetnsForward, RelayError
 
 
 def _text(cert):
@@ -59,5 +60,5 @@ def test_a_dying_process_is_reported_with_its_log(tmp_path):
 
 
 def test_forward_into_a_missing_namespace_is_a_clear_error():
-    with pytest.raises(ControlPlaneError, match="knit-no-such-netns"):
+    with pytest.raises(RelayError, match="knit-no-such-netns"):
         NetnsForward("knit-no-such-netns", 1)
