@@ -1,10 +1,11 @@
-"""UDP conntrack cleanup through netlink (ctnetlink, read and written with rawnetlink).
+"""Conntrack entries read and deleted through netlink (ctnetlink, with rawnetlink): the proxy's
+clean-up of stale UDP entries, and the flows a policy change cuts (policy/cutter.py).
 
 UDP has no connection end, so a client keeps sending to an endpoint that is gone for as long
 as its conntrack entry lives. After a sync, entries whose original destination is a service
 frontend and whose reply source is not one of that frontend's endpoints are deleted; that
 covers both an endpoint going away and a service gaining endpoints after having none (the
-entry then points at the frontend itself). TCP and SCTP entries are never touched.
+entry then points at the frontend itself). The proxy never touches TCP and SCTP entries.
 
 The kernel picks the entries to look at: one dump per frontend port, filtered on it
 (CTA_FILTER, Linux 5.8 and later), costs a walk of the whole table in the kernel, far less
@@ -26,8 +27,9 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from cni.kernel.families import ADDRESS_FAMILIES
 from cni.kernel.rawnetlink import (
@@ -65,6 +67,7 @@ IDENTITY = (CTA_TUPLE_ORIG, CTA_ID, CTA_ZONE)
 """What names an entry to delete: its original tuple, id (so a newer entry that took the tuple
 stays) and zone."""
 PORT = struct.Struct(">H")
+T = TypeVar("T")
 
 
 @functools.cache
@@ -139,19 +142,52 @@ def dump_request(address_family: int, port: int | None) -> bytes:
     )
 
 
-def udp_end(tuple_attributes: memoryview | None, address_family: int, end: int) -> Address:
-    """One end (SOURCE or DESTINATION) of a tuple; ValueError (or struct.error) unless it is a
-    whole UDP tuple."""
+PROTOCOLS = {socket.IPPROTO_TCP: "tcp", socket.IPPROTO_UDP: "udp", socket.IPPROTO_SCTP: "sctp"}
+"""The protocols whose entries are read, as nft names them."""
+
+
+def tuple_end(
+    tuple_attributes: memoryview | None, address_family: int, end: int
+) -> tuple[int, Address]:
+    """A tuple's protocol number and one end (SOURCE or DESTINATION); ValueError (or
+    struct.error) unless the tuple has that end's address and port."""
     found = attributes(tuple_attributes) if tuple_attributes is not None else {}
     ip = attributes(found[CTA_TUPLE_IP]) if CTA_TUPLE_IP in found else {}
     proto = attributes(found[CTA_TUPLE_PROTO]) if CTA_TUPLE_PROTO in found else {}
-    if bytes(proto.get(CTA_PROTO_NUM, b"")) != bytes([socket.IPPROTO_UDP]):
-        raise ValueError("not a UDP tuple")
+    number = bytes(proto.get(CTA_PROTO_NUM, b""))
     address = ip.get(IP_ENDS[address_family][end])
     port = proto.get(PORT_ENDS[end])
-    if address is None or port is None:
-        raise ValueError("a UDP tuple without its address or port")
-    return socket.inet_ntop(address_family, address), PORT.unpack(port)[0]
+    if len(number) != 1 or address is None or port is None:
+        raise ValueError("a tuple without its protocol, address or port")
+    return number[0], (socket.inet_ntop(address_family, address), PORT.unpack(port)[0])
+
+
+def _dump(
+    sock: NetlinkSocket,
+    address_family: int,
+    request: bytes,
+    read_entry: Callable[[dict[int, memoryview], bytes], T | None],
+) -> list[T]:
+    """The entries of a dump that `read_entry` makes something of, given an entry's attributes
+    and the request that deletes it; entries it cannot read (ValueError, struct.error) are
+    skipped."""
+
+    def read(kind: int, payload: memoryview) -> T | None:
+        if kind != MSG_NEW or len(payload) < NFGENMSG.size or payload[0] != address_family:
+            return None
+        found = attributes(payload[NFGENMSG.size :])
+        identity = (
+            attribute(name, bytes(found[name]), nested=name == CTA_TUPLE_ORIG)
+            for name in IDENTITY
+            if name in found
+        )
+        delete_request = NFGENMSG.pack(address_family, 0, 0) + b"".join(identity)
+        try:
+            return read_entry(found, delete_request)
+        except (ValueError, struct.error):
+            return None
+
+    return sock.dump(MSG_GET, request, read)
 
 
 def udp_entries(
@@ -163,26 +199,54 @@ def udp_entries(
     """The family's UDP entries (to `port`) whose original destination and reply source
     `keep` keeps; messages that are not whole UDP entries are skipped."""
 
-    def read(kind: int, payload: memoryview) -> Entry | None:
-        if kind != MSG_NEW or len(payload) < NFGENMSG.size or payload[0] != address_family:
+    def read(found: dict[int, memoryview], delete_request: bytes) -> Entry | None:
+        protocol, destination = tuple_end(found.get(CTA_TUPLE_ORIG), address_family, DESTINATION)
+        _, reply_source = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
+        if protocol != socket.IPPROTO_UDP or not keep(destination, reply_source):
             return None
-        found = attributes(payload[NFGENMSG.size :])
-        try:
-            destination = udp_end(found.get(CTA_TUPLE_ORIG), address_family, DESTINATION)
-            reply_source = udp_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
-        except (ValueError, struct.error):
-            return None
-        if not keep(destination, reply_source):
-            return None
-        identity = (
-            attribute(name, bytes(found[name]), nested=name == CTA_TUPLE_ORIG)
-            for name in IDENTITY
-            if name in found
-        )
-        request = NFGENMSG.pack(address_family, 0, 0) + b"".join(identity)
-        return Entry(destination, reply_source, request)
+        return Entry(destination, reply_source, delete_request)
 
-    return sock.dump(MSG_GET, dump_request(address_family, port), read)
+    return _dump(sock, address_family, dump_request(address_family, port), read)
+
+
+@dataclass(frozen=True)
+class Flow:
+    """A TCP, UDP or SCTP entry as the forward hook saw its first packet: from its original
+    source to its reply's source (the destination after any DNAT, before any masquerade on the
+    way out), on the reply's source port."""
+
+    protocol: str
+    source: Address
+    destination: Address
+    delete_request: bytes
+
+
+def flows(sock: NetlinkSocket, address_family: int, keep: Callable[[Flow], bool]) -> list[Flow]:
+    """The family's TCP, UDP and SCTP entries that `keep` keeps."""
+
+    def read(found: dict[int, memoryview], delete_request: bytes) -> Flow | None:
+        protocol, source = tuple_end(found.get(CTA_TUPLE_ORIG), address_family, SOURCE)
+        _, destination = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
+        if protocol not in PROTOCOLS:
+            return None
+        flow = Flow(PROTOCOLS[protocol], source, destination, delete_request)
+        return flow if keep(flow) else None
+
+    return _dump(sock, address_family, NFGENMSG.pack(address_family, 0, 0), read)
+
+
+def delete(sock: NetlinkSocket, requests: Iterable[bytes], what: str) -> int:
+    """Delete entries by their delete requests; returns how many were deleted (an entry that
+    expired meanwhile is not counted; another failure is logged, naming `what` they are)."""
+    deleted = 0
+    for request in requests:
+        try:
+            sock.request(MSG_DELETE, request)
+            deleted += 1
+        except RawNetlinkError as err:
+            if err.errno != errno.ENOENT:  # ENOENT: expired meanwhile
+                log.warning("deleting a %s conntrack entry failed: %s", what, err)
+    return deleted
 
 
 def table_size(sock: NetlinkSocket) -> int:
@@ -200,18 +264,10 @@ def clear_stale(frontends: UdpFrontends) -> int:
     """Delete the stale UDP entries; returns how many were deleted."""
     if not frontends:
         return 0
-    deleted = 0
     with NetlinkSocket(NETLINK_NETFILTER) as sock:
         stale = [
-            entry
+            entry.delete_request
             for port in frontends.dump_ports(lambda: table_size(sock))
             for entry in udp_entries(sock, frontends.address_family, port, frontends.stale)
         ]
-        for entry in stale:
-            try:
-                sock.request(MSG_DELETE, entry.delete_request)
-                deleted += 1
-            except RawNetlinkError as err:
-                if err.errno != errno.ENOENT:  # ENOENT: expired meanwhile
-                    log.warning("deleting a stale UDP conntrack entry failed: %s", err)
-    return deleted
+        return delete(sock, stale, "stale UDP")
