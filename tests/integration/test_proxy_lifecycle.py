@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +12,9 @@ from typing import Any
 import pytest
 
 from deploy.lab.controlplane import ControlPlane
+from deploy.lab.held import HeldConnection
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
-from deploy.lab.netns import ECHO, Netns
+from deploy.lab.netns import Netns
 from deploy.lab.paths import ROOT
 from deploy.lab.process import eventually
 from deploy.lab.relay import NetnsForward
@@ -48,25 +48,13 @@ def test_restart_adopts_rules_and_keeps_established_connections(
     ip = make_service(kube, proxy_node, backend, "held")
     client = proxy_node.add_pod("held-client")
     eventually(lambda: client.ns.exchange(ip, 80))
-    held = subprocess.Popen(
-        ["ip", "netns", "exec", client.ns.name, sys.executable, str(ECHO), "hold", ip, "80"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert held.stdin is not None and held.stdout is not None
-    try:
-        assert held.stdout.readline().split()[1] == "backend"
+    with HeldConnection(client.ns.name, ip, 80) as held:
+        assert held.greeting.split()[1] == "backend"
         proxy_node.stop()
         assert f"-d {ip}/32" in proxy_node.iptables(), "stopping leaves the rules in place"
         proxy_node.start()
         assert f"-d {ip}/32" in proxy_node.iptables()
-        held.stdin.write("still there\n")
-        held.stdin.flush()
-        assert held.stdout.readline().strip() == "still there"
-    finally:
-        held.kill()
-        held.wait()
+        assert held.exchange("still there")
 
 
 def test_api_outage_keeps_rules_and_recovers(
