@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -111,6 +112,7 @@ class Lab:
         self.e2e_images = e2e_images
         """Also import the images only the wider e2e selection runs (image.build_e2e_images)."""
         self.cgroup = Cgroup(prefix)
+        self.network = Network(prefix, folder)
         self.nodes: dict[str, KubeNode] = {}
         self.outside = ""
         self.server = ""
@@ -130,29 +132,17 @@ class Lab:
         """Everything started, every node Ready with knit and CoreDNS running."""
         began = time.monotonic()
         self.folder.mkdir(parents=True)
-        network = Network(self.prefix, self.folder)
-        segments = {
-            "lan1": network.add_segment("lan1", "10.77.1.0/24", "fd77:1::/64"),
-            "lan2": network.add_segment("lan2", "10.77.2.0/24", "fd77:2::/64"),
-        }
-        self.outside = network.add_host("outside", segments["lan2"], 99)
-        plane = self._start_control_plane(network, segments["lan1"])
+        lan1 = self.network.add_segment("lan1", "10.77.1.0/24", "fd77:1::/64")
+        lan2 = self.network.add_segment("lan2", "10.77.2.0/24", "fd77:2::/64")
+        self.outside = self.network.add_host("outside", lan2, 99)
+        plane = self._start_control_plane(lan1)
         self.server = plane.server
         print("building the images (knit, pause, agnhost, coredns) ...", flush=True)
         archives = list(image.build_lab_images(IMAGES).values())
         if self.e2e_images:
             archives += image.build_e2e_images(IMAGES).values()
-        for name, (segment, index, containerd) in NODES.items():
-            print(f"starting {name}: containerd ({containerd.name}) and kubelet ...", flush=True)
-            ns = network.add_namespace(self.node_ns(name))
-            addresses = network.attach(ns, segments[segment], index, f"{name}-port")
-            machine = Machine(ns, self.folder / name, f"{self.prefix}/{name}")
-            machine.boot()
-            node = KubeNode(name, machine, addresses, containerd)
-            node.start_containerd()
-            image.import_images(node.ctr(), archives)
-            node.start_kubelet(self.plane_dir / "pki", plane.server)
-            self.nodes[name] = node
+        for name in NODES:
+            self.boot_node(name, archives)
         print("installing knit from deploy/kubernetes and CoreDNS ...", flush=True)
         overlay = knit_overlay(self.folder / "knit", plane.address, plane.port, self.mode)
         self.kubectl("apply", "-k", str(overlay))
@@ -163,16 +153,39 @@ class Lab:
     def node_ns(self, name: str) -> str:
         return f"{self.prefix}-{name}"
 
-    def _start_control_plane(self, network: Network, segment: Segment) -> Endpoint:
+    def node_leg(self, name: str) -> str:
+        """The router's end of the node's leg onto its segment."""
+        return f"{name}-port"
+
+    def boot_node(self, name: str, archives: Sequence[Path] = ()) -> KubeNode:
+        """Node NAME booted as the lab boots it: a fresh network namespace (lo up, nothing
+        else set in it) with its leg on its segment at its host number, its machine, containerd
+        with archives imported, kubelet. Its folder's files are the node's disk: whatever an
+        earlier boot left there is kept."""
+        segment_name, index, containerd = NODES[name]
+        print(f"starting {name}: containerd ({containerd.name}) and kubelet ...", flush=True)
+        segment = next(s for s in self.network.segments if s.name == segment_name)
+        ns = self.network.add_namespace(self.node_ns(name))
+        addresses = self.network.attach(ns, segment, index, self.node_leg(name))
+        machine = Machine(ns, self.folder / name, f"{self.prefix}/{name}")
+        machine.boot()
+        node = KubeNode(name, machine, addresses, containerd)
+        node.start_containerd()
+        image.import_images(node.ctr(), archives)
+        node.start_kubelet(self.plane_dir / "pki", self.server)
+        self.nodes[name] = node
+        return node
+
+    def _start_control_plane(self, segment: Segment) -> Endpoint:
         """The control plane on host loopback, the gateway that makes it reachable at a host
         of segment, and the admin kubeconfig; returns where nodes and pods reach it."""
         print("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler ...")
-        plane_ns = network.add_host("apiserver", segment, CONTROL_PLANE_HOST)
+        plane_ns = self.network.add_host("apiserver", segment, CONTROL_PLANE_HOST)
         advertise = segment.host(CONTROL_PLANE_HOST)[0]
         reach = controlplane.Reach(advertise, self.plane_dir / "egress.sock")
         self.plane_dir.mkdir()
         plane = controlplane.start(self.plane_dir, detach=True, reach=reach)
-        network.spawn(
+        self.network.spawn(
             [
                 PYTHON, "-m", "deploy.lab.gateway",
                 "--netns", plane_ns,
