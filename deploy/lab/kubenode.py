@@ -79,6 +79,8 @@ class KubeNode:
     addresses: tuple[str, str]
     containerd: Containerd
     containerd_pid: int = 0
+    containerd_started: float = 0.0
+    """time.monotonic() when containerd was last started: when the node's boot began."""
     kubelet_pid: int = 0
 
     @property
@@ -100,6 +102,7 @@ class KubeNode:
         config.write_text(self.containerd.config)
         path = f"{self.containerd.shim_dir}:/usr/sbin:/usr/bin:/sbin:/bin"
         self.socket.unlink(missing_ok=True)  # one a killed containerd left
+        self.containerd_started = time.monotonic()
         self.containerd_pid = self.machine.spawn(
             [str(self.containerd.binary), "--config", str(config)],
             self.folder / "containerd.log",
