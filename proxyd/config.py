@@ -13,6 +13,7 @@ import yaml
 
 from cni import ip_text
 from proxyd.nodenet.route_plan import ROUTING_MODES
+from proxyd.policy.cutter import CUT, EXISTING_CONNECTIONS
 
 MODES = ("iptables", "nftables", "ipvs")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh")
@@ -56,6 +57,7 @@ class Config:
     routing: str = "auto"
     network_policy: bool = True
     network_policy_log_rate: int = 0
+    network_policy_existing_connections: str = CUT
     ipvs_scheduler: str = "rr"
     conntrack_tcp_timeout_established: float = 86400.0
     conntrack_tcp_timeout_close_wait: float = 3600.0
@@ -246,6 +248,12 @@ def parser() -> argparse.ArgumentParser:
         "--network-policy-log-rate",
         type=int,
         help="log at most this many denied packets a second per IP family (default 0: none)",
+    )
+    node.add_argument(
+        "--network-policy-existing-connections",
+        choices=EXISTING_CONNECTIONS,
+        help="what a policy change does to open connections it no longer allows: cut them "
+        "(default) or keep them open",
     )
     return p
 

@@ -27,7 +27,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -52,7 +52,15 @@ CTNETLINK = 1 << 8
 MSG_NEW, MSG_GET, MSG_DELETE = CTNETLINK, CTNETLINK | 1, CTNETLINK | 2
 """A dump returns its entries as MSG_NEW messages."""
 MSG_GET_STATS = CTNETLINK | 5
-CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_ID, CTA_ZONE, CTA_FILTER = 1, 2, 12, 18, 25
+CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_MARK, CTA_ID, CTA_ZONE, CTA_MARK_MASK, CTA_FILTER = (
+    1,
+    2,
+    8,
+    12,
+    18,
+    21,
+    25,
+)
 CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
 CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
 CTA_FILTER_ORIG_FLAGS = 1
@@ -64,9 +72,10 @@ IP_ENDS: dict[int, tuple[int, int]] = {socket.AF_INET: (1, 2), socket.AF_INET6: 
 """CTA_IP_V4_SRC and _DST, CTA_IP_V6_SRC and _DST."""
 PORT_ENDS = (CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT)
 IDENTITY = (CTA_TUPLE_ORIG, CTA_ID, CTA_ZONE)
-"""What names an entry to delete: its original tuple, id (so a newer entry that took the tuple
-stays) and zone."""
+"""What names an entry to delete or change: its original tuple, id (so a newer entry that took
+the tuple stays) and zone."""
 PORT = struct.Struct(">H")
+MARK = struct.Struct(">I")
 T = TypeVar("T")
 
 
@@ -166,28 +175,39 @@ def _dump(
     sock: NetlinkSocket,
     address_family: int,
     request: bytes,
-    read_entry: Callable[[dict[int, memoryview], bytes], T | None],
+    read_entry: Callable[[dict[int, memoryview]], T | None],
 ) -> list[T]:
-    """The entries of a dump that `read_entry` makes something of, given an entry's attributes
-    and the request that deletes it; entries it cannot read (ValueError, struct.error) are
-    skipped."""
+    """The entries of a dump that `read_entry` makes something of, given an entry's
+    attributes; entries it cannot read (ValueError, struct.error) are skipped."""
 
     def read(kind: int, payload: memoryview) -> T | None:
         if kind != MSG_NEW or len(payload) < NFGENMSG.size or payload[0] != address_family:
             return None
-        found = attributes(payload[NFGENMSG.size :])
-        identity = (
-            attribute(name, bytes(found[name]), nested=name == CTA_TUPLE_ORIG)
-            for name in IDENTITY
-            if name in found
-        )
-        delete_request = NFGENMSG.pack(address_family, 0, 0) + b"".join(identity)
         try:
-            return read_entry(found, delete_request)
+            return read_entry(attributes(payload[NFGENMSG.size :]))
         except (ValueError, struct.error):
             return None
 
     return sock.dump(MSG_GET, request, read)
+
+
+def identity(found: dict[int, memoryview], address_family: int) -> bytes:
+    """What names an entry in a request (see IDENTITY), from its attributes as dumped."""
+    named = (
+        attribute(name, bytes(found[name]), nested=name == CTA_TUPLE_ORIG)
+        for name in IDENTITY
+        if name in found
+    )
+    return NFGENMSG.pack(address_family, 0, 0) + b"".join(named)
+
+
+def _source_address(tuple_attributes: memoryview | None, address_family: int) -> bytes | None:
+    """A tuple's source address as the kernel packs it, read no further than that."""
+    if tuple_attributes is None:
+        return None
+    ip = attributes(tuple_attributes).get(CTA_TUPLE_IP)
+    address = attributes(ip).get(IP_ENDS[address_family][SOURCE]) if ip is not None else None
+    return bytes(address) if address is not None else None
 
 
 def udp_entries(
@@ -199,12 +219,12 @@ def udp_entries(
     """The family's UDP entries (to `port`) whose original destination and reply source
     `keep` keeps; messages that are not whole UDP entries are skipped."""
 
-    def read(found: dict[int, memoryview], delete_request: bytes) -> Entry | None:
+    def read(found: dict[int, memoryview]) -> Entry | None:
         protocol, destination = tuple_end(found.get(CTA_TUPLE_ORIG), address_family, DESTINATION)
         _, reply_source = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
         if protocol != socket.IPPROTO_UDP or not keep(destination, reply_source):
             return None
-        return Entry(destination, reply_source, delete_request)
+        return Entry(destination, reply_source, identity(found, address_family))
 
     return _dump(sock, address_family, dump_request(address_family, port), read)
 
@@ -213,40 +233,76 @@ def udp_entries(
 class Flow:
     """A TCP, UDP or SCTP entry as the forward hook saw its first packet: from its original
     source to its reply's source (the destination after any DNAT, before any masquerade on the
-    way out), on the reply's source port."""
+    way out), on the reply's source port; with its conntrack mark."""
 
     protocol: str
     source: Address
     destination: Address
-    delete_request: bytes
+    mark: int
+    identity: bytes
+    """What names the entry in a request: its original tuple, id and zone as dumped."""
 
 
-def flows(sock: NetlinkSocket, address_family: int, keep: Callable[[Flow], bool]) -> list[Flow]:
-    """The family's TCP, UDP and SCTP entries that `keep` keeps."""
+def flows(
+    sock: NetlinkSocket,
+    address_family: int,
+    keep: Callable[[Flow], bool],
+    marked: int = 0,
+    ends: Collection[bytes] | None = None,
+) -> list[Flow]:
+    """The family's TCP, UDP and SCTP entries that `keep` keeps; with `marked`, only those
+    whose mark has all of these bits (the kernel picks them); with `ends`, only those whose
+    original or reply source is one of these packed addresses (the others are not decoded:
+    in a crowded table, most entries are not looked at further)."""
 
-    def read(found: dict[int, memoryview], delete_request: bytes) -> Flow | None:
+    def read(found: dict[int, memoryview]) -> Flow | None:
+        if ends is not None and not (
+            _source_address(found.get(CTA_TUPLE_ORIG), address_family) in ends
+            or _source_address(found.get(CTA_TUPLE_REPLY), address_family) in ends
+        ):
+            return None
         protocol, source = tuple_end(found.get(CTA_TUPLE_ORIG), address_family, SOURCE)
         _, destination = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
         if protocol not in PROTOCOLS:
             return None
-        flow = Flow(PROTOCOLS[protocol], source, destination, delete_request)
+        mark = MARK.unpack(found[CTA_MARK])[0] if CTA_MARK in found else 0
+        flow = Flow(PROTOCOLS[protocol], source, destination, mark, identity(found, address_family))
         return flow if keep(flow) else None
 
-    return _dump(sock, address_family, NFGENMSG.pack(address_family, 0, 0), read)
+    request = NFGENMSG.pack(address_family, 0, 0)
+    if marked:
+        request += attribute(CTA_MARK, MARK.pack(marked)) + attribute(
+            CTA_MARK_MASK, MARK.pack(marked)
+        )
+    return _dump(sock, address_family, request, read)
+
+
+def mark(sock: NetlinkSocket, entries: Iterable[Flow], bits: int, on: bool) -> int:
+    """Set (`on`) or clear these bits of the entries' marks, leaving the other bits as they
+    are; returns how many entries were changed."""
+    change = attribute(CTA_MARK, MARK.pack(bits if on else 0)) + attribute(
+        CTA_MARK_MASK, MARK.pack(bits)
+    )
+    return _each(sock, MSG_NEW, (entry.identity + change for entry in entries), "marking a")
 
 
 def delete(sock: NetlinkSocket, requests: Iterable[bytes], what: str) -> int:
-    """Delete entries by their delete requests; returns how many were deleted (an entry that
-    expired meanwhile is not counted; another failure is logged, naming `what` they are)."""
-    deleted = 0
+    """Delete entries by their delete requests; returns how many were deleted."""
+    return _each(sock, MSG_DELETE, requests, f"deleting a {what}")
+
+
+def _each(sock: NetlinkSocket, kind: int, requests: Iterable[bytes], what: str) -> int:
+    """Send each request; returns how many the kernel did (an entry that expired meanwhile is
+    not counted; another failure is logged, naming `what` was being done)."""
+    done = 0
     for request in requests:
         try:
-            sock.request(MSG_DELETE, request)
-            deleted += 1
+            sock.request(kind, request)
+            done += 1
         except RawNetlinkError as err:
             if err.errno != errno.ENOENT:  # ENOENT: expired meanwhile
-                log.warning("deleting a %s conntrack entry failed: %s", what, err)
-    return deleted
+                log.warning("%s conntrack entry failed: %s", what, err)
+    return done
 
 
 def table_size(sock: NetlinkSocket) -> int:

@@ -150,6 +150,7 @@ def _policy_enforcer(config: Config, metrics: Metrics) -> PolicyEnforcer:
         config.sync_period,
         metrics,
         config.network_policy_log_rate,
+        config.network_policy_existing_connections,
     )
 
 

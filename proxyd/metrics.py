@@ -219,6 +219,19 @@ class Metrics:
             FAMILY,
             registry=r,
         )
+        self.policy_cut_connections = Counter(
+            "knit_network_policy_cut_connections",
+            "Cumulative open connections cut because a policy change denies them",
+            FAMILY,
+            registry=r,
+        )
+        self.policy_cut_duration = Histogram(
+            "knit_network_policy_cut_duration_seconds",
+            "Time to read a family's conntrack table after a policy change and mark the "
+            "entries the policies deny",
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
         self._families: dict[int, FamilyMetrics] = {}
 
     def count_denied(self, read: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:

@@ -30,6 +30,7 @@ from proxyd.health import PolicyHealth
 from proxyd.metrics import Metrics, family_label
 from proxyd.nftables.kernel import Nft, counter_packets
 from proxyd.policy.compile import Cluster, FamilyCompiler, FamilyPolicy, PodKey
+from proxyd.policy.cutter import CUT, ConnectionCutter
 from proxyd.policy.denials import DenialLog
 from proxyd.policy.quarantine import quarantined, signature, subset
 from proxyd.policy.render import TABLE, Renderer
@@ -51,10 +52,14 @@ class PolicyEnforcer:
         sync_period: float,
         metrics: Metrics,
         log_rate: int = 0,
+        existing_connections: str = CUT,
     ) -> None:
-        """`log_rate`: denied packets logged per second and family (0: none)."""
+        """`log_rate`: denied packets logged per second and family (0: none);
+        `existing_connections`: what a change does to the open connections it denies (CUT or
+        KEEP, see cutter.py)."""
         self.families = tuple(families)
         self.metrics = metrics
+        self.cutter = ConnectionCutter(metrics) if existing_connections == CUT else None
         self.denial_log = DenialLog(self.describe) if log_rate else None
         self.runner = BoundedFrequencyRunner(self.sync, 0.0, sync_period)
         self.state = PolicyState(node_name, on_change=self.runner.run)
@@ -89,7 +94,7 @@ class PolicyEnforcer:
             return
         start, cpu_at_start = time.monotonic(), time.thread_time()
         cluster, changed_pods = self.state.take()
-        loads: list[tuple[int, FamilyPolicy, bool, Future[tuple[float, float]]]] = []
+        loads: list[tuple[int, FamilyPolicy, bool, bool, Future[tuple[float, float]]]] = []
         # a full compile allocates an object per pod and set element: see gc_pause
         with gc_pause.paused():
             for family in self.families:
@@ -100,9 +105,9 @@ class PolicyEnforcer:
                 if made is not None:
                     wanted, transaction, full = made
                     load = self._loaders[family].submit(self._load, family, transaction)
-                    loads.append((family, wanted, full, load))
+                    loads.append((family, wanted, full, bool(transaction), load))
         loading_total = loader_cpu = 0.0
-        for family, wanted, full, load in loads:
+        for family, wanted, full, changed, load in loads:
             try:
                 loading, cpu = load.result()
             except Exception:
@@ -116,6 +121,8 @@ class PolicyEnforcer:
                     self._failed(family)
                     continue
                 loading = cpu = 0.0
+            if changed and self.cutter is not None:
+                self.cutter.written(family, wanted)
             self._written[family] = wanted
             self._in_kernel[family] = True
             self.failures[family] = 0
@@ -297,6 +304,8 @@ class PolicyEnforcer:
                 self._in_kernel[family] = nft.exists()
             self._loaders[family].submit(self._rehearse, family)
         self.metrics.count_denied(self.denied)
+        if self.cutter is not None:
+            self.cutter.start()
         if self.denial_log is not None:
             self.denial_log.start()
         thread = threading.Thread(target=self.runner.loop, name="policy-sync", daemon=True)
@@ -305,6 +314,8 @@ class PolicyEnforcer:
 
     def stop(self) -> None:
         self.runner.stop()
+        if self.cutter is not None:
+            self.cutter.stop()
         for loader in self._loaders.values():
             loader.shutdown(wait=False)
 

@@ -3,8 +3,9 @@ full sync, or from what was written to what is wanted for a partial one.
 
 The table (`ip knit-policy`, `ip6 knit-policy`) has one base chain on the forward hook, which
 is where bridged pod-to-pod packets (br_netfilter), routed ones and DNATed Service traffic all
-pass, after the proxy chose the backend. Its order: packets of connections already allowed
-(conntrack), a pod's traffic to itself, then the sender's egress chain if a policy judges its
+pass, after the proxy chose the backend. Its order: packets of connections a policy change
+cut (a conntrack mark, cutter.py) dropped, packets of connections already allowed (conntrack)
+accepted, a pod's traffic to itself, then the sender's egress chain if a policy judges its
 egress (which returns when the packet is allowed), then the receiver's ingress chain if one
 judges its ingress (which accepts it); what a pod chain denies it counts (in a named counter
 of the pod's first chain's name) and drops. The node's own traffic to and from its pods
@@ -33,6 +34,9 @@ INGRESS_MAP = "ingress-pods"
 EGRESS_MAP = "egress-pods"
 SELF = "self"
 FORWARD_HOOK = "type filter hook forward priority filter; policy accept;"
+CUT_MARK = 0x40000000
+"""The conntrack mark bit of connections a policy change cut (cutter.py): their packets are
+dropped, both ways, until a change allows them again."""
 ELEMENTS_PER_COMMAND = 1000
 E = TypeVar("E")
 
@@ -166,6 +170,7 @@ class Renderer:
             f"add map {t} {EGRESS_MAP} {{ type {self.addr} : verdict; }}",
             f"add set {t} {SELF} {{ type {self.addr} . {self.addr}; }}",
             f"add chain {t} {FORWARD} {{ {FORWARD_HOOK} }}",
+            f"add rule {t} {FORWARD} ct mark & {CUT_MARK:#x} == {CUT_MARK:#x} drop",
             f"add rule {t} {FORWARD} ct state established,related accept",
             f"add rule {t} {FORWARD} {self.l3} saddr . {self.l3} daddr @{SELF} accept",
             f"add rule {t} {FORWARD} {self.l3} saddr vmap @{EGRESS_MAP}",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane
+from deploy.lab.held import HeldConnection
 from deploy.lab.kube import Kube, api_client, pod_object
 from deploy.lab.netns import ECHO, unique_name
 from deploy.lab.process import eventually, in_ns
@@ -328,6 +330,61 @@ def test_denied_connections_are_logged_with_their_pod(world: World, policies: li
             f"tcp {world.far.address(4)} -> {world.server.address(4)}:80"
         )
         eventually(lambda: line in node.log.read_text(), 10, what="the denial logged")
+    finally:
+        world.cluster.stop_daemon(node)
+        world.cluster.start_daemon(node)
+
+
+def udp_from_a_fixed_port(client: LabPod, host: str) -> bool:
+    """A UDP request from one source port: every request is the same conntrack entry."""
+    argv = [PYTHON, str(ECHO), "request", host, str(UDP_PORT), "udp", "40053"]
+    return bool(in_ns(client.ns, *argv, check=False, timeout=15).strip())
+
+
+def test_a_tightened_policy_cuts_the_open_connections_it_denies(
+    world: World, policies: list[str]
+) -> None:
+    server = world.server.address(4)
+    with (
+        HeldConnection(world.far.ns, server, 80) as far,
+        HeldConnection(world.near.ns, world.server.address(6), 80) as near,
+    ):
+        assert udp_from_a_fixed_port(world.far, server)
+        changed = time.monotonic()
+        peer = {"podSelector": {"matchLabels": {"role": "near"}}}
+        apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
+        cut = far.cut_after(changed, limit=10)
+        assert not udp_from_a_fixed_port(world.far, server)
+        assert near.exchange(), "a connection the policy allows stays open"
+        print(f"the denied TCP connection was cut {cut:.2f} s after the policy was created")
+
+
+def test_a_cut_connection_on_one_bridge_resumes_when_a_change_allows_it_again(
+    world: World, policies: list[str]
+) -> None:
+    with HeldConnection(world.near.ns, world.server.address(4), 80) as near:
+        changed = time.monotonic()
+        peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": world.y}}}
+        apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
+        near.cut_after(changed, limit=10)
+        # the server's delayed ACKs and the client's retransmissions do not revive it
+        time.sleep(1)
+        assert not near.exchange()
+        world.cluster.kube.delete(policies.pop())
+        eventually(near.exchange, 30, what="the connection answering again")
+
+
+def test_kept_connections_stay_open_when_a_policy_denies_them(
+    world: World, policies: list[str]
+) -> None:
+    node = world.cluster.nodes["a"]
+    world.cluster.stop_daemon(node)
+    try:
+        world.cluster.start_daemon(node, "--network-policy-existing-connections=keep")
+        with HeldConnection(world.far.ns, world.server.address(4), 80) as far:
+            apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+            settles(world.far, world.server.address(4), 80, allowed=False)
+            assert far.exchange(), "opened before the policy, the connection stays open"
     finally:
         world.cluster.stop_daemon(node)
         world.cluster.start_daemon(node)

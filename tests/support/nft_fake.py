@@ -422,6 +422,8 @@ def _selector(tokens: Tokens) -> Selector:
             return Selector("ct state", CT_STATE)
         if field_name == "status":
             return Selector("ct status", CT_STATUS)
+        if field_name == "mark":
+            return Selector("ct mark", MARK)
         raise NftError(f"unknown selector ct {field_name}")
     if first == "fib":
         address = tokens.take()

@@ -67,6 +67,8 @@ class Packet:
     dnat: bool = False
     """Its conntrack entry is DNATed (an established Service connection)."""
     mark: int = 0
+    ct_mark: int = 0
+    """Its conntrack entry's mark."""
     local: tuple[str, ...] = ()
     """The node's addresses, which `fib ... type local` finds."""
 
@@ -176,6 +178,7 @@ class Flight:
     state: int
     status: int
     mark: int
+    ct_mark: int
     local: frozenset[int]
     choices: Choices
     target: Target | None = None
@@ -196,6 +199,7 @@ class Flight:
             state=CT_STATES[packet.state],
             status=CT_STATUS_DNAT if packet.dnat else 0,
             mark=packet.mark,
+            ct_mark=packet.ct_mark,
             local=frozenset(_number(address) for address in packet.local),
             choices=choices,
         )
@@ -221,6 +225,7 @@ class Flight:
             "ip6 daddr": self.daddr,
             "meta l4proto": self.protocol,
             "meta mark": self.mark,
+            "ct mark": self.ct_mark,
             "ct state": self.state,
             "ct status": self.status,
             "fib saddr type": ADDRESS_TYPE_LOCAL if self.is_local(self.saddr) else 1,

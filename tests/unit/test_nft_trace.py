@@ -23,7 +23,7 @@ from proxyd.policy.cluster_model import ClusterNetworkPolicy, parse_cluster_poli
 from proxyd.policy.compile import Cluster, FamilyPolicy, compile_family
 from proxyd.policy.model import Namespace, NetworkPolicy, Pod, parse_policy
 from proxyd.policy.quarantine import quarantined
-from proxyd.policy.render import Renderer
+from proxyd.policy.render import CUT_MARK, Renderer
 from proxyd.port_plan import FamilyContext
 from tests.support.example_service import CTX, CTX6, NAME, PORT, READY, planned
 from tests.support.nft_fake import NftError, Ruleset, applied
@@ -278,10 +278,13 @@ def test_egress_to_a_named_port_resolves_the_name_on_each_peer() -> None:
     assert verdict(ruleset, OTHER, CLIENT, 22) == "accept", "other's egress is not judged"
 
 
-def test_an_established_connection_passes_whatever_the_policy() -> None:
+def test_an_established_connection_passes_whatever_the_policy_unless_it_was_cut() -> None:
     ruleset = guarded(compiled(policy({"podSelector": {}})))
     assert verdict(ruleset, CLIENT, WEB, 8080) == "drop"
     assert verdict(ruleset, CLIENT, WEB, 8080, state="established") == "accept"
+    cut = {"state": "established", "ct_mark": CUT_MARK | 1}
+    assert verdict(ruleset, CLIENT, WEB, 8080, **cut) == "drop"
+    assert verdict(ruleset, WEB, CLIENT, 40000, **cut) == "drop", "both ways"
 
 
 def test_a_pods_traffic_to_itself_passes_its_isolation() -> None:

@@ -1,0 +1,226 @@
+"""Judging a connection by the compiled policy (pure), checked against the rendered rules
+traced (tests/support/nft_trace.py) over random clusters, and which conntrack entries a
+policy change cuts: the kernel's side is tests/integration/test_network_policy.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import random
+from typing import Any
+
+import pytest
+
+from proxyd.conntrack import Flow
+from proxyd.policy.cluster_model import parse_cluster_policy
+from proxyd.policy.compile import Cluster, FamilyPolicy, compile_family
+from proxyd.policy.cutter import denied, misjudged
+from proxyd.policy.model import Namespace, NetworkPolicy, Pod, parse_policy
+from proxyd.policy.quarantine import quarantined
+from proxyd.policy.render import CUT_MARK, Renderer
+from proxyd.policy.verdict import Connection, Judge
+from tests.support.nft_fake import applied
+from tests.support.nft_trace import FORWARDED, Packet, trace
+
+WEB, OTHER, CLIENT, OUTSIDE = "10.0.0.1", "10.0.0.2", "10.0.1.1", "192.0.2.7"
+NAMESPACES = {n: Namespace(n, {"kubernetes.io/metadata.name": n}) for n in ("x", "y")}
+
+
+def pod(ns: str, name: str, ip: str, node: str = "n1", **ports: int) -> Pod:
+    named = {(k, "TCP"): v for k, v in ports.items()}
+    address = int(ipaddress.ip_address(ip))
+    return Pod(ns, name, {"app": name}, node, (ip,), (address,), named)
+
+
+PODS = [
+    pod("x", "web", WEB, web=8080),
+    pod("x", "other", OTHER),
+    pod("y", "client", CLIENT, node="n2", web=9090),
+]
+
+
+def policy(ns: str, spec: dict[str, Any]) -> NetworkPolicy:
+    return parse_policy({"metadata": {"namespace": ns, "name": "p"}, "spec": spec})
+
+
+def compiled(*policies: NetworkPolicy, cluster_policies: tuple[Any, ...] = ()) -> FamilyPolicy:
+    cluster = Cluster.of("n1", {(p.namespace, p.name): p for p in PODS}, NAMESPACES, policies)
+    return compile_family(dataclasses.replace(cluster, cluster_policies=cluster_policies), 4)
+
+
+def tcp(source: str, destination: str, port: int) -> Connection:
+    return Connection(source, destination, "tcp", port)
+
+
+def from_namespace(name: str) -> dict[str, Any]:
+    return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": name}}}
+
+
+def test_an_isolated_pod_is_reached_only_from_allowed_peers_on_allowed_ports() -> None:
+    spec = {
+        "podSelector": {"matchLabels": {"app": "web"}},
+        "ingress": [{"from": [from_namespace("y")], "ports": [{"port": "web"}]}],
+    }
+    judge = Judge(compiled(policy("x", spec)))
+    assert judge.allows(tcp(CLIENT, WEB, 8080))
+    assert not judge.allows(tcp(CLIENT, WEB, 80))
+    assert not judge.allows(tcp(OTHER, WEB, 8080))
+    assert not judge.allows(Connection(CLIENT, WEB, "udp", 8080))
+    assert not judge.judges(tcp(CLIENT, OTHER, 80)), "the other pod is not isolated"
+    assert judge.allows(tcp(WEB, WEB, 80)), "a pod's traffic to itself"
+
+
+def test_egress_to_a_named_port_resolves_on_the_peer() -> None:
+    spec = {
+        "podSelector": {"matchLabels": {"app": "web"}},
+        "policyTypes": ["Egress"],
+        "egress": [{"ports": [{"port": "web"}]}],
+    }
+    judge = Judge(compiled(policy("x", spec)))
+    assert judge.allows(tcp(WEB, CLIENT, 9090))
+    assert not judge.allows(tcp(WEB, CLIENT, 8080))
+    assert not judge.allows(tcp(WEB, OUTSIDE, 9090)), "no pod of that address names the port"
+
+
+def test_an_ip_block_with_an_except() -> None:
+    spec = {
+        "podSelector": {},
+        "ingress": [{"from": [{"ipBlock": {"cidr": "192.0.2.0/24", "except": ["192.0.2.7/32"]}}]}],
+    }
+    judge = Judge(compiled(policy("x", spec)))
+    assert judge.allows(tcp("192.0.2.8", WEB, 80))
+    assert not judge.allows(tcp(OUTSIDE, WEB, 80))
+
+
+def cluster_policy(name: str, priority: int, action: str) -> Any:
+    subject = {"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "web"}}}}
+    rules = [{"action": action, "from": [{"namespaces": from_namespace("y")["namespaceSelector"]}]}]
+    spec = {"tier": "Admin", "priority": priority, "subject": subject, "ingress": rules}
+    return parse_cluster_policy({"metadata": {"name": name}, "spec": spec})
+
+
+def test_an_admin_deny_beats_a_networkpolicy_allow_and_a_pass_leaves_it_to_them() -> None:
+    allow_all = policy("x", {"podSelector": {}, "ingress": [{}]})
+    deny = Judge(compiled(allow_all, cluster_policies=(cluster_policy("deny", 1, "Deny"),)))
+    assert not deny.allows(tcp(CLIENT, WEB, 80))
+    assert deny.allows(tcp(OTHER, WEB, 80))
+    passing = (cluster_policy("pass", 1, "Pass"), cluster_policy("deny", 2, "Deny"))
+    assert Judge(compiled(allow_all, cluster_policies=passing)).allows(tcp(CLIENT, WEB, 80))
+    isolating = policy("x", {"podSelector": {}, "ingress": []})
+    assert not Judge(compiled(isolating, cluster_policies=passing)).allows(tcp(CLIENT, WEB, 80))
+
+
+def test_a_quarantined_pod_is_reached_by_nothing() -> None:
+    table = compiled(policy("x", {"podSelector": {}, "ingress": [{}]}))
+    held = quarantined(table, {table.ingress[WEB]})
+    assert Judge(table).allows(tcp(CLIENT, WEB, 80))
+    assert not Judge(held).allows(tcp(CLIENT, WEB, 80))
+
+
+def flow(source: str, destination: str, port: int = 80, mark: int = 0) -> Flow:
+    return Flow("tcp", (source, 40000), (destination, port), mark, b"")
+
+
+def test_a_change_cuts_the_entries_it_denies_and_never_the_nodes_own() -> None:
+    cut = denied(Judge(compiled(policy("x", {"podSelector": {}, "ingress": []}))), ["10.0.0.254"])
+    assert cut(flow(CLIENT, WEB)), "a connection from another node's pod"
+    assert not cut(flow("10.0.0.254", WEB)), "the node's own connection crosses no forward hook"
+    assert not cut(flow(WEB, CLIENT)), "the pods' egress is not isolated"
+    # a Service connection is judged by where it went: the entry's reply source
+    assert cut(flow(CLIENT, OTHER, 8080))
+
+
+def test_only_entries_whose_mark_disagrees_with_the_table_are_changed() -> None:
+    wrong = misjudged(denied(Judge(compiled(policy("x", {"podSelector": {}}))), []))
+    assert wrong(flow(CLIENT, WEB)), "denied, not cut yet"
+    assert not wrong(flow(CLIENT, WEB, mark=CUT_MARK | 7)), "denied and cut already"
+    assert wrong(flow(WEB, CLIENT, mark=CUT_MARK)), "cut, and allowed again"
+    assert not wrong(flow(WEB, CLIENT, mark=7)), "allowed, with another's mark bits"
+
+
+# ------------------------------------------------------------ against the rendered rules
+
+LABELS = ("a", "b", "c")
+PORTS = (80, 8080, 9090)
+
+
+def random_pods(rng: random.Random) -> list[Pod]:
+    pods = []
+    for index in range(8):
+        app = rng.choice(LABELS)
+        named = {("web", "TCP"): rng.choice(PORTS)} if rng.random() < 0.5 else {}
+        address = f"10.0.{index % 2}.{index + 1}"
+        number = int(ipaddress.ip_address(address))
+        pods.append(
+            Pod(rng.choice("xy"), f"p{index}", {"app": app}, f"n{index % 2 + 1}", (address,),
+                (number,), named)
+        )  # fmt: skip
+    return pods
+
+
+def random_peer(rng: random.Random) -> dict[str, Any]:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return {"podSelector": {"matchLabels": {"app": rng.choice(LABELS)}}}
+    if kind == 1:
+        return from_namespace(rng.choice("xy"))
+    if kind == 2:
+        return {**from_namespace(rng.choice("xy")), "podSelector": {"matchLabels": {"app": "a"}}}
+    return {"ipBlock": {"cidr": "10.0.0.0/23", "except": [f"10.0.{rng.randrange(2)}.0/29"]}}
+
+
+def random_rule(rng: random.Random, direction: str) -> dict[str, Any]:
+    rule: dict[str, Any] = {}
+    if rng.random() < 0.7:
+        rule["from" if direction == "ingress" else "to"] = [random_peer(rng)]
+    if rng.random() < 0.7:
+        port: dict[str, Any] = rng.choice(
+            [{"port": rng.choice(PORTS)}, {"port": "web"}, {"port": 80, "endPort": 8080},
+             {"protocol": "UDP"}]
+        )  # fmt: skip
+        rule["ports"] = [port]
+    return rule
+
+
+def random_policy(rng: random.Random, index: int) -> NetworkPolicy:
+    types = rng.choice([["Ingress"], ["Egress"], ["Ingress", "Egress"]])
+    spec: dict[str, Any] = {
+        "podSelector": {"matchLabels": {"app": rng.choice(LABELS)}} if rng.random() < 0.7 else {},
+        "policyTypes": types,
+    }
+    for direction in ("ingress", "egress"):
+        if direction.capitalize() in types:
+            spec[direction] = [random_rule(rng, direction) for _ in range(rng.randrange(3))]
+    name = f"p{index}"
+    return parse_policy({"metadata": {"namespace": rng.choice("xy"), "name": name}, "spec": spec})
+
+
+def random_cluster_policy(rng: random.Random, index: int) -> Any:
+    tier = rng.choice(["Admin", "Baseline"])
+    action = rng.choice(["Accept", "Deny"] + (["Pass"] if tier == "Admin" else []))
+    peer = {"namespaces": from_namespace(rng.choice("xy"))["namespaceSelector"]}
+    subject = {"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "a"}}}}
+    direction = rng.choice(["ingress", "egress"])
+    rule = {"action": action, ("from" if direction == "ingress" else "to"): [peer]}
+    spec = {"tier": tier, "priority": index, "subject": subject, direction: [rule]}
+    return parse_cluster_policy({"metadata": {"name": f"c{index}"}, "spec": spec})
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_the_judge_agrees_with_the_rendered_rules_traced(seed: int) -> None:
+    rng = random.Random(seed)
+    pods = random_pods(rng)
+    policies = tuple(random_policy(rng, i) for i in range(rng.randrange(1, 4)))
+    cluster_policies = tuple(random_cluster_policy(rng, i) for i in range(rng.randrange(3)))
+    cluster = Cluster.of("n1", {(p.namespace, p.name): p for p in pods}, NAMESPACES, policies)
+    table = compile_family(dataclasses.replace(cluster, cluster_policies=cluster_policies), 4)
+    judge = Judge(table)
+    ruleset = applied([Renderer(4).full(table, replacing=False)])
+    addresses = [p.addresses[0] for p in pods] + [OUTSIDE]
+    for source in addresses:
+        for destination in addresses:
+            for protocol, port in (("tcp", 80), ("tcp", 8080), ("tcp", 9090), ("udp", 80)):
+                connection = Connection(source, destination, protocol, port)
+                packet = Packet(source, destination, port, protocol=protocol)
+                traced = trace(ruleset, packet, FORWARDED).verdict == "accept"
+                assert judge.allows(connection) == traced, (connection, policies)
