@@ -18,7 +18,12 @@ each step it measures:
   namespace; the daemon's resident memory with policy
   enforcement on against off, for the same objects; and TCP connections per second
   (sequential connect + reset) from the client to the selected server against the server no
-  policy selects, alternating, paired.
+  policy selects, alternating, paired;
+- at the last step: the time from a label change that takes a client out of the peer set
+  allowing it to the client's open connection being cut (an echo going unanswered), against
+  the time the same change takes to reach the peer set in the kernel; with the node's
+  conntrack table holding only that connection, and holding CONNTRACK_LOAD more entries
+  (UDP flows to a pod no policy selects, which the cut reads and keeps).
 
 Every figure goes, with its command, commit and machine, into docs/results/<date>-policy.json
 (or the file `--json` names).
@@ -48,6 +53,7 @@ from bench.proxy_netns import in_netns
 from cni.kernel.nftables import NftError
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane, start
+from deploy.lab.held import HeldConnection
 from deploy.lab.kube import Kube, pod_object
 from deploy.lab.netns import Netns, unique_name
 from deploy.lab.paths import PLUGIN_DIR
@@ -72,6 +78,17 @@ FIRST_SYNC = re.compile(
 """The daemon's log line of each policy sync."""
 STARTS = 7
 """Daemon starts whose first policy sync is timed (the median is reported)."""
+CUT_SAMPLES = 10
+CONNTRACK_LOAD = 50_000
+CUT_GOAL = 1.0
+UDP_FLOWS = """
+import socket, sys
+host, count = sys.argv[1], int(sys.argv[2])
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    for index in range(count):
+        sock.sendto(b"x", (host, 1024 + index % 60000))
+"""
+"""UDP datagrams to `count` ports of a host: as many conntrack entries on the node."""
 
 
 @dataclass
@@ -120,6 +137,8 @@ class PolicyBench:
         self.node = node
         self.figures: list[Figure] = []
         self.pods = 0
+        self.open_address = ""
+        """The pod no policy selects."""
 
     # ------------------------------------------------------------ objects
     def bulk(self, calls: list[Callable[[], Any]]) -> None:
@@ -365,6 +384,51 @@ class PolicyBench:
             )
         )
 
+    def connection_cut(self, step: str, client: LabPod, echo: LabPod, load: int) -> None:
+        """The client's tier label moves it out of (and back into) the peer set allowing it
+        to the echo pod, while it holds a connection there; `load` more conntrack entries on
+        the node meanwhile."""
+        path = f"/api/v1/namespaces/{SELECTED_NAMESPACE}/pods/{client.name}"
+        client_set = client_peer_set(self, client)
+
+        def member(nft: Nft) -> bool:
+            try:
+                nft.run(f"get element ip {TABLE} {client_set} {{ {client.address(4)} }}")
+            except NftError:
+                return False
+            return True
+
+        # what the connection rate left, and the last run's load, out of the count
+        in_ns(self.node.ns, "conntrack", "-F")
+        if load:
+            in_ns(self.node.ns, "sysctl", "-qw", "net.netfilter.nf_conntrack_udp_timeout=600")
+            in_ns(client.ns, sys.executable, "-c", UDP_FLOWS, self.open_address, str(load))
+        entries = int(in_ns(self.node.ns, "cat", "/proc/sys/net/netfilter/nf_conntrack_count"))
+        cuts, removals = [], []
+        for _ in range(CUT_SAMPLES):
+            with HeldConnection(client.ns, echo.address(4), CONNECTION_PORT) as held:
+                self.kube.patch(path, {"metadata": {"labels": {"tier": "t9"}}})
+                changed = time.monotonic()
+                with ThreadPoolExecutor(1) as pool:
+                    removal = pool.submit(self.wait_for, lambda nft: not member(nft))
+                    cuts.append(held.cut_after(changed, limit=30, every=0.005))
+                    removals.append(removal.result())
+            self.kube.patch(path, {"metadata": {"labels": {"tier": "t0"}}})
+            self.wait_for(member)
+
+        cut, removed = statistics.median(cuts), statistics.median(removals)
+        self.figures.append(
+            Figure(
+                step,
+                f"label change -> the client's open connection cut, {entries:,} conntrack "
+                f"entries on the node before (min/median/max of {CUT_SAMPLES})",
+                f"{min(cuts) * 1000:.0f}/{cut * 1000:.0f}/{max(cuts) * 1000:.0f} ms",
+                f"its address out of the peer set in the kernel {removed * 1000:.1f} ms",
+                f"{cut / removed:.1f}x",
+                goal(f"median <= {CUT_GOAL * 1000:.0f} ms", cut <= CUT_GOAL),
+            )
+        )
+
 
 def serve_connections(cluster: Cluster, pod: LabPod) -> None:
     cluster.spawn(
@@ -412,8 +476,12 @@ def run(options: argparse.Namespace, folder: Path) -> list[Figure]:
             client = cluster.add_pod(node, unique_name("client"))
             selected = cluster.add_pod(node, unique_name("selected"))
             open_ = cluster.add_pod(node, unique_name("open"))
+            echo = cluster.add_pod(node, unique_name("echo"))
+            bench.open_address = open_.address(4)
             bench.register(client, SELECTED_NAMESPACE, {"app": "client", "tier": "t0"})
             bench.register(selected, SELECTED_NAMESPACE, {"app": "a0", "tier": "t9"})
+            bench.register(echo, SELECTED_NAMESPACE, {"app": "a0", "tier": "t9"})
+            cluster.serve(echo.ns, CONNECTION_PORT, cluster.folder / "echo.log")
             cluster.kube.create_namespace("bench-open")
             bench.register(open_, "bench-open", {"app": "open"})
             for pod in (selected, open_):
@@ -431,6 +499,8 @@ def run(options: argparse.Namespace, folder: Path) -> list[Figure]:
             bench.memory(step)
             client_peer_set(bench, client)
             bench.connection_rate(step, client, selected, open_)
+            for load in (0, CONNTRACK_LOAD):
+                bench.connection_cut(step, client, echo, load)
             return bench.figures
     finally:
         plane.stop()
