@@ -279,7 +279,7 @@ class Cluster(Network):
         """The pod's namespace (and so its veth) goes away without a CNI DEL, as in a reboot."""
         remove_namespace(pod.ns)
 
-    def cni(self, node: LabNode, verb: str, ns: str, name: str) -> str:
+    def cni(self, node: LabNode, verb: str, ns: str, name: str, namespace: str = "default") -> str:
         """Run verb (add, check, del) for a pod through libcni, as a runtime on node would."""
         return in_ns(
             node.ns, str(CNIDRIVER), verb,
@@ -289,7 +289,7 @@ class Cluster(Network):
             "--netns", f"/var/run/netns/{ns}",
             "--container-id", ns,
             "--ifname", "eth0",
-            "--args", f"IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}",
+            "--args", f"IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name}",
         )  # fmt: skip
 
     def publish(self, name: str, pods: list[LabPod], port: int = 80, **spec: Any) -> dict[str, Any]:
