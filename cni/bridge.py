@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from cni import links
 from cni.errors import CniError, Code
+from cni.invocation import attaching
 from cni.kernel import netns, sysctl
 from cni.links import (
     IFF_PROMISC,
@@ -187,6 +188,9 @@ def setup(
     host = link_by_name(host_name)
     if host is None:
         raise CniError(Code.NETLINK_FAILURE, f"veth {host_name} vanished")
+    admit = attaching.get()
+    if admit is not None:
+        admit(tuple(str(ip.address.ip) for ip in ipam.ips))
     attach_to_bridge(conf, host, bridge)
     bridge = link_by_name(conf.bridge) or bridge
     container = configure_container(netns_fd, conf, ifname, ipam.ips, route_list)

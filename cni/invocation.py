@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +44,12 @@ SPEC_VARIABLES = (
 # node daemon does for each call it serves (cni.server), in the call's thread; a call run
 # in-process is bounded by the runtime that started it.
 call_deadline: ContextVar[float | None] = ContextVar("call_deadline", default=None)
+# Called by an ADD with the addresses its IPAM gave the sandbox, before the sandbox's interface
+# is attached, so before its first packet: the node daemon writes the pod's NetworkPolicy
+# isolation there (cni.server); a call run in-process has none.
+attaching: ContextVar[Callable[[tuple[str, ...]], None] | None] = ContextVar(
+    "attaching", default=None
+)
 
 
 @dataclass(frozen=True)

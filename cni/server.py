@@ -20,6 +20,7 @@ deadline, cni/client.c).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -29,12 +30,13 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from cni.errors import CniError, Code
-from cni.invocation import call_deadline
+from cni.invocation import attaching, call_deadline
 from cni.paths import narrowed_search_path
 from cni.plugin import error_output, execute
 
@@ -93,6 +95,17 @@ class Limits:
     admission_wait: float = ADMISSION_WAIT
 
 
+class SandboxHooks(Protocol):
+    """What the daemon does around the calls it serves for a pod's sandbox."""
+
+    def attaching(self, environ: Mapping[str, str], addresses: tuple[str, ...]) -> None:
+        """An ADD gave the sandbox these addresses; called before its interface is attached
+        (see cni.invocation.attaching)."""
+
+    def deleted(self, environ: Mapping[str, str]) -> None:
+        """A DEL succeeded."""
+
+
 @dataclass(frozen=True)
 class Request:
     environ: dict[str, str]
@@ -113,8 +126,10 @@ class CniServer:
         path: str,
         limits: Limits | None = None,
         bin_dirs: Sequence[str] = (),
+        hooks: SandboxHooks | None = None,
     ) -> None:
         self.path = path
+        self.hooks = hooks
         self.limits = limits or Limits()
         self.bin_dirs = tuple(bin_dirs)
         self.calls = 0
@@ -288,11 +303,19 @@ class CniServer:
         environ = {**request.environ, "CNI_PATH": narrowed_search_path(requested, self.bin_dirs)}
         # Each call has a thread of its own, so the deadline is this call's alone.
         call_deadline.set(time.monotonic() + CALL_DEADLINE)
-        return execute(environ, request.stdin, request.netns_fd)
+        if self.hooks is not None and command == "ADD":
+            attaching.set(functools.partial(self.hooks.attaching, environ))
+        code, output = execute(environ, request.stdin, request.netns_fd)
+        if self.hooks is not None and command == "DEL" and code == 0:
+            self.hooks.deleted(environ)
+        return code, output
 
 
 def serve(
-    socket_path: str, limits: Limits | None = None, bin_dirs: Sequence[str] = ()
+    socket_path: str,
+    limits: Limits | None = None,
+    bin_dirs: Sequence[str] = (),
+    hooks: SandboxHooks | None = None,
 ) -> CniServer:
     """Listen on socket_path (0600, in a folder made 0700) and serve calls from root. A
     delegated IPAM plugin is run only from bin_dirs (none: no delegated plugin is run)."""
@@ -321,7 +344,7 @@ def serve(
         listener.close()
         Path(staging).unlink(missing_ok=True)
         raise
-    return CniServer(listener, str(path), limits, bin_dirs)
+    return CniServer(listener, str(path), limits, bin_dirs, hooks)
 
 
 def _warm_up() -> None:

@@ -35,6 +35,7 @@ from proxyd.nftables.proxier import NftablesProxier
 from proxyd.nodenet import conflist, gc
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
+from proxyd.policy.admission import PolicyAdmission
 from proxyd.policy.enforcer import PolicyEnforcer
 from proxyd.policy.model import pod_essentials
 from proxyd.proxier import ProgramError, Proxier, ProxyOptions
@@ -360,7 +361,8 @@ class Daemon:
             log.warning("start-up IPAM garbage collection failed: %s", err.msg)
         if not self.config.cni_socket:
             return None
-        return server.serve(self.config.cni_socket, bin_dirs=[str(bin_dir)])
+        hooks = PolicyAdmission(self.policy) if self.config.network_policy else None
+        return server.serve(self.config.cni_socket, bin_dirs=[str(bin_dir)], hooks=hooks)
 
     def _replace_nodes(self, items: list[watch.Obj]) -> None:
         self.node_network.replace(items)

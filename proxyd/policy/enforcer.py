@@ -40,6 +40,12 @@ from proxyd.runner import BoundedFrequencyRunner, backoff
 log = logging.getLogger(__name__)
 
 
+ADMISSION_WAIT = 5.0
+"""How long a CNI ADD waits for the sync writing its pod's isolation: a sync of a pod's change
+takes milliseconds, one after a start seconds."""
+ADMISSION_POLL = 0.02
+"""How often an ADD whose pod the API does not know yet looks for it again."""
+
 DeniedKey = tuple[str, str, str]
 """(direction, namespace, the names of the policies judging the pod, joined by commas)."""
 
@@ -81,6 +87,9 @@ class PolicyEnforcer:
         self._failing_since: dict[int, float] = {}
         """Per family failing now, when the first failure in a row was (wall clock)."""
         self._last_synced: dict[int, float] = {}
+        self._synced = threading.Condition()
+        self._synced_takes = 0
+        """The state's snapshots the last finished sync had taken."""
         self._loaders = {
             family: ThreadPoolExecutor(1, thread_name_prefix=f"policy-nft{family}")
             for family in self.families
@@ -94,6 +103,40 @@ class PolicyEnforcer:
             return
         start, cpu_at_start = time.monotonic(), time.thread_time()
         cluster, changed_pods = self.state.take()
+        try:
+            self._sync(cluster, changed_pods, start, cpu_at_start)
+        finally:
+            with self._synced:
+                self._synced_takes = self.state.takes
+                self._synced.notify_all()
+
+    def admit(self, namespace: str, name: str, uid: str, addresses: tuple[str, ...]) -> bool:
+        """The runtime gave a pod of this node these addresses (a CNI ADD this daemon serves,
+        before it answers): returns once a sync that knows them has finished, so the pod's
+        isolation is in the kernel before its first packet; False when the API does not know
+        the pod within ADMISSION_WAIT (its watch may lag behind the runtime's), or no sync
+        finished within it."""
+        deadline = time.monotonic() + ADMISSION_WAIT
+        while (taken := self.state.runtime_addresses(namespace, name, uid, addresses)) is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(ADMISSION_POLL)
+        with self._synced:
+            return self._synced.wait_for(
+                lambda: self._synced_takes > taken, max(0.0, deadline - time.monotonic())
+            )
+
+    def release(self, namespace: str, name: str) -> None:
+        """The runtime took back what it gave the pod's sandbox (a CNI DEL)."""
+        self.state.runtime_addresses(namespace, name, "", ())
+
+    def _sync(
+        self,
+        cluster: Cluster,
+        changed_pods: set[PodKey] | None,
+        start: float,
+        cpu_at_start: float,
+    ) -> None:
         loads: list[tuple[int, FamilyPolicy, bool, bool, Future[tuple[float, float]]]] = []
         # a full compile allocates an object per pod and set element: see gc_pause
         with gc_pause.paused():

@@ -346,7 +346,7 @@ def pod_essentials(obj: Obj) -> Obj:
         if isinstance(spec.get(key), list)
     }
     return {
-        "metadata": {key: meta.get(key) for key in ("namespace", "name", "labels")},
+        "metadata": {key: meta.get(key) for key in ("namespace", "name", "uid", "labels")},
         "spec": {
             "nodeName": spec.get("nodeName"),
             "hostNetwork": spec.get("hostNetwork"),
@@ -356,9 +356,10 @@ def pod_essentials(obj: Obj) -> Obj:
     }
 
 
-def parse_pod(obj: Obj) -> Pod | None:
+def parse_pod(obj: Obj, runtime_addresses: tuple[str, ...] = ()) -> Pod | None:
     """The pod as policies see it; None for pods that take no part (host network, finished,
-    without an address yet)."""
+    without an address yet). `runtime_addresses`: the addresses the runtime gave the pod's
+    sandbox, taken until its status has some."""
     meta = mapping(obj.get("metadata"), "metadata")
     spec = mapping(obj.get("spec"), "spec")
     status = mapping(obj.get("status"), "status")
@@ -371,6 +372,8 @@ def parse_pod(obj: Obj) -> Pod | None:
             addresses.append(ip_text.address(text))
         except ValueError as err:
             raise InvalidObject(f"pod IP {text!r} is not an address") from err
+    if not addresses:
+        addresses = [ip_text.address(text) for text in runtime_addresses]
     if not addresses:
         return None
     return Pod(

@@ -6,6 +6,12 @@ does not alter what policies depend on (a pod's status conditions, say) queues n
 object that cannot be parsed is logged with its namespace and name; a pod or namespace so
 broken is left out (a pod that is in no peer set is denied by every isolating policy, so
 leaving it out never widens), and a policy's problems narrow it (see model).
+
+A pod of this node has an address before the API does: the runtime's CNI ADD, which this
+daemon serves, gives it one, and kubelet writes it into the pod's status later. So the
+addresses of that ADD are applied to the pod, as the API knew it without an address, until
+its status has some (`runtime_addresses`): the enforcer writes the pod's isolation before the
+ADD returns, and no packet reaches or leaves the pod unjudged.
 """
 
 from __future__ import annotations
@@ -57,7 +63,13 @@ class PolicyState:
         """The pods changed since the last take; None when anything may have (a namespace's
         labels, a fresh list of pods)."""
         self._views = PodViews(node_name)
-        self._pods = Store[Pod]("Pod", parse_pod, self._views.change)
+        self._pods = Store[Pod]("Pod", self._parse_pod, self._views.change)
+        self._runtime: dict[PodKey, tuple[str, tuple[str, ...]]] = {}
+        """This node's pods the runtime gave addresses the API has not: (uid, addresses)."""
+        self._unaddressed: dict[PodKey, Obj] = {}
+        """This node's pods the API knows without an address yet, as watched."""
+        self.takes = 0
+        """Snapshots taken."""
         self._namespaces = Store[Namespace]("Namespace", parse_namespace)
         self._policies = Store[NetworkPolicy](
             "NetworkPolicy", parse_policy, _log_problems("NetworkPolicy")
@@ -86,11 +98,54 @@ class PolicyState:
                 local=local,
             )
             changed, self._changed_pods = self._changed_pods, set()
+            self.takes += 1
             return cluster, changed
+
+    def _parse_pod(self, obj: Obj) -> Pod | None:
+        uid, addresses = self._runtime.get(key_of(obj), ("", ()))
+        # a pod of the same name made anew is another pod: its sandbox has no address yet
+        same = uid in ("", (obj.get("metadata") or {}).get("uid"))
+        return parse_pod(obj, addresses if same else ())
+
+    def _watched_pod(self, key: PodKey, obj: Obj | None) -> None:
+        """Under the lock: keep this node's pods without an address, and forget what the
+        runtime said once the API has the pod's addresses or the pod is gone."""
+        spec, status = (obj or {}).get("spec"), (obj or {}).get("status")
+        # the objects are as the API server accepted them, or not: parse_pod says which
+        spec = spec if isinstance(spec, dict) else {}
+        status = status if isinstance(status, dict) else {}
+        if obj is not None and spec.get("nodeName") == self.node_name and not status.get("podIPs"):
+            self._unaddressed[key] = obj
+            return
+        self._unaddressed.pop(key, None)
+        self._runtime.pop(key, None)
+
+    def runtime_addresses(
+        self, namespace: str, name: str, uid: str, addresses: tuple[str, ...]
+    ) -> int | None:
+        """The runtime gave a pod of this node these addresses (empty: took them back). If
+        the API knows the pod without an address, the snapshots taken so far (the next one
+        has the pod with these addresses, and a sync is queued for it); else None."""
+        key = (namespace, name)
+        with self._lock:
+            if addresses:
+                self._runtime[key] = (uid, addresses)
+            else:
+                self._runtime.pop(key, None)
+            obj = self._unaddressed.get(key)
+            if obj is None:
+                return None
+            if self._pods.set(key, obj) and self._changed_pods is not None:
+                self._changed_pods.add(key)
+            taken = self.takes
+        self._on_change()
+        return taken
 
     def _event(self, store: Store[Parsed], kind: str, obj: Obj) -> None:
         key = key_of(obj)
         with self._lock:
+            if store is self._pods:
+                self._watched_pod(key, None if kind == "DELETED" else obj)
             changed = store.event(kind, obj)
             if changed and store is self._pods and self._changed_pods is not None:
                 self._changed_pods.add(key)
@@ -105,6 +160,12 @@ class PolicyState:
         that sync runs, holding the interpreter, which the sync would wait for
         (docs/benchmarks.md#networkpolicy-make-bench-policy)."""
         with self._lock:
+            if store is self._pods:
+                listed = {key_of(obj): obj for obj in objs}
+                for key in self._unaddressed.keys() - listed.keys():
+                    self._watched_pod(key, None)
+                for key, obj in listed.items():
+                    self._watched_pod(key, obj)
             if store.replace(objs) and store in (self._pods, self._namespaces):
                 self._changed_pods = None
         objs.clear()

@@ -11,6 +11,8 @@ dropped, so the client's 3 s connect timeout ends it.
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -23,8 +25,8 @@ import pytest
 from deploy.lab.cluster import Cluster, LabNode, LabPod
 from deploy.lab.controlplane import ControlPlane
 from deploy.lab.held import HeldConnection
-from deploy.lab.kube import Kube, api_client, pod_object
-from deploy.lab.netns import ECHO, unique_name
+from deploy.lab.kube import Kube, api_client, pod_object, pod_status
+from deploy.lab.netns import ECHO, remove_namespace, unique_name
 from deploy.lab.process import eventually, in_ns
 from proxyd.policy.render import TABLE
 
@@ -388,6 +390,137 @@ def test_kept_connections_stay_open_when_a_policy_denies_them(
     finally:
         world.cluster.stop_daemon(node)
         world.cluster.start_daemon(node)
+
+
+PROBE_PORT = 9999
+STARTS = 40
+"""Pod starts per direction; the first is a control no policy isolates."""
+STATUS_LAG = 0.3
+"""How long after the ADD the test writes the pod's addresses into its status, as kubelet
+does once the sandbox is up: the window in which policies keyed on the status alone would
+not judge the pod."""
+HEARD = """
+import select, socket, sys
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
+sources = set()
+while not select.select([sys.stdin], [], [], 0)[0]:
+    if select.select([sock], [], [], 0.01)[0]:
+        sources.add(sock.recvfrom(64)[1][0])
+print(" ".join(sorted(sources)) or "-", flush=True)
+"""
+"""Listens for UDP datagrams until stdin has input, then prints the sources it heard."""
+SPRAY = """
+import ipaddress, select, socket, sys
+port = int(sys.argv[1])
+targets = [str(host) for net in sys.argv[2:] for host in ipaddress.ip_network(net)]
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    for target in targets:
+        try:
+            sock.sendto(b"x", (target, port))
+        except OSError:  # before the sender's namespace has an address and a route
+            pass
+print("-", flush=True)
+"""
+"""Sends a datagram to every address of the networks, round after round, until stdin has
+input."""
+
+
+class Background:
+    """A script run in a namespace until finish(), which returns its last line."""
+
+    def __init__(self, netns: str, script: str, *args: str) -> None:
+        argv = ["ip", "netns", "exec", netns, PYTHON, "-c", script, *args]
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self._in, self._out = self.process.stdin, self.process.stdout
+        assert self._out.readline().strip() == "ready"
+
+    def finish(self) -> str:
+        self._in.write("\n")
+        self._in.flush()
+        line = self._out.readline().strip()
+        self.process.wait(10)
+        return line
+
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def start_pod(
+    world: World, role: str, heard_in_pod: bool, target: str, lag: float = STATUS_LAG
+) -> tuple[str, str]:
+    """A pod of the server's namespace started on node a as kubelet would (its Pod object
+    without an address, the sandbox's CNI ADD, its status some time later), with HEARD
+    listening in it from before the ADD (heard_in_pod) or SPRAY sending from it to `target`;
+    its address and what HEARD printed, when it listened."""
+    cluster, node = world.cluster, world.cluster.nodes["a"]
+    name = unique_name(role)
+    ns = cluster.add_namespace(f"{name}-ns")
+    script, args = (
+        (HEARD, [str(PROBE_PORT)]) if heard_in_pod else (SPRAY, [str(PROBE_PORT), target])
+    )
+    pods = f"/api/v1/namespaces/{world.x}/pods"
+    with Background(ns, script, *args, *([] if heard_in_pod else [target])) as inside:
+        cluster.kube.create(pods, pod_object(name, node.name, {"role": role}))
+        try:
+            result = json.loads(cluster.cni(node, "add", ns, name, namespace=world.x))
+            address = result["ips"][0]["address"].split("/")[0]
+            time.sleep(lag)
+            cluster.kube.call(
+                "PATCH", f"{pods}/{name}/status", pod_status([address]),
+                "application/merge-patch+json",
+            )  # fmt: skip
+            time.sleep(0.1)
+            heard = inside.finish()
+        finally:
+            cluster.cni(node, "del", ns, name, namespace=world.x)
+            cluster.kube.delete(f"{pods}/{name}")
+            remove_namespace(ns)
+    return address, heard
+
+
+def test_an_isolated_pod_is_judged_from_its_first_packet_in(
+    world: World, policies: list[str]
+) -> None:
+    apply(world, policies, {"podSelector": {"matchLabels": {"role": "fresh"}}})
+    got_in = []
+    with Background(world.far.ns, SPRAY, str(PROBE_PORT), "10.244.1.0/24") as spray:
+        # the node resolves the control's address only once it answers: time for that
+        address, heard = start_pod(world, "open", heard_in_pod=True, target="", lag=3)
+        assert world.far.address(4) in heard.split(), "the control, isolated by nothing, hears"
+        for _ in range(STARTS - 1):
+            address, heard = start_pod(world, "fresh", heard_in_pod=True, target="")
+            if world.far.address(4) in heard.split():
+                got_in.append(address)
+        spray.finish()
+    assert got_in == [], "the far pod's datagrams reached isolated pods"
+
+
+def test_an_isolated_pod_is_judged_from_its_first_packet_out(
+    world: World, policies: list[str]
+) -> None:
+    policy = {"podSelector": {"matchLabels": {"role": "fresh"}}, "policyTypes": ["Egress"]}
+    apply(world, policies, policy)
+    far = world.far.address(4)
+    with Background(world.far.ns, HEARD, str(PROBE_PORT)) as listener:
+        control, _ = start_pod(world, "open", heard_in_pod=False, target=f"{far}/32", lag=3)
+        started = [
+            start_pod(world, "fresh", heard_in_pod=False, target=f"{far}/32")[0]
+            for _ in range(STARTS - 1)
+        ]
+        heard = listener.finish().split()
+    assert control in heard, "the control, isolated by nothing, was heard"
+    assert set(started) & set(heard) == set(), "isolated pods' datagrams reached the far pod"
 
 
 # ---------------------------------------------------------------- ClusterNetworkPolicy

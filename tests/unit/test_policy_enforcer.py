@@ -13,6 +13,7 @@ import pytest
 from cni.kernel.nftables import NftError
 from proxyd.metrics import Metrics
 from proxyd.nftables.kernel import Nft
+from proxyd.policy.admission import sandbox_pod
 from proxyd.policy.enforcer import PolicyEnforcer
 
 
@@ -98,3 +99,57 @@ def test_a_familys_nft_context_is_used_by_one_thread_only(monkeypatch: pytest.Mo
         enforcer.stop()
     assert len(set(used_by[4])) == len(set(used_by[6])) == 1, used_by
     assert used_by[4] != used_by[6]
+
+
+def unaddressed(name: str, labels: dict[str, str], uid: str = "") -> dict[str, Any]:
+    """A pod of the node as the API knows it before kubelet wrote its addresses."""
+    obj = pod(name, "10.0.0.9", labels)
+    obj["metadata"]["uid"] = uid or name
+    obj["status"] = {"phase": "Pending"}
+    return obj
+
+
+def test_a_pods_runtime_addresses_are_written_before_the_add_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loaded: list[str] = []
+    monkeypatch.setattr(Nft, "run", lambda nft, text: loaded.append(text))
+    monkeypatch.setattr(Nft, "exists", lambda nft: False)
+    enforcer = PolicyEnforcer("n1", (4,), 3600.0, Metrics())
+    state = enforcer.state
+    state.replace_namespaces([{"metadata": {"name": "ns"}}])
+    state.replace_pods([unaddressed("fresh", {"app": "web"})])
+    isolating = {"metadata": {"namespace": "ns", "name": "p"}, "spec": {"podSelector": {}}}
+    state.replace_policies([isolating])
+    state.replace_cluster_policies([])
+    syncing = threading.Thread(target=enforcer.runner.loop, daemon=True)
+    syncing.start()
+    try:
+        assert enforcer.admit("ns", "fresh", "fresh", ("10.0.0.9",))
+        assert "10.0.0.9 : jump ingress-" in "".join(loaded), "the pod's chain, before the ADD"
+        # a pod made anew under the name is another pod: the old sandbox's address is not its
+        state.pod_event("MODIFIED", unaddressed("fresh", {"app": "web"}, uid="other"))
+        assert ("ns", "fresh") not in state.take()[0].pods
+        enforcer.release("ns", "fresh")
+        state.pod_event("MODIFIED", unaddressed("fresh", {"app": "web"}))
+        assert ("ns", "fresh") not in state.take()[0].pods, "the DEL took the address back"
+    finally:
+        enforcer.runner.stop()
+
+
+def test_an_add_for_a_pod_the_api_does_not_know_waits_for_it_then_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("proxyd.policy.enforcer.ADMISSION_WAIT", 0.1)
+    enforcer = PolicyEnforcer("n1", (4,), 3600.0, Metrics())
+    began = time.monotonic()
+    assert not enforcer.admit("ns", "unknown", "", ("10.0.0.9",))
+    assert time.monotonic() - began >= 0.1
+
+
+def test_the_pod_of_a_call_is_the_one_its_runtime_names() -> None:
+    args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web-0;K8S_POD_UID=u1"
+    assert sandbox_pod({"CNI_ARGS": args}) == ("ns", "web-0", "u1")
+    assert sandbox_pod({"CNI_ARGS": "K8S_POD_NAME=web-0"}) is None, "no namespace"
+    assert sandbox_pod({"CNI_ARGS": "not-an-arg"}) is None
+    assert sandbox_pod({}) is None
