@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -58,10 +60,11 @@ def test_every_cluster_network_policy_conformance_test_passes(lab: Lab) -> None:
 
 NEXT_RELEASE = "next"
 BUNDLE_MANIFEST = "/opt/knit/cni-bundle/manifest.json"
-# a client that fetches until the file named by $STOP exists, then prints its counts
+# a client that fetches until the file named by $STOP exists, one line per request: its time
+# and whether it was answered
 LOOP = (
-    'n=0; f=0; until [ -e "$STOP" ]; do n=$((n+1)); '
-    'curl -sf -m 2 -o /dev/null "$URL" || f=$((f+1)); done; echo "$n $f"'
+    'until [ -e "$STOP" ]; do '
+    'curl -sf -m 2 -o /dev/null -w "%{time_total} " "$URL" && echo ok || echo failed; done'
 )
 
 
@@ -80,7 +83,7 @@ def _loop_outside(lab: Lab, url: str, stop: Path) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-# one connection held open across the update: a request before, one after $STOP exists
+# one connection held open across the change: a request before, one after $STOP exists
 HOLD = r"""
 exec 3<>"/dev/tcp/$HOST/$PORT"
 ask() {
@@ -115,14 +118,103 @@ def _hold_outside(lab: Lab, host: str, port: int, stop: Path) -> subprocess.Pope
     )  # fmt: skip
 
 
-def _held_answers(proc: subprocess.Popen[str]) -> list[str]:
-    return proc.communicate(timeout=60)[0].splitlines()
+@dataclass(frozen=True)
+class Loop:
+    """What a steady client saw: requests made, failed, and the longest wait for an answer
+    (the summed times of the requests from one answer to the next)."""
+
+    made: int
+    failed: int
+    longest_wait: float
+
+    def __str__(self) -> str:
+        return f"{self.made} requests, {self.failed} failed, longest wait {self.longest_wait:.2f} s"
 
 
-def _counts(proc: subprocess.Popen[str]) -> tuple[int, int]:
-    out, _ = proc.communicate(timeout=60)
-    made, failed = out.split()
-    return int(made), int(failed)
+def _loop_result(proc: subprocess.Popen[str]) -> Loop:
+    lines = proc.communicate(timeout=60)[0].splitlines()
+    failed = 0
+    waited = longest = 0.0
+    for line in lines:
+        seconds, outcome = line.split()
+        waited += float(seconds)
+        if outcome == "ok":
+            longest, waited = max(longest, waited), 0.0
+        else:
+            failed += 1
+    return Loop(len(lines), failed, max(longest, waited))
+
+
+def _first_line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    return proc.stdout.readline().strip()
+
+
+@dataclass(frozen=True)
+class UnderTraffic:
+    """One change of knit made under steady clients and held connections."""
+
+    change: str
+    seconds: float
+    inside: Loop
+    outside: Loop
+    held: tuple[list[str], list[str]]
+
+    def __str__(self) -> str:
+        return (
+            f"{self.change} in {self.seconds:.0f} s: a pod to a ClusterIP {self.inside}; "
+            f"outside to a NodePort {self.outside}"
+        )
+
+
+class RequestsFailed(AssertionError):
+    """A steady client's request failed while knit changed."""
+
+
+def _under_traffic(lab: Lab, tmp_path: Path, change: str, make: Callable[[], None]) -> UnderTraffic:
+    """make() run while the client pod fetches through the demo's ClusterIP and the outside
+    host through node2's NodePort without pause, each also holding one connection, asked once
+    before the change and once after it. Checks both clients kept fetching and both held
+    connections were answered twice by one pod; the failed requests are the caller's to judge
+    (_no_request_failed)."""
+    web = json.loads(lab.kubectl("get", "service", "web", "-o", "json"))["spec"]
+    node_port, cluster_ip = web["ports"][0]["nodePort"], web["clusterIP"]
+    node2 = lab.nodes["node2"].addresses[0]
+    name = f"stop-{time.monotonic_ns()}"
+    in_pod, outside = f"/tmp/{name}", tmp_path / name
+    holds = (
+        _hold_in_pod(lab, cluster_ip, 80, in_pod),
+        _hold_outside(lab, node2, node_port, outside),
+    )
+    # both connections open and answered before anything changes
+    first = [_first_line(hold) for hold in holds]
+    loops = (
+        _loop_in_pod(lab, "http://web/hostname", in_pod),
+        _loop_outside(lab, f"http://{node2}:{node_port}/hostname", outside),
+    )
+    began = time.monotonic()
+    make()
+    seconds = time.monotonic() - began
+    lab.kubectl("exec", "client", "--", "touch", in_pod)
+    outside.touch()
+    inside_loop, outside_loop = (_loop_result(loop) for loop in loops)
+    held_inside, held_outside = (
+        [answer, *hold.communicate(timeout=60)[0].splitlines()]
+        for answer, hold in zip(first, holds, strict=True)
+    )
+    run = UnderTraffic(change, seconds, inside_loop, outside_loop, (held_inside, held_outside))
+    print(run)
+    assert run.inside.made > 10 and run.outside.made > 10, run
+    for held in run.held:
+        # both requests answered on the one connection, so by the same pod
+        assert len(held) == 2 and held[0] == held[1] and held[0].startswith("HTTP/1.1 200 "), held
+    return run
+
+
+def _no_request_failed(*runs: UnderTraffic) -> None:
+    failed = [str(run) for run in runs if run.inside.failed or run.outside.failed]
+    if failed:
+        raise RequestsFailed("; ".join(failed))
 
 
 def _knit_pods(lab: Lab, jsonpath: str) -> list[str]:
@@ -132,50 +224,63 @@ def _knit_pods(lab: Lab, jsonpath: str) -> list[str]:
     ).split()  # fmt: skip
 
 
+def _knit_image(lab: Lab) -> str:
+    return lab.kubectl(
+        "-n", "kube-system", "get", "daemonset", "knit",
+        "-o", "jsonpath={.spec.template.spec.containers[0].image}",
+    )  # fmt: skip
+
+
+def _set_image(lab: Lab, image_name: str) -> None:
+    lab.kubectl("-n", "kube-system", "set", "image", "daemonset/knit", f"knit={image_name}")
+
+
+def _rolled_out(lab: Lab) -> None:
+    lab.kubectl(
+        "-n", "kube-system", "rollout", "status", "daemonset/knit", "--timeout=300s", timeout=320
+    )  # fmt: skip
+
+
+def _bundle_version(lab: Lab) -> str:
+    """The version of the plugin bundle in a running knit pod's image."""
+    knit_pod = _knit_pods(lab, "{.items[0].metadata.name}")[0]
+    manifest = lab.kubectl("-n", "kube-system", "exec", knit_pod, "--", "cat", BUNDLE_MANIFEST)
+    version: str = json.loads(manifest)["version"]
+    return version
+
+
 def _installed_versions(lab: Lab) -> set[str | None]:
     return {installed_version(node.folder / "opt/cni/bin") for node in lab.nodes.values()}
 
 
-def test_a_rolling_update_of_knit_loses_no_connection(lab: Lab, tmp_path: Path) -> None:
+def test_a_rolling_update_of_knit_and_its_rollback_lose_no_connection(
+    lab: Lab, tmp_path: Path
+) -> None:
     lab.deploy_demo()
-    web = json.loads(lab.kubectl("get", "service", "web", "-o", "json"))["spec"]
-    node_port, cluster_ip = web["ports"][0]["nodePort"], web["clusterIP"]
-    node2 = lab.nodes["node2"].addresses[0]
     # the new release (other plugin bytes, so another bundle version) on every node, as a
     # registry would serve it
     archive = image.build_knit_release(IMAGES, NEXT_RELEASE)
     next_image = image.image_names(archive)[0]
     for node in lab.nodes.values():
         image.import_images(node.ctr(), [archive])
-    before = _installed_versions(lab)
-    stop = tmp_path / "stop"
-    held_inside = _hold_in_pod(lab, cluster_ip, 80, "/tmp/stop")
-    held_outside = _hold_outside(lab, node2, node_port, stop)
-    inside = _loop_in_pod(lab, "http://web/hostname", "/tmp/stop")
-    outside = _loop_outside(lab, f"http://{node2}:{node_port}/hostname", stop)
-    lab.kubectl("-n", "kube-system", "set", "image", "daemonset/knit", f"knit={next_image}")
-    # a pod made while the update runs
-    lab.kubectl(
-        "run", "during", "--image=registry.k8s.io/e2e-test-images/agnhost:2.66.1",
-        "--", "netexec", "--http-port=8080",
-    )  # fmt: skip
-    lab.kubectl(
-        "-n", "kube-system", "rollout", "status", "daemonset/knit", "--timeout=300s", timeout=320
-    )  # fmt: skip
-    lab.kubectl("exec", "client", "--", "touch", "/tmp/stop")
-    stop.touch()
-    (made_inside, failed_inside), (made_outside, failed_outside) = _counts(inside), _counts(outside)
-    assert (failed_inside, failed_outside) == (0, 0)
-    assert made_inside > 10 and made_outside > 10
-    for held in (_held_answers(held_inside), _held_answers(held_outside)):
-        # both requests answered on the one connection, so by the same pod
-        assert len(held) == 2 and held[0] == held[1] and held[0].startswith("HTTP/1.1 200 "), held
+    original_image, original_version = _knit_image(lab), _bundle_version(lab)
+    assert _installed_versions(lab) == {original_version}
+
+    def upgrade() -> None:
+        _set_image(lab, next_image)
+        # a pod made while the update runs
+        lab.kubectl(
+            "run", "during", "--image=registry.k8s.io/e2e-test-images/agnhost:2.66.1",
+            "--", "netexec", "--http-port=8080",
+        )  # fmt: skip
+        _rolled_out(lab)
+
+    upgraded = _under_traffic(lab, tmp_path, f"rolling update to {next_image}", upgrade)
+    _no_request_failed(upgraded)
     images = _knit_pods(lab, "{.items[*].spec.containers[0].image}")
     assert images == [next_image] * len(lab.nodes)
-    knit_pod = _knit_pods(lab, "{.items[0].metadata.name}")[0]
-    manifest = lab.kubectl("-n", "kube-system", "exec", knit_pod, "--", "cat", BUNDLE_MANIFEST)
-    new_version = json.loads(manifest)["version"]
-    assert new_version not in before and _installed_versions(lab) == {new_version}
+    new_version = _bundle_version(lab)
+    assert new_version != original_version and _installed_versions(lab) == {new_version}
     lab.kubectl("wait", "--for=condition=Ready", "pod/during", "--timeout=120s", timeout=130)
     during = json.loads(lab.kubectl("get", "pod", "during", "-o", "json"))["status"]["podIP"]
     assert (
@@ -184,7 +289,18 @@ def test_a_rolling_update_of_knit_loses_no_connection(lab: Lab, tmp_path: Path) 
         )
         == "during"
     )
-    print(f"rolling update: {made_inside} requests to a ClusterIP, {made_outside} to a NodePort")
+
+    def downgrade() -> None:
+        _set_image(lab, original_image)
+        _rolled_out(lab)
+
+    # back to the lab's own release, the way it came, so the tests after this one run on it
+    downgraded = _under_traffic(lab, tmp_path, f"rollback to {original_image}", downgrade)
+    _no_request_failed(downgraded)
+    images = _knit_pods(lab, "{.items[*].spec.containers[0].image}")
+    assert images == [original_image] * len(lab.nodes)
+    assert _bundle_version(lab) == original_version
+    assert _installed_versions(lab) == {original_version}
 
 
 def _node_state(lab: Lab, name: str) -> dict[str, object]:
