@@ -10,15 +10,18 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cni.install import installed_version
 from deploy.lab import e2e, image
 from deploy.lab.lab import KUBECTL, Lab
 from deploy.lab.paths import IMAGES
 from deploy.lab.process import eventually
+from proxyd.nodenet import source_nat
 
 # bringing a lab up takes a minute or two; the e2e selection tens of minutes
 pytestmark = pytest.mark.timeout(3600)
@@ -301,6 +304,88 @@ def test_a_rolling_update_of_knit_and_its_rollback_lose_no_connection(
     assert images == [original_image] * len(lab.nodes)
     assert _bundle_version(lab) == original_version
     assert _installed_versions(lab) == {original_version}
+
+
+# where each mode keeps knit's Service rules; node networking's source NAT is in iptables in
+# every mode, and the policy tables in nftables
+IPTABLES_SAVES = (
+    "iptables-legacy-save",
+    "iptables-nft-save",
+    "ip6tables-legacy-save",
+    "ip6tables-nft-save",
+)
+PROXY_TABLES = {"table ip knit", "table ip6 knit"}
+POLICY_TABLES = {"table ip knit-policy", "table ip6 knit-policy"}
+MODE_SWITCH_GAP = (
+    "knit-proxyd removes the other mode's rules as it starts (Daemon.run calls "
+    "_remove_other_modes, proxyd/daemon.py) and programs its own only at its first sync, "
+    "0.1-1.4 s later: meanwhile the node has no Service rules, so a ClusterIP SYN from its "
+    "pods times out and a NodePort SYN to it is refused"
+)
+
+
+def _service_rules(lab: Lab, name: str) -> tuple[list[str], set[str]]:
+    """Node NAME's KNIT- chains in iptables, both flavours and families (each as
+    SAVE-COMMAND:TABLE:CHAIN), but the source NAT's, and its nftables tables."""
+    run = lab.nodes[name].machine.run
+    chains = []
+    for save in IPTABLES_SAVES:
+        table = ""
+        for line in run(save).splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif line.startswith(":KNIT-") and line.split()[0][1:] not in source_nat.CHAINS:
+                chains.append(f"{save}:{table}:{line.split()[0][1:]}")
+    return chains, set(run("nft", "list", "tables").splitlines())
+
+
+def _in_place(lab: Lab, name: str, mode: str) -> bool:
+    chains, tables = _service_rules(lab, name)
+    return bool(chains) if mode == "iptables" else tables >= PROXY_TABLES
+
+
+def _knit_config(lab: Lab) -> str:
+    configmap = lab.kubectl("-n", "kube-system", "get", "configmap", "knit-config", "-o", "json")
+    config: str = json.loads(configmap)["data"]["config.yaml"]
+    return config
+
+
+def _restart_with(lab: Lab, config: str) -> None:
+    """knit-proxyd's config file replaced and its DaemonSet restarted, one node at a time."""
+    patch = json.dumps({"data": {"config.yaml": config}})
+    lab.kubectl("-n", "kube-system", "patch", "configmap", "knit-config", "-p", patch)
+    lab.kubectl("-n", "kube-system", "rollout", "restart", "daemonset/knit")
+    _rolled_out(lab)
+
+
+@pytest.mark.xfail(strict=True, raises=RequestsFailed, reason=MODE_SWITCH_GAP)
+def test_a_live_switch_of_proxy_mode_and_back_loses_no_connection(lab: Lab, tmp_path: Path) -> None:
+    """iptables to nftables and back through the ConfigMap, as a user switches: the old mode's
+    rules gone from every node after each switch, the held connections answered across both."""
+    if lab.mode != "iptables":
+        pytest.skip(
+            "the iptables mode's lab switches both ways; the nftables lab covers nothing more"
+        )
+    lab.deploy_demo()
+    original = _knit_config(lab)
+    settings = yaml.safe_load(original)
+    assert settings["mode"] == "iptables"
+    runs = []
+    try:
+        for mode in ("nftables", "iptables"):
+            config = original if mode == "iptables" else yaml.safe_dump({**settings, "mode": mode})
+            change = f"switch to the {mode} mode"
+            runs.append(_under_traffic(lab, tmp_path, change, partial(_restart_with, lab, config)))
+            for name in lab.nodes:
+                # gone before the new daemon is ready; its own come at its first sync
+                chains, tables = _service_rules(lab, name)
+                left = chains if mode == "nftables" else sorted(tables & PROXY_TABLES)
+                assert left == [] and tables >= POLICY_TABLES, (name, left, tables)
+                eventually(partial(_in_place, lab, name, mode), 30, what=f"{name}'s {mode} rules")
+    finally:
+        if _knit_config(lab) != original:
+            _restart_with(lab, original)
+    _no_request_failed(*runs)
 
 
 def _node_state(lab: Lab, name: str) -> dict[str, object]:
