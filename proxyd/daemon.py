@@ -167,7 +167,7 @@ class Daemon:
         self.policy = _policy_enforcer(config, self.metrics)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
         self.stop = threading.Event()
-        self._conntrack_tuned = False
+        self._first_synced = False
         self._failures = 0
         """Syncs that failed in a row."""
         self._retry_at = 0.0
@@ -223,8 +223,8 @@ class Daemon:
         elapsed = time.monotonic() - start
         self.health.synced()
         self.health_servers.update(result.health_checks)
-        if not self._conntrack_tuned:
-            self._tune_conntrack()
+        if not self._first_synced:
+            self._after_first_sync()
         log.info(
             "%s sync of %d changed services in %.1f ms",
             "full" if result.full else "partial",
@@ -235,7 +235,6 @@ class Daemon:
 
     def run(self) -> None:
         self._set_sysctls()
-        self._remove_other_modes()
         cni_server = self._prepare_cni()
         api = _api_client(self.config)
         serve_metrics(self.config.metrics_bind_address, self.metrics, self.proxier.mode)
@@ -314,6 +313,17 @@ class Daemon:
             ),
         ]
 
+    def _after_first_sync(self) -> None:
+        """Once this mode's rules are in the kernel: kube-proxy's conntrack timeouts (the
+        rules have made the kernel load conntrack, whose sysctls exist only then), and what
+        another --proxy-mode left removed. Not before: until the first sync, after the
+        watches listed, the other mode's rules are the node's only Service rules (a switch of
+        modes would leave the node without any for that long), and both at once send a
+        connection to an endpoint either way."""
+        self._tune_conntrack()
+        self._remove_other_modes()
+        self._first_synced = True
+
     def _remove_other_modes(self) -> None:
         """What another --proxy-mode left on this node would shadow or fight ours."""
         for mode in MODES:
@@ -339,11 +349,8 @@ class Daemon:
                 _write_sysctl(name, "1")
 
     def _tune_conntrack(self) -> None:
-        """kube-proxy's conntrack timeouts, once: after the first sync, whose rules have made
-        the kernel load conntrack (its sysctls exist only then)."""
         for name, value in conntrack_sysctls(self.config).items():
             _write_sysctl(name, value)
-        self._conntrack_tuned = True
 
     def _prepare_cni(self) -> server.CniServer | None:
         """Install the plugin, release what pods gone since the last run held, then serve

@@ -208,7 +208,8 @@ def test_switching_to_nftables_and_back_replaces_the_rules_and_adopts_the_table(
         proxy_node.stop()
         proxy_node.mode = "nftables"
         proxy_node.start()
-        assert "KNIT-SERVICES" not in proxy_node.iptables(), "the iptables mode's rules went"
+        # once the nftables mode's rules are in: until then the iptables mode's serve
+        eventually(lambda: "KNIT-SERVICES" not in proxy_node.iptables(), 10)
         assert f"{gone} . tcp . 80" in proxy_node.rules()
         assert client.ns.exchange(ip, 80)[1] == "backend"
         proxy_node.stop()
@@ -222,6 +223,10 @@ def test_switching_to_nftables_and_back_replaces_the_rules_and_adopts_the_table(
         proxy_node.stop()
         proxy_node.mode = "iptables"
         proxy_node.start()
-    assert proxy_node.ns.run("nft", "list", "table", "ip", "knit", check=False).returncode != 0
+    eventually(
+        lambda: proxy_node.ns.run("nft", "list", "table", "ip", "knit", check=False).returncode,
+        10,
+        what="the nftables mode's table gone",
+    )
     assert f"-d {ip}/32" in proxy_node.iptables()
     assert client.ns.exchange(ip, 80)[1] == "backend"
