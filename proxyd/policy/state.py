@@ -161,11 +161,13 @@ class PolicyState:
         (docs/benchmarks.md#networkpolicy-make-bench-policy)."""
         with self._lock:
             if store is self._pods:
-                listed = {key_of(obj): obj for obj in objs}
-                for key in self._unaddressed.keys() - listed.keys():
+                # keys only: nothing here may hold the listed objects past objs.clear()
+                listed = set()
+                for obj in objs:
+                    listed.add(key_of(obj))
+                    self._watched_pod(key_of(obj), obj)
+                for key in self._unaddressed.keys() - listed:
                     self._watched_pod(key, None)
-                for key, obj in listed.items():
-                    self._watched_pod(key, obj)
             if store.replace(objs) and store in (self._pods, self._namespaces):
                 self._changed_pods = None
         objs.clear()
