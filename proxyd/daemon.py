@@ -45,6 +45,9 @@ from proxyd.tracker import ClusterState
 log = logging.getLogger("knit-proxyd")
 
 KUBE_PROXY_NFT_TABLE = "kube-proxy"
+POLICY_FIRST_SYNC_WAIT = 10.0
+"""How long after the proxy's first sync the clean-up that follows it waits for the policy's
+first sync, at most (a sync of the proxy's after that runs it)."""
 SYSCTLS_FOR_BRIDGED_PODS = (
     "net/bridge/bridge-nf-call-iptables",
     "net/bridge/bridge-nf-call-ip6tables",
@@ -166,8 +169,11 @@ class Daemon:
         self.node_network = _node_network(config)
         self.policy = _policy_enforcer(config, self.metrics)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
+        self.policy.on_first_sync = self.runner.run
         self.stop = threading.Event()
         self._first_synced = False
+        self._first_sync_at: float | None = None
+        """When the proxy's first sync succeeded (monotonic)."""
         self._failures = 0
         """Syncs that failed in a row."""
         self._retry_at = 0.0
@@ -223,7 +229,7 @@ class Daemon:
         elapsed = time.monotonic() - start
         self.health.synced()
         self.health_servers.update(result.health_checks)
-        if not self._first_synced:
+        if not self._first_synced and self._settled():
             self._after_first_sync()
         log.info(
             "%s sync of %d changed services in %.1f ms",
@@ -312,6 +318,19 @@ class Daemon:
                 self.stop,
             ),
         ]
+
+    def _settled(self) -> bool:
+        """Whether the node's first syncs are over: the proxy's, and the policy's (or
+        POLICY_FIRST_SYNC_WAIT after the proxy's), so that what comes after them does not
+        hold the nf_tables lock the policy's first loads would wait for."""
+        now = time.monotonic()
+        if self._first_sync_at is None:
+            self._first_sync_at = now
+        return (
+            not self.config.network_policy
+            or self.policy.first_synced.is_set()
+            or now - self._first_sync_at > POLICY_FIRST_SYNC_WAIT
+        )
 
     def _after_first_sync(self) -> None:
         """Once this mode's rules are in the kernel: kube-proxy's conntrack timeouts (the

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from cni.kernel.nftables import NftError
@@ -90,6 +90,10 @@ class PolicyEnforcer:
         self._synced = threading.Condition()
         self._synced_takes = 0
         """The state's snapshots the last finished sync had taken."""
+        self.first_synced = threading.Event()
+        self.on_first_sync: Callable[[], None] = lambda: None
+        """Called once, when the first sync has finished (the daemon runs what waited for
+        it)."""
         self._loaders = {
             family: ThreadPoolExecutor(1, thread_name_prefix=f"policy-nft{family}")
             for family in self.families
@@ -109,6 +113,9 @@ class PolicyEnforcer:
             with self._synced:
                 self._synced_takes = self.state.takes
                 self._synced.notify_all()
+            if not self.first_synced.is_set():
+                self.first_synced.set()
+                self.on_first_sync()
 
     def admit(self, namespace: str, name: str, uid: str, addresses: tuple[str, ...]) -> bool:
         """The runtime gave a pod of this node these addresses (a CNI ADD this daemon serves,
