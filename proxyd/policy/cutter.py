@@ -104,8 +104,8 @@ class ConnectionCutter:
             start = time.monotonic()
             try:
                 cut, restored = self._cut(family, policy)
-            except OSError as err:  # the next change walks again
-                log.warning("IPv%d: cutting connections the policies deny failed: %s", family, err)
+            except Exception:  # the walks' thread goes on: the next change walks again
+                log.exception("IPv%d: cutting connections the policies deny failed", family)
                 continue
             self.metrics.policy_cut_duration.observe(time.monotonic() - start)
             self.metrics.policy_cut_connections.labels(family_label(family)).inc(cut)
