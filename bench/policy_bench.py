@@ -210,11 +210,7 @@ class PolicyBench:
         path = f"/api/v1/namespaces/{namespace}/pods/{name}"
 
         def member(nft: Nft) -> bool:
-            try:
-                nft.run(f"get element ip {TABLE} {client_set} {{ {address} }}")
-            except NftError:
-                return False
-            return True
+            return in_set(nft, client_set, address)
 
         samples = []
         for turn in range(SAMPLES):
@@ -392,11 +388,7 @@ class PolicyBench:
         client_set = client_peer_set(self, client)
 
         def member(nft: Nft) -> bool:
-            try:
-                nft.run(f"get element ip {TABLE} {client_set} {{ {client.address(4)} }}")
-            except NftError:
-                return False
-            return True
+            return in_set(nft, client_set, client.address(4))
 
         # what the connection rate left, and the last run's load, out of the count
         in_ns(self.node.ns, "conntrack", "-F")
@@ -430,6 +422,15 @@ class PolicyBench:
         )
 
 
+def in_set(nft: Nft, set_name: str, address: str) -> bool:
+    """Whether the policy table's set holds the address (a libnftables `get element`)."""
+    try:
+        nft.run(f"get element ip {TABLE} {set_name} {{ {address} }}")
+    except NftError:
+        return False
+    return True
+
+
 def serve_connections(cluster: Cluster, pod: LabPod) -> None:
     cluster.spawn(
         ["ip", "netns", "exec", pod.ns, sys.executable, "-c", SERVER, str(CONNECTION_PORT)],
@@ -447,11 +448,7 @@ def client_peer_set(bench: PolicyBench, client: LabPod) -> str:
     def find() -> str:
         nft = Nft(4, TABLE)
         for name in sorted(nft.sets()):
-            if name.startswith("peers-"):
-                try:
-                    nft.run(f"get element ip {TABLE} {name} {{ {client.address(4)} }}")
-                except NftError:
-                    continue
+            if name.startswith("peers-") and in_set(nft, name, client.address(4)):
                 return name
         return ""
 
