@@ -17,6 +17,11 @@ change adds or removes elements and leaves the chains as they are.
 Named ports resolve against the pod that receives the traffic: for ingress that is the
 chain's own pod, so they become numbers in its chain; for egress it is the peer, so they
 become a set of (peer address . protocol . port) elements.
+
+Compiled with `provenance` (for `kubectl knit explain`, never by the daemon), each match
+also carries the policy rule it comes from (`Origin`), and the table names the
+NetworkPolicies isolating each pod's chain: the same compile as the daemon's, so an
+explanation gives the daemon's verdict.
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from proxyd.naming import short_hash
-from proxyd.policy.cluster_model import ACCEPT, ADMIN, BASELINE, DENY, ClusterNetworkPolicy
+from proxyd.policy.cluster_model import (
+    ACCEPT,
+    ADMIN,
+    BASELINE,
+    DENY,
+    ClusterNetworkPolicy,
+    ClusterRule,
+)
 from proxyd.policy.model import (
     DIRECTIONS,
     INGRESS,
@@ -51,6 +63,27 @@ DROP = "drop"
 NEXT = "next"
 """Verdicts: let the packet on (to the receiver's ingress, after an egress chain), drop it
 (counted), or go to the pod's next chain (an Admin Pass)."""
+NETWORK_POLICY = "NetworkPolicy"
+CLUSTER_NETWORK_POLICY = "ClusterNetworkPolicy"
+NETWORK_POLICY_TIER = "NetworkPolicy"
+"""The tier between Admin and Baseline, as network-policy-api names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """The policy rule a match comes from: `rule` is its index among the policy's rules of
+    the direction as knit read them (a rule knit left out, see model.py, is not counted);
+    `namespace` is "" and `priority` is set for a ClusterNetworkPolicy; `action` is the
+    rule's (Accept, Deny or Pass; a NetworkPolicy's rules Accept)."""
+
+    kind: str
+    namespace: str
+    name: str
+    tier: str
+    rule: int
+    action: str
+    priority: int | None = None
+    rule_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -66,6 +99,9 @@ class Match:
     last: int | None = None
     peer_ports: str | None = None
     verdict: str = ALLOW
+    origin: Origin | None = field(default=None, compare=False)
+    """Set only by a compile with provenance; not part of the rule (two equal matches of
+    one chain keep the first's, the one that decides)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +140,9 @@ class FamilyPolicy:
     quarantined: frozenset[str] = frozenset()
     """Pods' first chains that drop everything because nft refused their rules (see
     quarantine.py); the compiler makes none."""
+    isolated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """With provenance only: a pod's first chain -> the NetworkPolicies (of the pod's
+    namespace) isolating it in the chain's direction; absent when none does."""
 
 
 class PodViews:
@@ -400,8 +439,10 @@ class FamilyCompiler:
     another node's pod costs the same with 1,000 pods as with 10,000. The result is what a
     fresh compile of the same cluster gives."""
 
-    def __init__(self, family: int) -> None:
+    def __init__(self, family: int, *, provenance: bool = False) -> None:
+        """`provenance`: give each match its Origin (for explaining verdicts)."""
         self.family = family
+        self.provenance = provenance
         self._peer_sets: dict[PeersKey, _PeerSet] = {}
         self.port_sets: dict[str, tuple[_PeerSet | None, PortMatch]] = {}
         """The last compile's peer-port sets: what each was made from."""
@@ -519,6 +560,7 @@ class _TableBuild:
         rule_ports: tuple[PortMatch, ...] | None,
         pod: Pod,
         verdict: str = ALLOW,
+        origin: Origin | None = None,
     ) -> list[Match]:
         """What one rule of a policy of `namespace` ("" for a cluster policy) matches for
         the pod."""
@@ -530,22 +572,27 @@ class _TableBuild:
                 self.out.ranged.add(entry.name)
         peers = entry.name if entry is not None else None
         if rule_ports is None:
-            return [Match(peers, verdict=verdict)]
+            return [Match(peers, verdict=verdict, origin=origin)]
         matches = []
         for port in rule_ports:
             protocol = port.protocol.lower()
             if port.name and direction == INGRESS:
                 number = pod.port_named(port.name, port.protocol)
                 if number is not None:
-                    matches.append(Match(peers, protocol, number, number, verdict=verdict))
+                    matches.append(
+                        Match(peers, protocol, number, number, verdict=verdict, origin=origin)
+                    )
             elif port.name:
                 # egress: the name resolves on each destination pod among the peers
-                matches.append(Match(peer_ports=self.peer_ports(entry, port), verdict=verdict))
+                peer_ports = self.peer_ports(entry, port)
+                matches.append(Match(peer_ports=peer_ports, verdict=verdict, origin=origin))
             elif port.number is not None:
                 last = port.end or port.number
-                matches.append(Match(peers, protocol, port.number, last, verdict=verdict))
+                matches.append(
+                    Match(peers, protocol, port.number, last, verdict=verdict, origin=origin)
+                )
             else:
-                matches.append(Match(peers, protocol, verdict=verdict))
+                matches.append(Match(peers, protocol, verdict=verdict, origin=origin))
         return matches
 
     def peer_ports(self, entry: _PeerSet | None, port: PortMatch) -> str:
@@ -579,11 +626,12 @@ class _TableBuild:
             ):
                 continue
             names.append(policy.name)
-            for rule in policy.rules(direction):
+            for index, rule in enumerate(policy.rules(direction)):
                 verdict = (
                     ALLOW if rule.action == ACCEPT else DROP if rule.action == DENY else passing
                 )
-                found += self.matches("", direction, rule.peers, rule.ports, pod, verdict)
+                origin = _cluster_origin(policy, index, rule) if self.compiler.provenance else None
+                found += self.matches("", direction, rule.peers, rule.ports, pod, verdict, origin)
         return found, names
 
     def pod_chains(
@@ -619,6 +667,8 @@ class _TableBuild:
         self.out.chains[first] = PodChain(tuple(dict.fromkeys(matches)), otherwise, first, after)
         self.out.owners[first] = (pod.namespace, pod.name)
         self.out.isolating[first] = tuple(names)
+        if isolation is not None and self.compiler.provenance:
+            self.out.isolated_by[first] = tuple(isolation[0])
         target = self.out.ingress if direction == INGRESS else self.out.egress
         target[address] = first
 
@@ -644,9 +694,10 @@ class _TableBuild:
                         (direction, (pod.namespace, pod.name)), ([], [])
                     )
                     names.append(policy.name)
-                    for rule in policy.rules(direction):
+                    for index, rule in enumerate(policy.rules(direction)):
+                        origin = _origin(policy, index) if self.compiler.provenance else None
                         allowed += self.matches(
-                            policy.namespace, direction, rule.peers, rule.ports, pod
+                            policy.namespace, direction, rule.peers, rule.ports, pod, ALLOW, origin
                         )
         ordered = sorted(self.cluster.cluster_policies, key=lambda p: (p.priority, p.name))
         tiers = (
@@ -662,6 +713,17 @@ class _TableBuild:
         return self.out
 
 
+def _origin(policy: NetworkPolicy, index: int) -> Origin:
+    return Origin(NETWORK_POLICY, policy.namespace, policy.name, NETWORK_POLICY_TIER, index, ACCEPT)
+
+
+def _cluster_origin(policy: ClusterNetworkPolicy, index: int, rule: ClusterRule) -> Origin:
+    return Origin(
+        CLUSTER_NETWORK_POLICY, "", policy.name, policy.tier, index, rule.action,
+        policy.priority, rule.name,
+    )  # fmt: skip
+
+
 def _everyone(cluster: Cluster, port: PortMatch, family: int) -> frozenset[tuple[str, str, int]]:
     """The named port's (address . protocol . port) on every pod."""
     everyone = _PeerSet("", "", (), frozenset())
@@ -670,6 +732,6 @@ def _everyone(cluster: Cluster, port: PortMatch, family: int) -> frozenset[tuple
     return everyone.port_elements(port, family)
 
 
-def compile_family(cluster: Cluster, family: int) -> FamilyPolicy:
-    """A fresh compile of one family."""
-    return FamilyCompiler(family).compile(cluster, None)
+def compile_family(cluster: Cluster, family: int, *, provenance: bool = False) -> FamilyPolicy:
+    """A fresh compile of one family; `provenance`: with each match's Origin."""
+    return FamilyCompiler(family, provenance=provenance).compile(cluster, None)

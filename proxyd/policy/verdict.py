@@ -4,6 +4,9 @@ pod's traffic to itself passes; else the sender's egress chain judges it, if the
 one, and then the receiver's ingress chain, if the receiver has one. Only connections that
 cross the forward hook are judged by the table; the node's own traffic to and from its pods
 is not (see render.py), and `judges` says which are.
+
+`allows` answers with a bool (the conntrack cut judges every entry with it); `decide` walks
+the same rules and says which decided, for explaining a verdict (proxyd/explain/).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import bisect
 import ipaddress
 from dataclasses import dataclass
 
-from proxyd.policy.compile import ALLOW, NEXT, FamilyPolicy, Match
+from proxyd.policy.compile import ALLOW, NEXT, FamilyPolicy, Match, Origin
+from proxyd.policy.model import INGRESS
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,33 @@ class Connection:
     destination: str
     protocol: str
     port: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One verdict met on a pod chain: the rule at `index` of the chain's matches (its
+    `origin`, where compiled with provenance), or the chain's end (`index` None)."""
+
+    chain: str
+    index: int | None
+    verdict: str
+    origin: Origin | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How a pod's chains for one direction judged a connection: each Pass gone through,
+    then the step that decided (last)."""
+
+    path: tuple[Step, ...]
+
+    @property
+    def allowed(self) -> bool:
+        return self.path[-1].verdict == ALLOW
+
+    @property
+    def decided_by(self) -> Step:
+        return self.path[-1]
 
 
 class Judge:
@@ -56,23 +87,52 @@ class Judge:
         ingress = self._ingress.get(destination)
         return ingress is None or self._passes(ingress, connection, source, destination)
 
+    def decide(self, direction: str, connection: Connection) -> Decision | None:
+        """How the chains of the direction's pod (the sender's for egress, the receiver's for
+        ingress) judge the connection; None when that pod has no chain for it. A pod's
+        traffic to itself is not judged by chains: `allows` says so first."""
+        source, destination = _number(connection.source), _number(connection.destination)
+        if direction == INGRESS:
+            chain, peer = self._ingress.get(destination), source
+        else:
+            chain, peer = self._egress.get(source), destination
+        if chain is None:
+            return None
+        steps = self._walk(chain, connection, peer, destination)
+        return Decision(
+            tuple(
+                Step(name, index, verdict, None if index is None else matches[index].origin)
+                for name, index, verdict, matches in steps
+            )
+        )
+
     def _passes(self, chain: str, connection: Connection, peer: int, destination: int) -> bool:
         """Whether a pod chain (and the chains it goes on to) lets the connection on; `peer` is
         the address its rules match peers against (the destination for egress, the source
         for ingress)."""
-        pod_chain = self.policy.chains[chain]
+        return self._walk(chain, connection, peer, destination)[-1][2] == ALLOW
+
+    def _walk(
+        self, chain: str, connection: Connection, peer: int, destination: int
+    ) -> list[tuple[str, int | None, str, tuple[Match, ...]]]:
+        """The verdicts met from a pod chain on: (chain, index of the deciding match or None
+        for the chain's end, verdict, the chain's matches), each NEXT followed."""
+        steps = []
         while True:
-            verdict = next(
+            pod_chain = self.policy.chains[chain]
+            index = next(
                 (
-                    match.verdict
-                    for match in pod_chain.matches
+                    at
+                    for at, match in enumerate(pod_chain.matches)
                     if self._matches(match, connection, peer, destination)
                 ),
-                pod_chain.otherwise,
+                None,
             )
+            verdict = pod_chain.otherwise if index is None else pod_chain.matches[index].verdict
+            steps.append((chain, index, verdict, pod_chain.matches))
             if verdict != NEXT or pod_chain.next is None:
-                return verdict == ALLOW
-            pod_chain = self.policy.chains[pod_chain.next]
+                return steps
+            chain = pod_chain.next
 
     def _matches(self, match: Match, connection: Connection, peer: int, destination: int) -> bool:
         if match.peer_ports is not None:

@@ -13,9 +13,9 @@ import pytest
 
 from proxyd.conntrack import Flow
 from proxyd.policy.cluster_model import parse_cluster_policy
-from proxyd.policy.compile import Cluster, FamilyPolicy, compile_family
+from proxyd.policy.compile import ALLOW, DROP, NEXT, Cluster, FamilyPolicy, compile_family
 from proxyd.policy.cutter import denied, misjudged
-from proxyd.policy.model import Namespace, NetworkPolicy, Pod, parse_policy
+from proxyd.policy.model import EGRESS, INGRESS, Namespace, NetworkPolicy, Pod, parse_policy
 from proxyd.policy.quarantine import quarantined
 from proxyd.policy.render import CUT_MARK, Renderer
 from proxyd.policy.verdict import Connection, Judge
@@ -108,6 +108,29 @@ def test_an_admin_deny_beats_a_networkpolicy_allow_and_a_pass_leaves_it_to_them(
     assert Judge(compiled(allow_all, cluster_policies=passing)).allows(tcp(CLIENT, WEB, 80))
     isolating = policy("x", {"podSelector": {}, "ingress": []})
     assert not Judge(compiled(isolating, cluster_policies=passing)).allows(tcp(CLIENT, WEB, 80))
+
+
+def test_decide_names_the_deciding_rule_and_each_pass_before_it() -> None:
+    allow_all = policy("x", {"podSelector": {}, "ingress": [{}]})
+    passing = (cluster_policy("pass", 1, "Pass"), cluster_policy("deny", 2, "Deny"))
+    table = compile_family(
+        dataclasses.replace(
+            Cluster.of("n1", {(p.namespace, p.name): p for p in PODS}, NAMESPACES, (allow_all,)),
+            cluster_policies=passing,
+        ),
+        4,
+        provenance=True,
+    )
+    decision = Judge(table).decide(INGRESS, tcp(CLIENT, WEB, 80))
+    assert decision is not None and decision.allowed
+    passed, decided = decision.path
+    assert passed.verdict == NEXT and passed.origin is not None
+    assert (passed.origin.name, passed.origin.tier, passed.origin.priority) == ("pass", "Admin", 1)
+    assert decided.origin is not None
+    assert (decided.origin.kind, decided.origin.namespace, decided.origin.name) == (
+        "NetworkPolicy", "x", "p",
+    )  # fmt: skip
+    assert Judge(table).decide(EGRESS, tcp(WEB, CLIENT, 80)) is None, "egress is not judged"
 
 
 def test_a_quarantined_pod_is_reached_by_nothing() -> None:
@@ -206,6 +229,29 @@ def random_cluster_policy(rng: random.Random, index: int) -> Any:
     return parse_cluster_policy({"metadata": {"name": f"c{index}"}, "spec": spec})
 
 
+ACTION_VERDICTS = {"Accept": ALLOW, "Deny": DROP, "Pass": NEXT}
+
+
+def decided(judge: Judge, connection: Connection) -> bool:
+    """The verdict by `decide`, each direction's decision checked on the way: the deciding
+    rule's action is its verdict, and a chain's end drops only where NetworkPolicies isolate
+    the pod."""
+    if connection.source == connection.destination and connection.source in judge.policy.local:
+        return True
+    decisions = [judge.decide(direction, connection) for direction in (EGRESS, INGRESS)]
+    for decision in filter(None, decisions):
+        for step in decision.path:
+            if step.index is not None:
+                assert step.origin is not None
+                assert ACTION_VERDICTS[step.origin.action] == step.verdict or (
+                    step.origin.action == "Pass" and step.origin.tier == "Baseline"
+                ), step
+            elif step.verdict == DROP:
+                first = judge.policy.chains[step.chain].counter
+                assert judge.policy.isolated_by[first], step
+    return all(decision is None or decision.allowed for decision in decisions)
+
+
 @pytest.mark.parametrize("seed", range(25))
 def test_the_judge_agrees_with_the_rendered_rules_traced(seed: int) -> None:
     rng = random.Random(seed)
@@ -213,8 +259,11 @@ def test_the_judge_agrees_with_the_rendered_rules_traced(seed: int) -> None:
     policies = tuple(random_policy(rng, i) for i in range(rng.randrange(1, 4)))
     cluster_policies = tuple(random_cluster_policy(rng, i) for i in range(rng.randrange(3)))
     cluster = Cluster.of("n1", {(p.namespace, p.name): p for p in pods}, NAMESPACES, policies)
-    table = compile_family(dataclasses.replace(cluster, cluster_policies=cluster_policies), 4)
-    judge = Judge(table)
+    cluster = dataclasses.replace(cluster, cluster_policies=cluster_policies)
+    table = compile_family(cluster, 4)
+    explained = compile_family(cluster, 4, provenance=True)
+    assert dataclasses.replace(explained, isolated_by={}) == table, "provenance changes no rule"
+    judge, explaining = Judge(table), Judge(explained)
     ruleset = applied([Renderer(4).full(table, replacing=False)])
     addresses = [p.addresses[0] for p in pods] + [OUTSIDE]
     for source in addresses:
@@ -224,3 +273,4 @@ def test_the_judge_agrees_with_the_rendered_rules_traced(seed: int) -> None:
                 packet = Packet(source, destination, port, protocol=protocol)
                 traced = trace(ruleset, packet, FORWARDED).verdict == "accept"
                 assert judge.allows(connection) == traced, (connection, policies)
+                assert decided(explaining, connection) == traced, (connection, policies)
