@@ -1,0 +1,207 @@
+"""`kubectl-knit`, the kubectl plugin: `kubectl knit explain` lists the objects the daemons
+watch, parses them with the daemons' parsers, and prints what explain.py makes of them.
+
+Exit status: 0 when the connection is allowed, 1 when it is denied, 2 when the question
+cannot be answered (a bad argument, an object missing, the API server unreachable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from kubernetes import client
+from kubernetes import config as kubeconfig
+
+from proxyd import watch
+from proxyd.explain.explain import (
+    AddressTarget,
+    Explainer,
+    ExplainError,
+    NamedTarget,
+    PodTarget,
+    Question,
+    Service,
+    ServiceTarget,
+    Target,
+    World,
+)
+from proxyd.explain.output import to_json, to_text
+from proxyd.model import (
+    PROTOCOLS,
+    EndpointSlice,
+    Obj,
+    parse_endpoint_slice,
+    parse_node,
+    parse_or_skip,
+    parse_service,
+)
+from proxyd.policy.cluster_model import ClusterNetworkPolicy, parse_cluster_policy
+from proxyd.policy.compile import PodKey
+from proxyd.policy.model import (
+    Namespace,
+    NetworkPolicy,
+    Pod,
+    parse_namespace,
+    parse_pod,
+    parse_policy,
+)
+
+Parsed = TypeVar("Parsed")
+KINDS: dict[str, type[PodTarget | ServiceTarget]] = {
+    "pod": PodTarget,
+    "service": ServiceTarget,
+    "svc": ServiceTarget,
+}
+
+
+def parse_target(text: str) -> tuple[Target, int | str]:
+    """`[pod/|service/|svc/]NS/NAME:PORT` or `IP:PORT` (`[IPv6]:PORT`); a PORT of digits is a
+    number, any other a name."""
+    where, colon, port = text.rpartition(":")
+    if not colon or not where or not port:
+        raise ExplainError(f"{text!r} is not NS/NAME:PORT nor IP:PORT")
+    number: int | str = int(port) if port.isdigit() else port
+    if isinstance(number, int) and not 1 <= number <= 65535:
+        raise ExplainError(f"port {number} is not from 1 to 65535")
+    address = where[1:-1] if where.startswith("[") and where.endswith("]") else where
+    try:
+        return AddressTarget(str(ipaddress.ip_address(address))), number
+    except ValueError:
+        pass
+    parts = where.split("/")
+    if len(parts) == 3 and parts[0] in KINDS and all(parts[1:]):
+        return KINDS[parts[0]](parts[1], parts[2]), number
+    if len(parts) == 2 and all(parts):
+        return NamedTarget(parts[0], parts[1]), number
+    raise ExplainError(f"{where!r} is not NS/NAME, pod/NS/NAME, service/NS/NAME nor an address")
+
+
+def parse_pod_key(text: str) -> PodKey:
+    namespace, _, name = text.partition("/")
+    if not namespace or not name or "/" in name:
+        raise ExplainError(f"{text!r} is not NS/POD")
+    return namespace, name
+
+
+def _listed(api: client.ApiClient, resource: watch.Resource) -> list[Obj]:
+    """The resource's objects, listed in pages as the daemons list them; none when the API
+    server does not serve an optional resource."""
+    reflector = watch.Reflector(api, resource, lambda _: None, lambda *_: None, threading.Event())
+    try:
+        return reflector.list()[0]
+    except watch.NotServed:
+        return []
+
+
+def _parsed(objs: list[Obj], parse: Callable[[Obj], Parsed | None], kind: str) -> list[Parsed]:
+    return [p for obj in objs if (p := parse_or_skip(parse, obj, kind)) is not None]
+
+
+def fetch_world(api: client.ApiClient, masquerade_all: bool) -> World:
+    """What the daemons watch, parsed by their parsers (what they skip is skipped here, and
+    logged the same way)."""
+    pods: list[Pod] = _parsed(_listed(api, watch.pods()), parse_pod, "Pod")
+    namespaces: list[Namespace] = _parsed(
+        _listed(api, watch.namespaces()), parse_namespace, "Namespace"
+    )
+    policies: list[NetworkPolicy] = _parsed(
+        _listed(api, watch.network_policies()), parse_policy, "NetworkPolicy"
+    )
+    cluster_policies: list[ClusterNetworkPolicy] = _parsed(
+        _listed(api, watch.cluster_network_policies()),
+        parse_cluster_policy,
+        "ClusterNetworkPolicy",
+    )
+    services = {}
+    for obj in _listed(api, watch.services()):
+        ports = parse_or_skip(parse_service, obj, "Service")
+        if ports:
+            spec = obj.get("spec") or {}
+            namespace, name = ports[0].name.namespace, ports[0].name.name
+            services[namespace, name] = Service(
+                namespace, name, str(spec.get("type") or "ClusterIP"), tuple(ports)
+            )
+    slices: dict[tuple[str, str], tuple[EndpointSlice, ...]] = {}
+    listed = _listed(api, watch.endpoint_slices())
+    for endpoint_slice in _parsed(listed, parse_endpoint_slice, "EndpointSlice"):
+        key = (endpoint_slice.namespace, endpoint_slice.service)
+        slices[key] = (*slices.get(key, ()), endpoint_slice)
+    nodes = _parsed(_listed(api, watch.nodes()), parse_node, "Node")
+    return World(
+        {(pod.namespace, pod.name): pod for pod in pods},
+        {namespace.name: namespace for namespace in namespaces},
+        tuple(policies),
+        tuple(cluster_policies),
+        services,
+        slices,
+        {node.name: node for node in nodes},
+        masquerade_all,
+    )
+
+
+def _api_client(kubeconfig_path: str | None) -> client.ApiClient:
+    configuration = client.Configuration()
+    kubeconfig.load_kube_config(config_file=kubeconfig_path, client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+def _arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kubectl knit", description="Ask knit about the cluster's network."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    explain = commands.add_parser(
+        "explain",
+        help="the path of a new connection from a pod, and the rules that decide it",
+        description="The path a new connection from a pod takes and the policy rules that "
+        "decide it, computed from the API objects by knit-proxyd's own code "
+        "(docs/observability.md).",
+    )
+    explain.add_argument("--from", dest="source", required=True, metavar="NS/POD")
+    explain.add_argument(
+        "--to",
+        required=True,
+        metavar="NS/NAME:PORT|IP:PORT",
+        help="a Service (if one has that name, else a pod; prefix pod/ or service/ to say "
+        "which), or an address; PORT a number or a name",
+    )
+    explain.add_argument("--protocol", default="TCP", type=str.upper, choices=PROTOCOLS)
+    explain.add_argument(
+        "--endpoint",
+        metavar="IP",
+        help="of a Service's eligible endpoints, explain only this one (default: each)",
+    )
+    explain.add_argument("-o", "--output", default="text", choices=("text", "json"))
+    explain.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
+    explain.add_argument(
+        "--masquerade-all",
+        action="store_true",
+        help="the daemons run with --masquerade-all (their masquerade changes the address "
+        "another node's ingress policies see)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = _arguments().parse_args(argv)
+    try:
+        target, port = parse_target(arguments.to)
+        question = Question(
+            parse_pod_key(arguments.source), target, port, arguments.protocol, arguments.endpoint
+        )
+        world = fetch_world(_api_client(arguments.kubeconfig), arguments.masquerade_all)
+        explanation = Explainer(world).explain(question)
+    except (ExplainError, ConnectionError, OSError, kubeconfig.ConfigException) as err:
+        print(f"kubectl knit explain: {err}", file=sys.stderr)
+        return 2
+    if arguments.output == "json":
+        print(json.dumps(to_json(explanation), indent=2))
+    else:
+        print(to_text(explanation), end="")
+    return 0 if explanation.allowed else 1

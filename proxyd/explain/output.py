@@ -1,0 +1,198 @@
+"""Pure: an Explanation as JSON (the stable schema of docs/observability.md) and as text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxyd.explain.explain import DecidedBy, Explanation, Judgement, Leg
+from proxyd.model import family_of
+from proxyd.policy.compile import PodKey
+
+ALLOWED = "allow"
+DENIED = "deny"
+
+
+def _verdict(allowed: bool) -> str:
+    return ALLOWED if allowed else DENIED
+
+
+def _pod(key: PodKey | None) -> dict[str, str] | None:
+    return None if key is None else {"namespace": key[0], "name": key[1]}
+
+
+def _endpoint(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if family_of(address) == 6 else f"{address}:{port}"
+
+
+def _decided_by(decided: DecidedBy) -> dict[str, Any]:
+    return {
+        "kind": decided.kind,
+        "namespace": decided.namespace,
+        "name": decided.name,
+        "tier": decided.tier,
+        "priority": decided.priority,
+        "rule": decided.rule,
+        "ruleName": decided.rule_name,
+        "action": decided.action,
+        "reason": decided.reason,
+    }
+
+
+def _judgement(judgement: Judgement) -> dict[str, Any]:
+    return {
+        "verdict": _verdict(judgement.allowed),
+        "reached": judgement.reached,
+        "node": judgement.node,
+        "pod": _pod(judgement.pod),
+        "judgedBy": list(judgement.judged_by),
+        "isolatedBy": list(judgement.isolated_by),
+        "decidedBy": _decided_by(judgement.decided_by),
+        "path": [
+            {
+                "chain": hop.chain,
+                "rule": hop.index,
+                "verdict": hop.verdict,
+                "decidedBy": _decided_by(hop.decided_by),
+            }
+            for hop in judgement.path
+        ],
+    }
+
+
+def _leg(explanation: Explanation, leg: Leg) -> dict[str, Any]:
+    dnat = None
+    if explanation.service is not None:
+        dnat = {
+            "from": _endpoint(explanation.address, explanation.port),
+            "to": _endpoint(leg.address, leg.port),
+        }
+    return {
+        "verdict": _verdict(leg.allowed),
+        "address": leg.address,
+        "port": leg.port,
+        "pod": _pod(leg.pod),
+        "node": leg.node,
+        "dnat": dnat,
+        "masquerade": leg.masquerade,
+        "masqueradeReason": leg.masquerade_reason or None,
+        "egress": _judgement(leg.egress),
+        "ingress": _judgement(leg.ingress),
+    }
+
+
+def to_json(explanation: Explanation) -> dict[str, Any]:
+    """The schema of docs/observability.md: `egress` and `ingress` are those of the
+    connection shown (the first denied, else the first; None when no connection is made),
+    `connections` has every endpoint explained."""
+    service = explanation.service
+    shown = explanation.shown
+    return {
+        "verdict": _verdict(explanation.allowed),
+        "protocol": explanation.protocol,
+        "source": {
+            "namespace": explanation.source[0],
+            "name": explanation.source[1],
+            "node": explanation.source_node,
+            "address": explanation.source_address,
+        },
+        "destination": {
+            "kind": explanation.destination,
+            "address": explanation.address,
+            "port": explanation.port,
+            "pod": _pod(explanation.destination_pod),
+        },
+        "service": None
+        if service is None
+        else {
+            "namespace": service.namespace,
+            "name": service.name,
+            "type": service.type,
+            "port": service.port,
+            "portName": service.port_name,
+            "frontend": service.frontend,
+            "address": service.address,
+            "internalTrafficPolicy": service.internal_traffic_policy,
+            "externalTrafficPolicy": service.external_traffic_policy,
+            "endpoints": [
+                {
+                    "address": choice.address,
+                    "port": choice.port,
+                    "node": choice.node or None,
+                    "pod": _pod(choice.pod),
+                    "eligible": choice.eligible,
+                    "reason": choice.reason,
+                }
+                for choice in service.endpoints
+            ],
+            "noEndpoint": service.no_endpoint,
+        },
+        "egress": None if shown is None else _judgement(shown.egress),
+        "ingress": None if shown is None else _judgement(shown.ingress),
+        "connections": [_leg(explanation, leg) for leg in explanation.legs],
+        "notes": list(explanation.notes),
+    }
+
+
+def _direction_lines(judgement: Judgement) -> list[str]:
+    where = f"on {judgement.node}" if judgement.node else ""
+    pod = f" ({'/'.join(judgement.pod)})" if judgement.pod else ""
+    reached = "" if judgement.reached else " [not reached: egress drops it; would be]"
+    head = f"  {judgement.direction.lower():<7} {where}{pod}:{reached} "
+    lines = [head + f"{_verdict(judgement.allowed)}: {judgement.decided_by.reason}"]
+    if judgement.judged_by:
+        lines.append(f"          judged by: {', '.join(judgement.judged_by)}")
+    for hop in judgement.path:
+        at = "end" if hop.index is None else f"rule {hop.index}"
+        lines.append(f"          {hop.chain} {at}: {hop.verdict} ({hop.decided_by.reason})")
+    return lines
+
+
+def to_text(explanation: Explanation) -> str:
+    source = "/".join(explanation.source)
+    lines = [
+        f"from     {source} {explanation.source_address} on node {explanation.source_node}",
+    ]
+    target = _endpoint(explanation.address, explanation.port)
+    service = explanation.service
+    if service is not None:
+        lines += [
+            f"to       Service {service.namespace}/{service.name} port {service.port}"
+            f"{f' ({service.port_name})' if service.port_name else ''} {explanation.protocol}, "
+            f"{service.frontend} {service.address}",
+            f"         type {service.type}, internalTrafficPolicy "
+            f"{service.internal_traffic_policy}, externalTrafficPolicy "
+            f"{service.external_traffic_policy}",
+            f"         endpoints from node {explanation.source_node}:",
+        ]
+        for choice in service.endpoints:
+            pod = "/".join(choice.pod) if choice.pod else "-"
+            eligible = "eligible" if choice.eligible else "not eligible"
+            lines.append(
+                f"           {_endpoint(choice.address, choice.port)} {pod} on "
+                f"{choice.node or '?'}: {eligible}, {choice.reason}"
+            )
+        if service.no_endpoint:
+            lines.append(f"         no eligible endpoint: {service.no_endpoint}")
+    elif explanation.destination_pod is not None:
+        pod = "/".join(explanation.destination_pod)
+        lines.append(f"to       Pod {pod} {target} {explanation.protocol}")
+    else:
+        lines.append(f"to       {target} {explanation.protocol}")
+    lines += [f"note     {note}" for note in explanation.notes]
+    for number, leg in enumerate(explanation.legs, 1):
+        head = f"connection {number} of {len(explanation.legs)}"
+        if service is not None:
+            head += f": DNAT {target} -> {_endpoint(leg.address, leg.port)}"
+        if leg.masquerade_reason:
+            masquerade = "masqueraded" if leg.masquerade else "not masqueraded"
+            head += f", {masquerade} ({leg.masquerade_reason})"
+        lines.append(head)
+        lines += _direction_lines(leg.egress) + _direction_lines(leg.ingress)
+        lines.append(f"  => {_verdict(leg.allowed)}")
+    denied = sum(not leg.allowed for leg in explanation.legs)
+    verdict = f"verdict  {_verdict(explanation.allowed)}"
+    if len(explanation.legs) > 1 and denied:
+        verdict += f" ({denied} of {len(explanation.legs)} endpoints denied)"
+    elif not explanation.legs:
+        verdict += " (no connection is made)"
+    return "\n".join([*lines, verdict]) + "\n"

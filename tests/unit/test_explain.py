@@ -1,0 +1,418 @@
+"""`kubectl knit explain` on fixed clusters: the destination resolved as the proxy resolves it,
+and each direction's deciding rule. The objects are API-shaped and go through the daemon's
+parsers; the two nodes' tables come from its compiler."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from proxyd.explain.cli import parse_target
+from proxyd.explain.explain import (
+    AddressTarget,
+    Explainer,
+    ExplainError,
+    Explanation,
+    NamedTarget,
+    PodTarget,
+    Question,
+    Service,
+    ServiceTarget,
+    Target,
+    World,
+)
+from proxyd.explain.output import to_json, to_text
+from proxyd.model import NodeInfo, parse_endpoint_slice, parse_service
+from proxyd.policy.cluster_model import parse_cluster_policy
+from proxyd.policy.model import Namespace, parse_pod, parse_policy
+
+NODES = {
+    "n1": NodeInfo("n1", zone="a", addresses=("192.168.0.1",)),
+    "n2": NodeInfo("n2", zone="b", addresses=("192.168.0.2",)),
+}
+NAMESPACES = {n: Namespace(n, {"kubernetes.io/metadata.name": n}) for n in ("x", "y")}
+CLIENT = ("y", "client")
+
+
+def pod(ns: str, name: str, ip: str, node: str, app: str, ports: list[Any] | None = None) -> Any:
+    return parse_pod({
+        "metadata": {"namespace": ns, "name": name, "labels": {"app": app}},
+        "spec": {"nodeName": node, "containers": [{"ports": ports or []}]},
+        "status": {"phase": "Running", "podIPs": [{"ip": ip}]},
+    })  # fmt: skip
+
+
+WEB_PORTS = [
+    {"name": "http", "containerPort": 8080},
+    {"name": "assoc", "containerPort": 9000, "protocol": "SCTP"},
+]
+PODS = [
+    pod("x", "web-0", "10.0.1.10", "n1", "web", WEB_PORTS),
+    pod("x", "web-1", "10.0.2.11", "n2", "web", WEB_PORTS),
+    pod("x", "other", "10.0.1.12", "n1", "other"),
+    pod("y", "client", "10.0.2.20", "n2", "client"),
+]
+
+
+def service(spec: dict[str, Any], name: str = "web") -> Service:
+    obj = {
+        "metadata": {"namespace": "x", "name": name},
+        "spec": {"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}], **spec},
+    }
+    return Service("x", name, spec.get("type", "ClusterIP"), tuple(parse_service(obj)))
+
+
+def endpoint(ip: str, node: str, **conditions: Any) -> dict[str, Any]:
+    hints = conditions.pop("zones", None)
+    entry = {"addresses": [ip], "nodeName": node, "conditions": {"ready": True, **conditions}}
+    return {**entry, "hints": {"forZones": [{"name": z} for z in hints]}} if hints else entry
+
+
+READY = [endpoint("10.0.1.10", "n1"), endpoint("10.0.2.11", "n2")]
+
+
+def endpoint_slice(endpoints: list[dict[str, Any]], name: str = "web") -> Any:
+    return parse_endpoint_slice({
+        "metadata": {"namespace": "x", "name": f"{name}-abc",
+                     "labels": {"kubernetes.io/service-name": name}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080}],
+        "endpoints": endpoints,
+    })  # fmt: skip
+
+
+def policy(ns: str, name: str, spec: dict[str, Any]) -> Any:
+    return parse_policy({"metadata": {"namespace": ns, "name": name}, "spec": spec})
+
+
+def cluster_policy(name: str, tier: str, priority: int, action: str, **spec: Any) -> Any:
+    subject = {"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "web"}}}}
+    rule = {"action": action, "name": f"{action.lower()}-y", "from": [{"namespaces": IN_Y}]}
+    body = {"tier": tier, "priority": priority, "subject": subject, "ingress": [rule], **spec}
+    return parse_cluster_policy({"metadata": {"name": name}, "spec": body})
+
+
+IN_Y = {"matchLabels": {"kubernetes.io/metadata.name": "y"}}
+DENY_ALL = {"podSelector": {}, "policyTypes": ["Ingress"]}
+FROM_Y_HTTP = {
+    "podSelector": {"matchLabels": {"app": "web"}},
+    "ingress": [{"from": [{"namespaceSelector": IN_Y}], "ports": [{"port": "http"}]}],
+}
+
+
+def world(
+    policies: tuple[Any, ...] = (),
+    cluster_policies: tuple[Any, ...] = (),
+    services: tuple[Service, ...] = (),
+    endpoints: list[dict[str, Any]] = READY,
+    **options: Any,
+) -> World:
+    return World(
+        {(p.namespace, p.name): p for p in PODS},
+        NAMESPACES,
+        policies,
+        cluster_policies,
+        {(s.namespace, s.name): s for s in services},
+        {("x", s.name): (endpoint_slice(endpoints, s.name),) for s in services},
+        NODES,
+        **options,
+    )
+
+
+def explain(
+    the_world: World, target: Target, port: int | str, protocol: str = "TCP", **question: Any
+) -> Explanation:
+    explanation = Explainer(the_world).explain(Question(CLIENT, target, port, protocol, **question))
+    json.dumps(to_json(explanation))  # the JSON is JSON, whatever the case
+    assert to_text(explanation).endswith("\n")
+    return explanation
+
+
+WEB_0 = PodTarget("x", "web-0")
+
+# ------------------------------------------------------------ pod to pod
+
+
+def test_no_policy_judges_a_pod_that_none_selects() -> None:
+    explanation = explain(world(), WEB_0, 8080)
+    assert explanation.allowed
+    (leg,) = explanation.legs
+    assert (leg.egress.node, leg.ingress.node) == ("n2", "n1")
+    assert leg.egress.decided_by.kind == leg.ingress.decided_by.kind == "Default"
+    assert "not isolated" in leg.ingress.decided_by.reason
+    assert to_json(explanation)["verdict"] == "allow"
+
+
+def test_an_isolated_pod_that_no_rule_allows_names_its_isolating_policies() -> None:
+    explanation = explain(world((policy("x", "deny-all", DENY_ALL),)), WEB_0, 8080)
+    assert not explanation.allowed
+    ingress = to_json(explanation)["ingress"]
+    assert ingress["verdict"] == "deny"
+    assert ingress["decidedBy"] | {"reason": ""} == {
+        "kind": "NetworkPolicy", "namespace": "x", "name": "deny-all", "tier": "NetworkPolicy",
+        "priority": None, "rule": None, "ruleName": None, "action": None, "reason": "",
+    }  # fmt: skip
+    assert ingress["path"][-1]["rule"] is None, "the chain's end decided"
+    assert to_json(explanation)["egress"]["decidedBy"]["kind"] == "Default"
+
+
+def test_the_networkpolicy_that_allows_is_named_and_a_named_port_resolves_on_the_pod() -> None:
+    policies = (policy("x", "deny-all", DENY_ALL), policy("x", "from-y", FROM_Y_HTTP))
+    explanation = explain(world(policies), WEB_0, "http")
+    assert explanation.allowed and explanation.port == 8080
+    decided = explanation.legs[0].ingress.decided_by
+    assert (decided.kind, decided.namespace, decided.name, decided.rule) == (
+        "NetworkPolicy", "x", "from-y", 0,
+    )  # fmt: skip
+    assert explanation.legs[0].ingress.judged_by == ("deny-all", "from-y")
+    assert not explain(world(policies), WEB_0, 8081).allowed
+
+
+def test_an_egress_deny_leaves_ingress_unreached() -> None:
+    only_dns = {
+        "podSelector": {},
+        "policyTypes": ["Egress"],
+        "egress": [{"ports": [{"port": 53, "protocol": "UDP"}]}],
+    }
+    explanation = explain(world((policy("y", "only-dns", only_dns),)), WEB_0, 8080)
+    (leg,) = explanation.legs
+    assert not leg.egress.allowed and leg.egress.decided_by.name == "only-dns"
+    assert not leg.ingress.reached and leg.ingress.allowed
+    assert explain(world((policy("y", "only-dns", only_dns),)), WEB_0, 53, "UDP").allowed
+
+
+def test_sctp_is_judged_by_its_own_protocol() -> None:
+    sctp_only = {
+        "podSelector": {},
+        "ingress": [{"ports": [{"port": "assoc", "protocol": "SCTP"}]}],
+    }
+    the_world = world((policy("x", "sctp", sctp_only),))
+    explanation = explain(the_world, WEB_0, "assoc", "SCTP")
+    assert explanation.allowed and explanation.port == 9000
+    assert explanation.legs[0].ingress.decided_by.name == "sctp"
+    assert not explain(the_world, WEB_0, 9000, "TCP").allowed
+
+
+# ------------------------------------------------------------ ClusterNetworkPolicy tiers
+
+
+def test_an_admin_deny_decides_before_a_networkpolicy_allow() -> None:
+    the_world = world(
+        (policy("x", "allow-all", {"podSelector": {}, "ingress": [{}]}),),
+        (cluster_policy("block-y", "Admin", 5, "Deny"),),
+    )
+    decided = to_json(explain(the_world, WEB_0, 8080))["ingress"]["decidedBy"]
+    assert decided | {"reason": ""} == {
+        "kind": "ClusterNetworkPolicy", "namespace": None, "name": "block-y", "tier": "Admin",
+        "priority": 5, "rule": 0, "ruleName": "deny-y", "action": "Deny", "reason": "",
+    }  # fmt: skip
+
+
+def test_an_admin_accept_decides_before_an_isolating_networkpolicy() -> None:
+    the_world = world(
+        (policy("x", "deny-all", DENY_ALL),), (cluster_policy("let-y", "Admin", 1, "Accept"),)
+    )
+    explanation = explain(the_world, WEB_0, 8080)
+    assert explanation.allowed
+    assert explanation.legs[0].ingress.decided_by.name == "let-y"
+
+
+def test_an_admin_pass_leaves_it_to_the_networkpolicies_and_the_path_shows_it() -> None:
+    cluster_policies = (
+        cluster_policy("pass-y", "Admin", 1, "Pass"),
+        cluster_policy("block-y", "Admin", 2, "Deny"),
+    )
+    policies = (policy("x", "deny-all", DENY_ALL), policy("x", "from-y", FROM_Y_HTTP))
+    ingress = to_json(explain(world(policies, cluster_policies), WEB_0, 8080))["ingress"]
+    assert ingress["verdict"] == "allow"
+    assert [hop["verdict"] for hop in ingress["path"]] == ["pass", "allow"]
+    assert ingress["path"][0]["decidedBy"]["name"] == "pass-y"
+    assert ingress["path"][1]["chain"].endswith("-next")
+    assert ingress["decidedBy"]["name"] == "from-y"
+    # without the NetworkPolicy's allow, the pass ends in the isolation's drop
+    denied = to_json(explain(world(policies[:1], cluster_policies), WEB_0, 8080))["ingress"]
+    assert [hop["verdict"] for hop in denied["path"]] == ["pass", "drop"]
+    assert denied["decidedBy"]["name"] == "deny-all"
+
+
+def test_baseline_judges_only_a_pod_no_networkpolicy_isolates() -> None:
+    baseline = (cluster_policy("default-deny-y", "Baseline", 10, "Deny"),)
+    decided = explain(world((), baseline), WEB_0, 8080).legs[0].ingress.decided_by
+    assert (decided.tier, decided.name, decided.action) == ("Baseline", "default-deny-y", "Deny")
+    allow_all = (policy("x", "allow-all", {"podSelector": {}, "ingress": [{}]}),)
+    explanation = explain(world(allow_all, baseline), WEB_0, 8080)
+    assert explanation.allowed
+    assert explanation.legs[0].ingress.decided_by.name == "allow-all"
+
+
+def test_a_baseline_that_does_not_match_leaves_the_default() -> None:
+    baseline = (cluster_policy("default-deny-y", "Baseline", 10, "Deny"),)
+    explanation = Explainer(world((), baseline)).explain(Question(("x", "other"), WEB_0, 8080))
+    ingress = explanation.legs[0].ingress
+    assert ingress.allowed and ingress.decided_by.kind == "Default"
+    assert ingress.judged_by == ("default-deny-y",) and ingress.path[-1].index is None
+
+
+# ------------------------------------------------------------ Services
+
+
+def test_a_cluster_ip_is_explained_per_eligible_endpoint_with_the_reasons_for_the_others() -> None:
+    isolate_web_1 = {
+        "podSelector": {"matchLabels": {"app": "web"}},
+        "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "other"}}}]}],
+    }
+    endpoints = [*READY, endpoint("10.0.1.13", "n1", ready=False)]
+    the_world = world((policy("x", "from-other", isolate_web_1),), (), (service({}),), endpoints)
+    explanation = explain(the_world, ServiceTarget("x", "web"), 80)
+    assert explanation.service is not None
+    assert [(e.address, e.eligible, e.reason) for e in explanation.service.endpoints] == [
+        ("10.0.1.10", True, "ready"),
+        ("10.0.1.13", False, "not ready"),
+        ("10.0.2.11", True, "ready"),
+    ]
+    assert [(leg.address, leg.port, leg.masquerade) for leg in explanation.legs] == [
+        ("10.0.1.10", 8080, False), ("10.0.2.11", 8080, False),
+    ]  # fmt: skip
+    assert not explanation.allowed
+    shown = to_json(explanation)
+    assert shown["connections"][0]["dnat"] == {"from": "10.96.0.10:80", "to": "10.0.1.10:8080"}
+    assert shown["ingress"]["decidedBy"]["name"] == "from-other"
+    assert "2 of 2 endpoints denied" in to_text(explanation)
+    one = explain(the_world, ServiceTarget("x", "web"), "http", endpoint="10.0.2.11")
+    assert [leg.address for leg in one.legs] == ["10.0.2.11"]
+    with pytest.raises(ExplainError, match="not an eligible endpoint"):
+        explain(the_world, ServiceTarget("x", "web"), 80, endpoint="10.0.1.13")
+
+
+def test_internal_traffic_policy_local_keeps_the_source_nodes_endpoints() -> None:
+    the_world = world(services=(service({"internalTrafficPolicy": "Local"}),))
+    explanation = explain(the_world, ServiceTarget("x", "web"), 80)
+    assert explanation.service is not None
+    assert [(e.address, e.eligible) for e in explanation.service.endpoints] == [
+        ("10.0.1.10", False), ("10.0.2.11", True),
+    ]  # fmt: skip
+    assert "internalTrafficPolicy Local" in explanation.service.endpoints[0].reason
+    # no endpoint on the source's node: the proxy drops
+    alone = world(services=(service({"internalTrafficPolicy": "Local"}),), endpoints=READY[:1])
+    dropped = explain(alone, ServiceTarget("x", "web"), 80)
+    assert not dropped.allowed and not dropped.legs
+    assert dropped.service is not None and dropped.service.no_endpoint is not None
+    assert dropped.service.no_endpoint.startswith("drop")
+    assert to_json(dropped)["egress"] is None
+
+
+def test_topology_hints_and_terminating_endpoints() -> None:
+    hinted = [endpoint("10.0.1.10", "n1", zones=["a"]), endpoint("10.0.2.11", "n2", zones=["b"])]
+    explanation = explain(
+        world(services=(service({}),), endpoints=hinted), ServiceTarget("x", "web"), 80
+    )
+    assert explanation.service is not None
+    assert [e.eligible for e in explanation.service.endpoints] == [False, True]
+    assert "topology hints: for zones a" in explanation.service.endpoints[0].reason
+    terminating = [endpoint("10.0.1.10", "n1", ready=False, serving=True, terminating=True)]
+    fallback = explain(
+        world(services=(service({}),), endpoints=terminating), ServiceTarget("x", "web"), 80
+    )
+    assert fallback.service is not None and fallback.service.endpoints[0].eligible
+    assert "no endpoint is ready" in fallback.service.endpoints[0].reason
+    both = [READY[1], endpoint("10.0.1.10", "n1", ready=False, serving=True, terminating=True)]
+    mixed = explain(world(services=(service({}),), endpoints=both), ServiceTarget("x", "web"), 80)
+    assert mixed.service is not None
+    assert mixed.service.endpoints[0].reason == "terminating: ready endpoints exist"
+
+
+def test_an_external_ip_under_each_external_traffic_policy() -> None:
+    from_y = {
+        "podSelector": {},
+        "ingress": [{"from": [{"namespaceSelector": IN_Y}]}],
+    }
+    external = {"type": "LoadBalancer", "externalIPs": ["203.0.113.5"]}
+    for policy_name, masqueraded in (("Cluster", True), ("Local", False)):
+        spec = {**external, "externalTrafficPolicy": policy_name}
+        the_world = world((policy("x", "from-y", from_y),), (), (service(spec),))
+        explanation = explain(the_world, AddressTarget("203.0.113.5"), 80)
+        assert explanation.service is not None
+        assert explanation.service.frontend == "ExternalIP"
+        legs = {leg.address: leg for leg in explanation.legs}
+        assert {leg.masquerade for leg in legs.values()} == {masqueraded}
+        # the masquerade of the source's node comes before the other node's ingress policy
+        assert legs["10.0.1.10"].allowed is not masqueraded, policy_name
+        assert legs["10.0.2.11"].allowed, "same node: judged before the masquerade"
+
+
+def test_masquerade_all_and_hairpin() -> None:
+    the_world = world(services=(service({}),), masquerade_all=True)
+    legs = explain(the_world, ServiceTarget("x", "web"), 80).legs
+    assert all(leg.masquerade and leg.masquerade_reason == "masqueradeAll" for leg in legs)
+    hairpin = Explainer(world(services=(service({}),))).explain(
+        Question(("x", "web-0"), ServiceTarget("x", "web"), 80)
+    )
+    itself = hairpin.legs[0]
+    assert itself.masquerade and itself.masquerade_reason.startswith("hairpin")
+    assert itself.ingress.decided_by.kind == "Unjudged" and itself.allowed
+
+
+# ------------------------------------------------------------ addresses
+
+
+def test_an_address_resolves_to_a_service_frontend_a_pod_or_an_outside_address() -> None:
+    the_world = world(services=(service({}),))
+    assert explain(the_world, AddressTarget("10.96.0.10"), 80).destination == "Service"
+    assert explain(the_world, AddressTarget("10.96.0.10"), 81).destination == "Address"
+    to_pod = explain(the_world, AddressTarget("10.0.1.10"), 8080)
+    assert to_pod.destination == "Pod" and to_pod.destination_pod == ("x", "web-0")
+    outside = explain(
+        world((policy("y", "no-egress", {"podSelector": {}, "policyTypes": ["Egress"]}),)),
+        AddressTarget("192.0.2.7"),
+        443,
+    )
+    (leg,) = outside.legs
+    assert not outside.allowed and leg.egress.decided_by.name == "no-egress"
+    assert leg.ingress.decided_by.kind == "Unjudged"
+    own_node = explain(the_world, AddressTarget("192.168.0.2"), 10250)
+    assert own_node.allowed and own_node.legs[0].egress.decided_by.kind == "Unjudged"
+
+
+def test_a_name_is_a_service_first_and_a_pod_otherwise() -> None:
+    the_world = world(services=(service({}, name="web-0"),))
+    named = explain(the_world, NamedTarget("x", "web-0"), 80)
+    assert named.destination == "Service" and "pod/x/web-0" in named.notes[0]
+    assert explain(world(), NamedTarget("x", "web-0"), 8080).destination == "Pod"
+
+
+@pytest.mark.parametrize(
+    ("question", "message"),
+    [
+        (Question(("y", "nobody"), WEB_0, 80), "no pod y/nobody"),
+        (Question(CLIENT, PodTarget("x", "nobody"), 80), "no pod x/nobody"),
+        (Question(CLIENT, WEB_0, "metrics"), "no TCP port named 'metrics'"),
+        (Question(CLIENT, ServiceTarget("x", "web"), 443), "has no TCP port 443"),
+        (Question(CLIENT, ServiceTarget("x", "gone"), 80), "no Service x/gone"),
+        (Question(CLIENT, AddressTarget("192.0.2.7"), "http"), "needs a pod or Service"),
+    ],
+)
+def test_questions_that_cannot_be_answered(question: Question, message: str) -> None:
+    with pytest.raises(ExplainError, match=message):
+        Explainer(world(services=(service({}),))).explain(question)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("x/web:80", (NamedTarget("x", "web"), 80)),
+        ("pod/x/web-0:http", (PodTarget("x", "web-0"), "http")),
+        ("svc/x/web:http", (ServiceTarget("x", "web"), "http")),
+        ("10.96.0.10:53", (AddressTarget("10.96.0.10"), 53)),
+        ("[fd00::0010]:443", (AddressTarget("fd00::10"), 443)),
+    ],
+)
+def test_targets_as_written(text: str, expected: tuple[Target, int | str]) -> None:
+    assert parse_target(text) == expected
+
+
+@pytest.mark.parametrize("text", ["web:80", "x/web", "x/web:0", "a/b/c/d:80", "node/x/y:80"])
+def test_targets_that_are_not(text: str) -> None:
+    with pytest.raises(ExplainError):
+        parse_target(text)
