@@ -305,26 +305,12 @@ class Explainer:
                 )
             port = self._pod_port(pod, question.port, protocol)
             address = pod.by_family[family][0]
-            leg = self._leg(source, address, port, protocol, False, "")
-            return Explanation(
-                question.source,
-                source.node,
-                source.by_family[family][0],
-                protocol,
-                "Pod",
-                address,
-                port,
-                (pod.namespace, pod.name),
-                None,
-                (leg,),
-            )
+            return self._direct(source, "Pod", address, port, protocol, (pod.namespace, pod.name))
         address = target.address
         if not isinstance(question.port, int):
             raise ExplainError(f"a named port ({question.port}) needs a pod or Service to name it")
-        family = family_of(address)
-        if family not in source.by_family:
-            raise ExplainError(f"the source has no IPv{family} address")
-        leg = self._leg(source, address, question.port, protocol, False, "")
+        if family_of(address) not in source.by_family:
+            raise ExplainError(f"the source has no IPv{family_of(address)} address")
         notes: tuple[str, ...] = ()
         if address in self._node(source.node).addresses:
             notes = ("the source's own node: a pod's traffic to its node is never judged",)
@@ -333,19 +319,25 @@ class Explainer:
                 "a node's address: NodePorts are not followed, the traffic is judged as "
                 "sent to that address",
             )
+        return self._direct(source, "Address", address, question.port, protocol, None, notes)
+
+    def _direct(
+        self,
+        source: Pod,
+        kind: str,
+        address: str,
+        port: int,
+        protocol: str,
+        pod: PodKey | None,
+        notes: tuple[str, ...] = (),
+    ) -> Explanation:
+        """A connection to a pod or an address: no proxy between."""
+        leg = self._leg(source, address, port, protocol, False, "")
+        source_address = source.by_family[family_of(address)][0]
         return Explanation(
-            question.source,
-            source.node,
-            source.by_family[family][0],
-            protocol,
-            "Address",
-            address,
-            question.port,
-            None,
-            None,
-            (leg,),
-            notes,
-        )
+            (source.namespace, source.name), source.node, source_address, protocol, kind,
+            address, port, pod, None, (leg,), notes,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ the destination
 
