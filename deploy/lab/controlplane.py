@@ -291,6 +291,13 @@ def _wait_ready(
         time.sleep(0.1)
 
 
+def _apiserver_check(pki: Path, port: int) -> http.client.HTTPSConnection:
+    """A connection to the apiserver on port as its admin, for _wait_ready."""
+    tls = ssl.create_default_context(cafile=pki / "ca.crt")
+    tls.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+    return http.client.HTTPSConnection("127.0.0.1", port, timeout=2, context=tls)
+
+
 def _etcd_args(state_dir: Path, client_port: int, peer_port: int) -> list[str]:
     client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
     return [
@@ -415,9 +422,7 @@ def start(
         args += _cluster_args(state_dir, reach) if reach else []
         apiserver = _launch(state_dir, bin_dir, "kube-apiserver", args, detach)
         plane.processes.append(apiserver)
-        tls = ssl.create_default_context(cafile=pki / "ca.crt")
-        tls.load_cert_chain(pki / "admin.crt", pki / "admin.key")
-        check = http.client.HTTPSConnection("127.0.0.1", plane.port, timeout=2, context=tls)
+        check = _apiserver_check(pki, plane.port)
         log = state_dir / "kube-apiserver.log"
         _wait_ready(apiserver, log, check, "/readyz", began + timeout)
         # the `kubernetes` Service is made by a controller that waits for /readyz itself
@@ -488,6 +493,22 @@ def start_controllers(
         insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
         check = http.client.HTTPSConnection("127.0.0.1", ports[name], timeout=2, context=insecure)
         _wait_ready(proc, state_dir / f"{name}.log", check, "/healthz", deadline)
+
+
+def restart_apiserver(state_dir: Path, timeout: float = 90.0) -> float:
+    """kube-apiserver, as `start(state_dir, detach=True)` left it running, stopped and started
+    again with the same command line and port, as a node's service manager restarts it;
+    returns the seconds from the stop to /readyz answering."""
+    name = "kube-apiserver"
+    pid = int((state_dir / f"{name}.pid").read_text())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    port = next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--secure-port="))
+    began = time.monotonic()
+    _stop_pid(pid, name)
+    apiserver = _launch(state_dir, Path(argv[0]).parent, name, argv[1:], detach=True)
+    check = _apiserver_check(state_dir / "pki", port)
+    _wait_ready(apiserver, state_dir / f"{name}.log", check, "/readyz", began + timeout)
+    return time.monotonic() - began
 
 
 def down(state_dir: Path) -> None:
