@@ -13,7 +13,7 @@ APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-
 	python3 python3-venv curl ca-certificates unzip git openssl \
 	shellcheck debootstrap containerd runc patch gcc libc6-dev
 
-.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit fuzz bench-cni bench-proxy bench-netlink bench-policy chaos lab lab-down \
+.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test lint unit fuzz bench-cni bench-proxy bench-netlink bench-policy chaos soak lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
 
 setup: system-deps venv
@@ -98,6 +98,11 @@ e2e: setup cni go-tools e2e-tools
 # chaos under churn on a fresh lab per proxy mode (~20 min each); e.g. ARGS="--minutes 5"
 chaos: setup cni go-tools
 	cd $(ROOT) && $(PY) -m deploy.lab.chaos $(ARGS)
+
+# an hour of churn on a fresh lab: knit-proxyd's memory, threads, fds and sync times, flat?
+# (docs/results/DATE-soak.json and .png); e.g. ARGS="--minutes 20 --mode iptables"
+soak: setup cni go-tools
+	cd $(ROOT) && $(PY) -m bench.soak $(ARGS)
 
 # etcd + kube-apiserver on host loopback, left running; kubeconfig and logs in .controlplane/
 controlplane: setup go-tools

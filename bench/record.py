@@ -48,9 +48,10 @@ def nft_version() -> str:
     return found.stdout.strip()
 
 
-def write(path: Path, figures: list[dict[str, Any]], began_at: str) -> None:
+def write(path: Path, figures: list[dict[str, Any]], began_at: str, **extra: Any) -> None:
     """Write the run's figures with what produced them; `began_at` is the commit at the run's
-    start (a tree changed during the run is recorded as such)."""
+    start (a tree changed during the run is recorded as such). `extra` adds keys of the
+    bench's own (a series of samples, say) after the figures."""
     record = {
         "command": shlex.join(["python", "-m", *_module_and_arguments()]),
         "commit": began_at,
@@ -63,6 +64,7 @@ def write(path: Path, figures: list[dict[str, Any]], began_at: str) -> None:
             "nft": nft_version(),
         },
         "figures": figures,
+        **extra,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
