@@ -21,7 +21,7 @@ clients counting what they lose, and an audit once it is quiet again.
 The report gives, per fault kind: how many were injected, the steady clients' failed requests
 in the windows that followed them (a window runs from one fault to the next), the longest time
 a client went without an answer, and the held connections kept. `make chaos` runs it long in a
-lab of each proxy mode; `make test` runs it short (tests/cluster/test_chaos.py).
+lab of each proxy mode; `make test` runs it short (tests/cluster/test_under_chaos.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Chaos under churn, short (deploy/lab/chaos.py): each fault once, on random nodes, while the
 churn runs and steady clients count what they lose; then the audit. `make chaos` runs it long.
-The report stays in build/chaos/MODE/chaos.json."""
+The report stays in build/chaos/MODE/chaos.json.
+
+Its name puts it after the lab's other modules (pytest takes them in name order within each
+proxy mode's lab), so what it leaves behind, restarted daemons and a rebooted node, bears on
+none of them."""
 
 from __future__ import annotations
 
