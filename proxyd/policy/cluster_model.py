@@ -17,7 +17,7 @@ API server's own validation of those fields already prevents.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxyd.model import PROTOCOLS, InvalidObject, Obj
@@ -52,6 +52,9 @@ class ClusterRule:
     peers: tuple[Peer, ...] | None
     ports: tuple[PortMatch, ...] | None
     name: str = ""
+    index: int = field(default=0, compare=False)
+    """Its position in the object's rules of its direction, as `kubectl knit explain` names
+    it; not part of what it matches."""
 
 
 DENY_ALL = ClusterRule(DENY, None, None)
@@ -168,10 +171,12 @@ def _rule(value: Any, key: str, index: int, problems: list[str]) -> ClusterRule 
     label = f"{what} ({name})" if name else what
     problems += [f"{label}: {problem}; the {action} rule {verdict}" for problem in unreadable]
     if unreadable and action != ACCEPT:
-        return DENY_ALL
+        return replace(DENY_ALL, index=index)
     if not peers or (ports is not None and not ports):
         return None
-    return ClusterRule(action, tuple(peers), tuple(ports) if ports is not None else None, name)
+    return ClusterRule(
+        action, tuple(peers), tuple(ports) if ports is not None else None, name, index
+    )
 
 
 def parse_cluster_policy(obj: Obj) -> ClusterNetworkPolicy:
@@ -202,7 +207,7 @@ def parse_cluster_policy(obj: Obj) -> ClusterNetworkPolicy:
                 rule = _rule(entry, key, index, problems)
             except InvalidObject as err:
                 problems.append(f"{key}[{index}]: {err}; the rule now denies everything")
-                rule = DENY_ALL
+                rule = replace(DENY_ALL, index=index)
             if rule is not None:
                 rules[direction].append(rule)
     return ClusterNetworkPolicy(

@@ -52,6 +52,7 @@ from proxyd.policy.model import (
     Peer,
     Pod,
     PortMatch,
+    Rule,
     Selector,
 )
 
@@ -71,10 +72,10 @@ NETWORK_POLICY_TIER = "NetworkPolicy"
 
 @dataclass(frozen=True, slots=True)
 class Origin:
-    """The policy rule a match comes from: `rule` is its index among the policy's rules of
-    the direction as knit read them (a rule knit left out, see model.py, is not counted);
-    `namespace` is "" and `priority` is set for a ClusterNetworkPolicy; `action` is the
-    rule's (Accept, Deny or Pass; a NetworkPolicy's rules Accept)."""
+    """The policy rule a match comes from: `rule` is its index among the object's rules of
+    the direction (one knit left out as unreadable keeps its place); `namespace` is "" and
+    `priority` is set for a ClusterNetworkPolicy; `action` is the rule's (Accept, Deny or
+    Pass; a NetworkPolicy's rules Accept)."""
 
     kind: str
     namespace: str
@@ -626,11 +627,11 @@ class _TableBuild:
             ):
                 continue
             names.append(policy.name)
-            for index, rule in enumerate(policy.rules(direction)):
+            for rule in policy.rules(direction):
                 verdict = (
                     ALLOW if rule.action == ACCEPT else DROP if rule.action == DENY else passing
                 )
-                origin = _cluster_origin(policy, index, rule) if self.compiler.provenance else None
+                origin = _cluster_origin(policy, rule) if self.compiler.provenance else None
                 found += self.matches("", direction, rule.peers, rule.ports, pod, verdict, origin)
         return found, names
 
@@ -694,8 +695,8 @@ class _TableBuild:
                         (direction, (pod.namespace, pod.name)), ([], [])
                     )
                     names.append(policy.name)
-                    for index, rule in enumerate(policy.rules(direction)):
-                        origin = _origin(policy, index) if self.compiler.provenance else None
+                    for rule in policy.rules(direction):
+                        origin = _origin(policy, rule) if self.compiler.provenance else None
                         allowed += self.matches(
                             policy.namespace, direction, rule.peers, rule.ports, pod, ALLOW, origin
                         )
@@ -713,13 +714,15 @@ class _TableBuild:
         return self.out
 
 
-def _origin(policy: NetworkPolicy, index: int) -> Origin:
-    return Origin(NETWORK_POLICY, policy.namespace, policy.name, NETWORK_POLICY_TIER, index, ACCEPT)
-
-
-def _cluster_origin(policy: ClusterNetworkPolicy, index: int, rule: ClusterRule) -> Origin:
+def _origin(policy: NetworkPolicy, rule: Rule) -> Origin:
     return Origin(
-        CLUSTER_NETWORK_POLICY, "", policy.name, policy.tier, index, rule.action,
+        NETWORK_POLICY, policy.namespace, policy.name, NETWORK_POLICY_TIER, rule.index, ACCEPT
+    )
+
+
+def _cluster_origin(policy: ClusterNetworkPolicy, rule: ClusterRule) -> Origin:
+    return Origin(
+        CLUSTER_NETWORK_POLICY, "", policy.name, policy.tier, rule.index, rule.action,
         policy.priority, rule.name,
     )  # fmt: skip
 

@@ -102,6 +102,9 @@ class Rule:
 
     peers: tuple[Peer, ...] | None
     ports: tuple[PortMatch, ...] | None
+    index: int = field(default=0, compare=False)
+    """Its position in the object's rules of its direction (one left out as unreadable keeps
+    its place), as `kubectl knit explain` names it; not part of what it matches."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,13 +264,14 @@ def _port(value: Any) -> PortMatch:
     return PortMatch(protocol, number, end)
 
 
-def _rule(value: Any, peers_key: str) -> Rule:
+def _rule(value: Any, peers_key: str, index: int) -> Rule:
     spec = mapping(value, "rule")
     peers = sequence(spec.get(peers_key), peers_key)
     ports = sequence(spec.get("ports"), "ports")
     return Rule(
         tuple(_peer(peer) for peer in peers) if peers else None,
         tuple(_port(port) for port in ports) if ports else None,
+        index,
     )
 
 
@@ -310,7 +314,7 @@ def parse_policy(obj: Obj) -> NetworkPolicy:
             continue
         for index, entry in enumerate(entries):
             try:
-                rules[direction].append(_rule(entry, peers_key))
+                rules[direction].append(_rule(entry, peers_key, index))
             except InvalidObject as err:
                 problems.append(f"{key}[{index}] left out: {err}")
     return NetworkPolicy(

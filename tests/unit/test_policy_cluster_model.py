@@ -95,6 +95,16 @@ def test_an_accept_rule_does_not_match_through_a_peer_it_cannot_use() -> None:
     assert len(parsed.problems) == 2
 
 
+def test_each_rule_keeps_its_place_in_the_object_when_one_before_it_is_left_out() -> None:
+    rules = [
+        {"action": "Accept", "to": [{"nodes": {}}]},  # matches nothing: left out
+        {"action": "Deny", "to": [{"nodes": {}}]},  # denies everything
+        {"action": "Accept", "to": [{"namespaces": {}}]},
+    ]
+    parsed = parse_cluster_policy(cnp({"egress": rules}))
+    assert [(rule.action, rule.index) for rule in parsed.egress] == [(DENY, 1), (ACCEPT, 2)]
+
+
 @pytest.mark.parametrize(
     "peer",
     [

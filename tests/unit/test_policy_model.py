@@ -82,6 +82,8 @@ def test_a_rule_that_cannot_be_read_is_left_out_whole(rule: dict[str, Any]) -> N
     )
     assert INGRESS in parsed.directions
     assert [r.ports for r in parsed.ingress] == [(PortMatch("UDP", 53, None),)]
+    # the rule after it keeps its place in the object, as explain names it
+    assert [r.index for r in parsed.ingress] == [1]
     assert parsed.problems and parsed.problems[0].startswith("ingress[0] left out")
 
 
