@@ -21,25 +21,12 @@ from dataclasses import dataclass, field
 
 from proxyd.model import Endpoint, EndpointSlice, NodeInfo, ServicePort, endpoints_for, family_of
 from proxyd.policy.cluster_model import ClusterNetworkPolicy
-from proxyd.policy.compile import (
-    ALLOW,
-    CLUSTER_NETWORK_POLICY,
-    DROP,
-    NETWORK_POLICY,
-    NETWORK_POLICY_TIER,
-    NEXT,
-    Cluster,
-    PodKey,
-    compile_family,
-)
+from proxyd.policy.compile import Cluster, PodKey, compile_family
+from proxyd.policy.decided import DEFAULT, UNJUDGED, VERDICT_WORDS, DecidedBy, decided_by
 from proxyd.policy.model import EGRESS, INGRESS, Namespace, NetworkPolicy, Pod
-from proxyd.policy.verdict import Connection, Judge, Step
+from proxyd.policy.verdict import Connection, Judge
 from proxyd.port_plan import FamilyContext, PortPlan, plan_port
 
-DEFAULT = "Default"
-"""decidedBy.kind when no policy rule decided: the pod is not isolated."""
-UNJUDGED = "Unjudged"
-"""decidedBy.kind when no policy table judges the traffic at all."""
 CLUSTER_IP = "ClusterIP"
 EXTERNAL_IP = "ExternalIP"
 LOAD_BALANCER_IP = "LoadBalancerIP"
@@ -112,24 +99,6 @@ class Question:
     protocol: str = "TCP"
     endpoint: str | None = None
     """Of a Service's eligible endpoints, explain only the one with this address."""
-
-
-@dataclass(frozen=True)
-class DecidedBy:
-    """What decided one direction: a policy rule (`kind` ClusterNetworkPolicy or
-    NetworkPolicy, with its rule), the isolation of NetworkPolicies none of whose rules
-    allows (NetworkPolicy, `rule` None), no policy at all (Default) or no table (Unjudged);
-    `reason` says it in words."""
-
-    kind: str
-    reason: str
-    namespace: str | None = None
-    name: str | None = None
-    tier: str | None = None
-    priority: int | None = None
-    rule: int | None = None
-    rule_name: str | None = None
-    action: str | None = None
 
 
 @dataclass(frozen=True)
@@ -560,7 +529,15 @@ class Explainer:
             )
             return Judgement(direction, True, reached, default, node, key)
         first = decision.path[0].chain
-        hops = tuple(_hop(step, judge, first, direction) for step in decision.path)
+        hops = tuple(
+            Hop(
+                step.chain,
+                step.index,
+                VERDICT_WORDS[step.verdict],
+                decided_by(step, judge.policy, direction),
+            )
+            for step in decision.path
+        )
         return Judgement(
             direction,
             decision.allowed,
@@ -572,53 +549,6 @@ class Explainer:
             judge.policy.isolated_by.get(first, ()),
             hops,
         )
-
-
-VERDICT_WORDS = {ALLOW: "allow", DROP: "drop", NEXT: "pass"}
-
-
-def _hop(step: Step, judge: Judge, first: str, direction: str) -> Hop:
-    origin = step.origin
-    if origin is not None:
-        tier = origin.tier
-        what = (
-            f"{origin.kind} {origin.name}"
-            if origin.kind == CLUSTER_NETWORK_POLICY
-            else f"{origin.kind} {origin.namespace}/{origin.name}"
-        )
-        priority = "" if origin.priority is None else f", priority {origin.priority}"
-        reason = (
-            f"{what} ({tier} tier{priority}) {direction.lower()} rule {origin.rule}: "
-            f"{origin.action}"
-        )
-        decided = DecidedBy(
-            origin.kind,
-            reason,
-            origin.namespace or None,
-            origin.name,
-            tier,
-            origin.priority,
-            origin.rule,
-            origin.rule_name or None,
-            origin.action,
-        )
-    elif step.verdict == DROP:
-        isolating = judge.policy.isolated_by.get(first, ())
-        owner = judge.policy.owners[first]
-        decided = DecidedBy(
-            NETWORK_POLICY,
-            f"isolated by NetworkPolicy {', '.join(isolating)}; no rule allows",
-            owner[0],
-            # several isolate alike: the direction's isolatedBy lists them
-            isolating[0] if len(isolating) == 1 else None,
-            NETWORK_POLICY_TIER,
-        )
-    else:
-        decided = DecidedBy(
-            DEFAULT,
-            "not isolated by a NetworkPolicy, and no ClusterNetworkPolicy rule denies: allowed",
-        )
-    return Hop(step.chain, step.index, VERDICT_WORDS[step.verdict], decided)
 
 
 def _chosen(endpoint: Endpoint) -> str:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxyd.explain.explain import DecidedBy, Explanation, Judgement, Leg
+from proxyd.explain.explain import Explanation, Judgement, Leg
 from proxyd.model import family_of
 from proxyd.policy.compile import PodKey
+from proxyd.policy.decided import to_json as decided_json
 
 ALLOWED = "allow"
 DENIED = "deny"
@@ -24,20 +25,6 @@ def _endpoint(address: str, port: int) -> str:
     return f"[{address}]:{port}" if family_of(address) == 6 else f"{address}:{port}"
 
 
-def _decided_by(decided: DecidedBy) -> dict[str, Any]:
-    return {
-        "kind": decided.kind,
-        "namespace": decided.namespace,
-        "name": decided.name,
-        "tier": decided.tier,
-        "priority": decided.priority,
-        "rule": decided.rule,
-        "ruleName": decided.rule_name,
-        "action": decided.action,
-        "reason": decided.reason,
-    }
-
-
 def _judgement(judgement: Judgement) -> dict[str, Any]:
     return {
         "verdict": _verdict(judgement.allowed),
@@ -46,13 +33,13 @@ def _judgement(judgement: Judgement) -> dict[str, Any]:
         "pod": _pod(judgement.pod),
         "judgedBy": list(judgement.judged_by),
         "isolatedBy": list(judgement.isolated_by),
-        "decidedBy": _decided_by(judgement.decided_by),
+        "decidedBy": decided_json(judgement.decided_by),
         "path": [
             {
                 "chain": hop.chain,
                 "rule": hop.index,
                 "verdict": hop.verdict,
-                "decidedBy": _decided_by(hop.decided_by),
+                "decidedBy": decided_json(hop.decided_by),
             }
             for hop in judgement.path
         ],
