@@ -203,8 +203,7 @@ class CniServer:
         takes a slot. The socket's modes keep others out already; this holds even when they
         are loosened, and for a root mapped from a user namespace (the kernel gives its uid
         outside). Refused, not declined: the caller is not the container runtime."""
-        ucred = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size)
-        pid, uid, _ = UCRED.unpack(ucred)
+        pid, uid = peer(connection)
         if uid == 0:
             return True
         log.warning("CNI server: refused a call from uid %d (pid %d): not root", uid, pid)
@@ -320,6 +319,13 @@ def serve(
     """Listen on socket_path (0600, in a folder made 0700) and serve calls from root. A
     delegated IPAM plugin is run only from bin_dirs (none: no delegated plugin is run)."""
     _warm_up()
+    listener, path = listen_private(socket_path)
+    return CniServer(listener, path, limits, bin_dirs, hooks)
+
+
+def listen_private(socket_path: str) -> tuple[socket.socket, str]:
+    """A unix socket listening at socket_path, 0600 in a folder made 0700 (also serving the
+    daemon's flow records, proxyd/policy/flow_server.py); and its path."""
     path = Path(socket_path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # mkdir's mode holds only for a folder it makes: the DaemonSet's hostPath
@@ -344,7 +350,14 @@ def serve(
         listener.close()
         Path(staging).unlink(missing_ok=True)
         raise
-    return CniServer(listener, str(path), limits, bin_dirs, hooks)
+    return listener, str(path)
+
+
+def peer(connection: socket.socket) -> tuple[int, int]:
+    """The pid and uid of a unix socket's peer, as the kernel saw them when it connected."""
+    ucred = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size)
+    pid, uid, _ = UCRED.unpack(ucred)
+    return pid, uid
 
 
 def _warm_up() -> None:
