@@ -57,6 +57,7 @@ class Config:
     routing: str = "auto"
     network_policy: bool = True
     network_policy_log_rate: int = 0
+    flow_records_rate: int = 0
     network_policy_existing_connections: str = CUT
     ipvs_scheduler: str = "rr"
     conntrack_tcp_timeout_established: float = 86400.0
@@ -250,6 +251,12 @@ def parser() -> argparse.ArgumentParser:
         help="log at most this many denied packets a second per IP family (default 0: none)",
     )
     node.add_argument(
+        "--flow-records-rate",
+        type=int,
+        help="record at most this many new connections a second per IP family, with the "
+        "policy rule that decided each, for `kubectl knit flows` (default 0: none)",
+    )
+    node.add_argument(
         "--network-policy-existing-connections",
         choices=EXISTING_CONNECTIONS,
         help="what a policy change does to open connections it no longer allows: cut them "
@@ -289,6 +296,8 @@ def load(argv: list[str] | None = None) -> Config:
         raise ConfigError("sync periods must be positive")
     if config.network_policy_log_rate < 0:
         raise ConfigError("--network-policy-log-rate must not be negative")
+    if config.flow_records_rate < 0:
+        raise ConfigError("--flow-records-rate must not be negative")
     if any(getattr(config, name) < 0 for name in CONNTRACK_TIMEOUTS):
         raise ConfigError("conntrack timeouts must not be negative")
     return config

@@ -37,6 +37,8 @@ from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import RouteTable
 from proxyd.policy.admission import PolicyAdmission
 from proxyd.policy.enforcer import PolicyEnforcer
+from proxyd.policy.flow_server import FlowServer
+from proxyd.policy.flow_server import socket_path as flow_server_socket
 from proxyd.policy.model import pod_essentials
 from proxyd.proxier import ProgramError, Proxier, ProxyOptions
 from proxyd.runner import BoundedFrequencyRunner, backoff
@@ -155,6 +157,7 @@ def _policy_enforcer(config: Config, metrics: Metrics) -> PolicyEnforcer:
         metrics,
         config.network_policy_log_rate,
         config.network_policy_existing_connections,
+        config.flow_records_rate,
     )
 
 
@@ -274,9 +277,13 @@ class Daemon:
                 self.stop,
             ),
         ]
+        flow_server = None
         if self.config.network_policy:
             reflectors += self._policy_reflectors(api)
             self.policy.start()
+            if self.policy.recorder is not None and self.policy.recorder.ring is not None:
+                path = flow_server_socket(self.config.cni_socket)
+                flow_server = FlowServer(path, self.policy.recorder.ring)
         elif self.policy.cleanup():
             log.info("NetworkPolicy enforcement is off: removed the policy tables")
         for reflector in reflectors:
@@ -289,6 +296,8 @@ class Daemon:
         self.health_servers.close()
         if cni_server is not None:
             cni_server.close()
+        if flow_server is not None:
+            flow_server.close()
 
     def _policy_reflectors(self, api: client.ApiClient) -> list[watch.Reflector]:
         state = self.policy.state

@@ -45,6 +45,25 @@ class DeniedPackets(Collector):
         yield family
 
 
+class LostRecords(Collector):
+    """Flow records lost, by where: over the kernel's limit (its counters, read at each
+    scrape) or in the socket's buffer (gaps in NFLOG's numbering)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "knit_network_policy_flow_records_lost",
+            "Connections a pod chain judged whose record was lost: over the rate limit, or "
+            "because the daemon's socket buffer was full",
+            labels=("reason",),
+        )
+        for reason, lost in sorted(self._read().items()):
+            family.add_metric((reason,), lost)
+        yield family
+
+
 def family_label(family: int) -> str:
     return f"IPv{family}"
 
@@ -232,10 +251,21 @@ class Metrics:
             buckets=SYNC_BUCKETS,
             registry=r,
         )
+        self.policy_connections = Counter(
+            "knit_network_policy_connections",
+            "New connections judged by a pod chain, from their flow records (records under the "
+            "rate limit: see knit_network_policy_flow_records_lost_total), by what decided "
+            "them and the verdict",
+            ["kind", "namespace", "name", "verdict"],
+            registry=r,
+        )
         self._families: dict[int, FamilyMetrics] = {}
 
     def count_denied(self, read: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
         self.registry.register(DeniedPackets(read))
+
+    def count_lost_records(self, read: Callable[[], Mapping[str, int]]) -> None:
+        self.registry.register(LostRecords(read))
 
     def for_family(self, family: int) -> FamilyMetrics:
         """One family's series; the first ask creates them, so they read 0 before the first

@@ -8,7 +8,9 @@ cut (a conntrack mark, cutter.py) dropped, packets of connections already allowe
 accepted, a pod's traffic to itself, then the sender's egress chain if a policy judges its
 egress (which returns when the packet is allowed), then the receiver's ingress chain if one
 judges its ingress (which accepts it); what a pod chain denies it counts (in a named counter
-of the pod's first chain's name) and drops. The node's own traffic to and from its pods
+of the pod's first chain's name) and drops. With logging on (flowlog.py), a verdict logged is
+given by two rules: one logging the packet to NFLOG under the family's limit, and one for
+the packets over it, counted as lost. The node's own traffic to and from its pods
 passes the output and input hooks, not forward, so it is always allowed.
 
 A partial transaction orders its commands so that nothing is referenced before it exists or
@@ -25,7 +27,7 @@ from typing import TypeVar
 from proxyd.naming import NFT_COMMENT_MAX, within
 from proxyd.nftables.render import address_words, family_name
 from proxyd.policy.compile import ALLOW, DROP, NEXT, FamilyPolicy, Interval, Match, PodChain
-from proxyd.policy.denials import GROUP, LIMIT
+from proxyd.policy.flowlog import GROUP, LIMIT, LOST, Logging, prefix
 from proxyd.policy.quarantine import QUARANTINED
 
 TABLE = "knit-policy"
@@ -57,11 +59,11 @@ def _text(lines: list[str]) -> str:
 
 
 class Renderer:
-    """`log_rate`: denied packets handed to NFLOG per second (0: none)."""
+    """`logging`: what the pod chains hand to NFLOG (None: nothing)."""
 
-    def __init__(self, family: int, log_rate: int = 0) -> None:
+    def __init__(self, family: int, logging: Logging | None = None) -> None:
         self.family = family
-        self.log_rate = log_rate
+        self.logging = logging
         self.table = f"{family_name(family)} {TABLE}"
         self.l3, self.addr = address_words(family)
 
@@ -90,16 +92,24 @@ class Renderer:
             DROP: f"counter name {pod_chain.counter} drop",
             NEXT: f"goto {pod_chain.next}",
         }
-        log = f'limit name {LIMIT} log prefix "{pod_chain.counter}" group {GROUP}'
         rules = []
-        for match in pod_chain.matches:
-            if match.verdict == DROP and self.log_rate:
-                # over the rate, the limit does not match, and the next rule drops unlogged
-                rules.append(self.rule(match, log, peer_field))
-            rules.append(self.rule(match, verdicts[match.verdict], peer_field))
-        if pod_chain.otherwise == DROP and self.log_rate:
-            rules.append(log)
-        return [*rules, verdicts[pod_chain.otherwise]]
+        for index, match in enumerate(pod_chain.matches):
+            for words in self._verdict(chain, index, match.verdict, verdicts[match.verdict]):
+                rules.append(self.rule(match, words, peer_field))
+        return [
+            *rules,
+            *self._verdict(chain, None, pod_chain.otherwise, verdicts[pod_chain.otherwise]),
+        ]
+
+    def _verdict(self, chain: str, index: int | None, verdict: str, words: str) -> list[str]:
+        """The statements giving one verdict of a chain (the rule at `index`, None: the
+        chain's end): when it is logged, a rule that logs and gives it under the limit, then
+        one that counts the packet as lost and gives it (over the limit, the logging rule
+        does not match)."""
+        if self.logging is None or verdict not in self.logging.verdicts:
+            return [words]
+        log = f'limit name {LIMIT} log prefix "{prefix(chain, index, verdict)}" group {GROUP}'
+        return [f"{log} {words}", f"counter name {LOST} {words}"]
 
     def _set_changes(
         self,
@@ -161,11 +171,15 @@ class Renderer:
         the commit, which the next iptables-nft rule with a match waits for, holding the
         kernel's nf_tables lock that our other family's transaction then waits for.)"""
         t = self.table
-        limit = f"rate {self.log_rate}/second burst {self.log_rate} packets"
+        logged = []
+        if self.logging is not None:
+            rate = self.logging.rate
+            limit = f"rate {rate}/second burst {rate} packets"
+            logged = [f"add limit {t} {LIMIT} {{ {limit}; }}", f"add counter {t} {LOST}"]
         return [
             *([f"add table {t}", f"delete table {t}"] if replacing else []),
             f'add table {t} {{ comment "knit NetworkPolicy"; }}',
-            *([f"add limit {t} {LIMIT} {{ {limit}; }}"] if self.log_rate else []),
+            *logged,
             f"add map {t} {INGRESS_MAP} {{ type {self.addr} : verdict; }}",
             f"add map {t} {EGRESS_MAP} {{ type {self.addr} : verdict; }}",
             f"add set {t} {SELF} {{ type {self.addr} . {self.addr}; }}",

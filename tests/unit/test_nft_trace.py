@@ -20,7 +20,8 @@ from proxyd.nftables.transaction import (
     partial_transaction,
 )
 from proxyd.policy.cluster_model import ClusterNetworkPolicy, parse_cluster_policy
-from proxyd.policy.compile import Cluster, FamilyPolicy, compile_family
+from proxyd.policy.compile import ALLOW, DROP, Cluster, FamilyPolicy, compile_family
+from proxyd.policy.flowlog import Logging
 from proxyd.policy.model import Namespace, NetworkPolicy, Pod, parse_policy
 from proxyd.policy.quarantine import quarantined
 from proxyd.policy.render import CUT_MARK, Renderer
@@ -231,8 +232,8 @@ def compiled(
     return compile_family(dataclasses.replace(cluster, cluster_policies=admin), 4)
 
 
-def guarded(compiled_policy: FamilyPolicy, log_rate: int = 0) -> Ruleset:
-    return applied([Renderer(4, log_rate).full(compiled_policy, replacing=False)])
+def guarded(compiled_policy: FamilyPolicy, logging: Logging | None = None) -> Ruleset:
+    return applied([Renderer(4, logging).full(compiled_policy, replacing=False)])
 
 
 def verdict(ruleset: Ruleset, saddr: str, daddr: str, dport: int, **packet: Any) -> str:
@@ -258,7 +259,7 @@ def test_a_pod_no_policy_isolates_is_reached_from_anywhere() -> None:
 
 
 def test_an_ingress_isolated_pod_is_reached_only_from_allowed_peers_and_ports() -> None:
-    ruleset = guarded(compiled(INGRESS_FROM_OTHER_ON_8080), log_rate=5)
+    ruleset = guarded(compiled(INGRESS_FROM_OTHER_ON_8080), Logging(5, frozenset({ALLOW, DROP})))
     assert verdict(ruleset, OTHER, WEB, 8080) == "accept"
     assert verdict(ruleset, OTHER, WEB, 8081) == "drop"
     assert verdict(ruleset, CLIENT, WEB, 8080) == "drop"

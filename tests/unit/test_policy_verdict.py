@@ -17,15 +17,15 @@ from proxyd.explain.explain import AddressTarget, Explainer, Question, World
 from proxyd.policy.cluster_model import parse_cluster_policy
 from proxyd.policy.compile import ALLOW, DROP, NEXT, Cluster, FamilyPolicy, compile_family
 from proxyd.policy.cutter import denied, misjudged
-from proxyd.policy.model import EGRESS, INGRESS, Namespace, NetworkPolicy, Pod, parse_policy
+from proxyd.policy.model import EGRESS, INGRESS, NetworkPolicy, Pod, parse_policy
 from proxyd.policy.quarantine import quarantined
 from proxyd.policy.render import CUT_MARK, Renderer
 from proxyd.policy.verdict import Connection, Judge
 from tests.support.nft_fake import Ruleset, applied
 from tests.support.nft_trace import FORWARDED, Packet, trace
+from tests.support.random_policies import NAMESPACES, from_namespace, random_objects
 
 WEB, OTHER, CLIENT, OUTSIDE = "10.0.0.1", "10.0.0.2", "10.0.1.1", "192.0.2.7"
-NAMESPACES = {n: Namespace(n, {"kubernetes.io/metadata.name": n}) for n in ("x", "y")}
 
 
 def pod(ns: str, name: str, ip: str, node: str = "n1", **ports: int) -> Pod:
@@ -52,10 +52,6 @@ def compiled(*policies: NetworkPolicy, cluster_policies: tuple[Any, ...] = ()) -
 
 def tcp(source: str, destination: str, port: int) -> Connection:
     return Connection(source, destination, "tcp", port)
-
-
-def from_namespace(name: str) -> dict[str, Any]:
-    return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": name}}}
 
 
 def test_an_isolated_pod_is_reached_only_from_allowed_peers_on_allowed_ports() -> None:
@@ -165,72 +161,6 @@ def test_only_entries_whose_mark_disagrees_with_the_table_are_changed() -> None:
 
 # ------------------------------------------------------------ against the rendered rules
 
-LABELS = ("a", "b", "c")
-PORTS = (80, 8080, 9090)
-
-
-def random_pods(rng: random.Random) -> list[Pod]:
-    pods = []
-    for index in range(8):
-        app = rng.choice(LABELS)
-        named = {("web", "TCP"): rng.choice(PORTS)} if rng.random() < 0.5 else {}
-        address = f"10.0.{index % 2}.{index + 1}"
-        number = int(ipaddress.ip_address(address))
-        pods.append(
-            Pod(rng.choice("xy"), f"p{index}", {"app": app}, f"n{index % 2 + 1}", (address,),
-                (number,), named)
-        )  # fmt: skip
-    return pods
-
-
-def random_peer(rng: random.Random) -> dict[str, Any]:
-    kind = rng.randrange(4)
-    if kind == 0:
-        return {"podSelector": {"matchLabels": {"app": rng.choice(LABELS)}}}
-    if kind == 1:
-        return from_namespace(rng.choice("xy"))
-    if kind == 2:
-        return {**from_namespace(rng.choice("xy")), "podSelector": {"matchLabels": {"app": "a"}}}
-    return {"ipBlock": {"cidr": "10.0.0.0/23", "except": [f"10.0.{rng.randrange(2)}.0/29"]}}
-
-
-def random_rule(rng: random.Random, direction: str) -> dict[str, Any]:
-    rule: dict[str, Any] = {}
-    if rng.random() < 0.7:
-        rule["from" if direction == "ingress" else "to"] = [random_peer(rng)]
-    if rng.random() < 0.7:
-        port: dict[str, Any] = rng.choice(
-            [{"port": rng.choice(PORTS)}, {"port": "web"}, {"port": 80, "endPort": 8080},
-             {"protocol": "UDP"}]
-        )  # fmt: skip
-        rule["ports"] = [port]
-    return rule
-
-
-def random_policy(rng: random.Random, index: int) -> NetworkPolicy:
-    types = rng.choice([["Ingress"], ["Egress"], ["Ingress", "Egress"]])
-    spec: dict[str, Any] = {
-        "podSelector": {"matchLabels": {"app": rng.choice(LABELS)}} if rng.random() < 0.7 else {},
-        "policyTypes": types,
-    }
-    for direction in ("ingress", "egress"):
-        if direction.capitalize() in types:
-            spec[direction] = [random_rule(rng, direction) for _ in range(rng.randrange(3))]
-    name = f"p{index}"
-    return parse_policy({"metadata": {"namespace": rng.choice("xy"), "name": name}, "spec": spec})
-
-
-def random_cluster_policy(rng: random.Random, index: int) -> Any:
-    tier = rng.choice(["Admin", "Baseline"])
-    action = rng.choice(["Accept", "Deny"] + (["Pass"] if tier == "Admin" else []))
-    peer = {"namespaces": from_namespace(rng.choice("xy"))["namespaceSelector"]}
-    subject = {"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "a"}}}}
-    direction = rng.choice(["ingress", "egress"])
-    rule = {"action": action, ("from" if direction == "ingress" else "to"): [peer]}
-    spec = {"tier": tier, "priority": index, "subject": subject, direction: [rule]}
-    return parse_cluster_policy({"metadata": {"name": f"c{index}"}, "spec": spec})
-
-
 ACTION_VERDICTS = {"Accept": ALLOW, "Deny": DROP, "Pass": NEXT}
 
 
@@ -256,10 +186,7 @@ def decided(judge: Judge, connection: Connection) -> bool:
 
 @pytest.mark.parametrize("seed", range(25))
 def test_the_judge_agrees_with_the_rendered_rules_traced(seed: int) -> None:
-    rng = random.Random(seed)
-    pods = random_pods(rng)
-    policies = tuple(random_policy(rng, i) for i in range(rng.randrange(1, 4)))
-    cluster_policies = tuple(random_cluster_policy(rng, i) for i in range(rng.randrange(3)))
+    pods, policies, cluster_policies = random_objects(random.Random(seed))
     cluster = Cluster.of("n1", {(p.namespace, p.name): p for p in pods}, NAMESPACES, policies)
     cluster = dataclasses.replace(cluster, cluster_policies=cluster_policies)
     table = compile_family(cluster, 4)
@@ -294,10 +221,7 @@ def accepts(ruleset: Ruleset, source: str, destination: str, protocol: str, port
 
 @pytest.mark.parametrize("seed", range(20))
 def test_explain_agrees_with_both_nodes_rules_traced(seed: int) -> None:
-    rng = random.Random(1000 + seed)
-    pods = random_pods(rng)
-    policies = tuple(random_policy(rng, i) for i in range(rng.randrange(1, 4)))
-    cluster_policies = tuple(random_cluster_policy(rng, i) for i in range(rng.randrange(3)))
+    pods, policies, cluster_policies = random_objects(random.Random(1000 + seed))
     by_key = {(p.namespace, p.name): p for p in pods}
     rulesets, judges = {}, {}
     for node in ("n1", "n2"):

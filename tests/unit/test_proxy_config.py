@@ -103,3 +103,10 @@ def test_network_policy_flags() -> None:
     assert not off.network_policy and off.network_policy_log_rate == 10
     with pytest.raises(ConfigError):
         load(["--network-policy-log-rate", "-1"])
+
+
+def test_flow_records_are_off_unless_given_a_rate() -> None:
+    assert load([]).flow_records_rate == 0
+    assert load(["--flow-records-rate", "100"]).flow_records_rate == 100
+    with pytest.raises(ConfigError):
+        load(["--flow-records-rate", "-1"])
