@@ -1,5 +1,6 @@
 """`kubectl-knit`, the kubectl plugin: `kubectl knit explain` lists the objects the daemons
-watch, parses them with the daemons' parsers, and prints what explain.py makes of them.
+watch, parses them with the daemons' parsers, and prints what explain.py makes of them;
+`kubectl knit flows` prints the daemons' flow records (flows.py).
 
 Exit status: 0 when the connection is allowed, 1 when it is denied, 2 when the question
 cannot be answered (a bad argument, an object missing, the API server unreachable).
@@ -13,12 +14,13 @@ import json
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kubernetes import client
 from kubernetes import config as kubeconfig
 
 from proxyd import watch
+from proxyd.explain import flows
 from proxyd.explain.explain import (
     AddressTarget,
     Explainer,
@@ -43,6 +45,8 @@ from proxyd.model import (
 )
 from proxyd.policy.cluster_model import ClusterNetworkPolicy, parse_cluster_policy
 from proxyd.policy.compile import PodKey
+from proxyd.policy.flow_server import socket_path as flow_socket
+from proxyd.policy.flows import ALLOWED, DENIED
 from proxyd.policy.model import (
     Namespace,
     NetworkPolicy,
@@ -185,11 +189,77 @@ def _arguments() -> argparse.ArgumentParser:
         help="the daemons run with --masquerade-all (their masquerade changes the address "
         "another node's ingress policies see)",
     )
+    _flows_arguments(commands)
     return parser
+
+
+def _flows_arguments(commands: Any) -> None:
+    parser = commands.add_parser(
+        "flows",
+        help="the connections the nodes' policies judged, with the rule that decided each",
+        description="The flow records of each node's knit-proxyd (run with "
+        "--flow-records-rate), read through kubectl exec into the node's knit pod "
+        "(docs/observability.md#flows).",
+    )
+    parser.add_argument("--node", help="only this node's records")
+    parser.add_argument("--namespace", help="only connections with a pod of this namespace")
+    parser.add_argument("--pod", metavar="[NS/]POD", help="only connections with this pod")
+    parser.add_argument("--verdict", choices=(ALLOWED, DENIED))
+    parser.add_argument("-f", "--follow", action="store_true", help="go on with new records")
+    parser.add_argument("-o", "--output", default="text", choices=("text", "json"))
+    parser.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="read this node's daemon's socket (what the command runs in the knit pod)",
+    )
+    parser.add_argument("--socket", default=flow_socket(""), help=argparse.SUPPRESS)
+
+
+def knit_pods(api: client.ApiClient, node: str | None) -> dict[str, str]:
+    """Node -> the knit pod running there."""
+    listed = client.CoreV1Api(api).list_namespaced_pod(
+        flows.KNIT_NAMESPACE, label_selector=flows.KNIT_SELECTOR
+    )
+    found = {}
+    for pod in listed.items:
+        node_name = pod.spec.node_name if pod.spec else None
+        running = pod.status is not None and pod.status.phase == "Running"
+        if node_name and running and pod.metadata and pod.metadata.name:
+            found[node_name] = pod.metadata.name
+    return {n: p for n, p in found.items() if node is None or n == node}
+
+
+def flows_main(arguments: argparse.Namespace) -> int:
+    chosen = flows.Filter(arguments.node, arguments.namespace, arguments.pod, arguments.verdict)
+    if arguments.local:
+        return flows.local(arguments.socket, chosen, arguments.follow, arguments.output)
+    try:
+        binary = flows.kubectl()
+        pods = knit_pods(_api_client(arguments.kubeconfig), arguments.node)
+        if not pods:
+            raise flows.FlowsError(f"no running knit pod in {flows.KNIT_NAMESPACE}")
+    except (flows.FlowsError, OSError, kubeconfig.ConfigException) as err:
+        print(f"kubectl knit flows: {err}", file=sys.stderr)
+        return 2
+    commands = [
+        flows.exec_command(binary, pod, chosen, arguments.follow, arguments.kubeconfig)
+        for _, pod in sorted(pods.items())
+    ]
+    failures = flows.gather(
+        commands,
+        arguments.follow,
+        lambda record: flows.print_records([record], arguments.output, sys.stdout),
+    )
+    for failure in failures:
+        print(f"kubectl knit flows: {failure}", file=sys.stderr)
+    return 2 if failures else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = _arguments().parse_args(argv)
+    if arguments.command == "flows":
+        return flows_main(arguments)
     try:
         target, port = parse_target(arguments.to)
         question = Question(
