@@ -28,6 +28,7 @@ from deploy.lab.held import HeldConnection
 from deploy.lab.kube import Kube, api_client, pod_object, pod_status
 from deploy.lab.netns import ECHO, remove_namespace, unique_name
 from deploy.lab.process import eventually, in_ns
+from proxyd.policy import flow_server
 from proxyd.policy.render import TABLE
 
 PYTHON = sys.executable
@@ -129,6 +130,11 @@ def apply(world: World, made: list[str], spec: dict[str, Any]) -> str:
 
 def denied_packets(node: LabNode, labels: str) -> float:
     """The node's knit_network_policy_denied_packets_total series with exactly these labels."""
+    return series(node, "knit_network_policy_denied_packets_total", labels)
+
+
+def series(node: LabNode, metric: str, labels: str) -> float:
+    """The node's series of the metric with exactly these labels."""
     url = "http://127.0.0.1:10249/metrics"
     text = in_ns(
         node.ns,
@@ -136,8 +142,8 @@ def denied_packets(node: LabNode, labels: str) -> float:
         "-c",
         f"import urllib.request as u; print(u.urlopen({url!r}).read().decode())",
     )
-    series = f"knit_network_policy_denied_packets_total{{{labels}}} "
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series))
+    wanted = f"{metric}{{{labels}}} "
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted))
 
 
 def settles(client: LabPod, host: str, port: int, allowed: bool, proto: str = "tcp") -> None:
@@ -332,6 +338,57 @@ def test_denied_connections_are_logged_with_their_pod(world: World, policies: li
             f"tcp {world.far.address(4)} -> {world.server.address(4)}:80"
         )
         eventually(lambda: line in node.log.read_text(), 10, what="the denial logged")
+    finally:
+        world.cluster.stop_daemon(node)
+        world.cluster.start_daemon(node)
+
+
+def test_flow_records_name_the_deciding_rule_and_count_per_policy(
+    world: World, policies: list[str]
+) -> None:
+    node = world.cluster.nodes["a"]
+    world.cluster.stop_daemon(node)
+    try:
+        world.cluster.start_daemon(node, "--flow-records-rate=100")
+        peer = {"podSelector": {"matchLabels": {"role": "near"}}}
+        name = apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
+        server = world.server.address(4)
+        settles(world.far, server, 80, allowed=False)
+        assert reaches(world.near, server, 80)
+        path = str(node.socket.parent / "flows.sock")
+
+        def records(client: LabPod, verdict: str) -> list[dict[str, Any]]:
+            pod = {"namespace": world.x if client is world.near else world.y, "name": client.name}
+            return [
+                r
+                for r in flow_server.read(path, follow=False)
+                if r["verdict"] == verdict
+                and r["source"] == {"address": client.address(4), "port": r["source"]["port"],
+                                    "pod": pod}
+                and r["destination"]["address"] == server and r["destination"]["port"] == 80
+            ]  # fmt: skip
+
+        eventually(lambda: records(world.near, "allow"), 10, what="the allowed connection recorded")
+        allowed = records(world.near, "allow")[-1]
+        assert allowed["node"] == "a" and allowed["direction"] == "ingress"
+        assert allowed["destination"]["pod"] == {"namespace": world.x, "name": world.server.name}
+        by = allowed["decidedBy"]
+        assert (by["kind"], by["namespace"], by["name"], by["rule"], by["action"]) == (
+            "NetworkPolicy", world.x, name, 0, "Accept",
+        )  # fmt: skip
+        denied = records(world.far, "deny")
+        assert denied, "the denied connections recorded"
+        by = denied[-1]["decidedBy"]
+        assert (by["kind"], by["namespace"], by["name"], by["rule"]) == (
+            "NetworkPolicy", world.x, name, None,
+        )  # fmt: skip
+        labels = f'kind="NetworkPolicy",name="{name}",namespace="{world.x}",verdict='
+        total = "knit_network_policy_connections_total"
+        assert series(node, total, labels + '"allow"') >= 1
+        assert series(node, total, labels + '"deny"') >= len(denied)
+        lost = "knit_network_policy_flow_records_lost_total"
+        assert series(node, lost, 'reason="limit"') == 0
+        assert series(node, lost, 'reason="buffer"') == 0
     finally:
         world.cluster.stop_daemon(node)
         world.cluster.start_daemon(node)
