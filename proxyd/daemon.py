@@ -283,7 +283,10 @@ class Daemon:
             self.policy.start()
             if self.policy.recorder is not None and self.policy.recorder.ring is not None:
                 path = flow_server_socket(self.config.cni_socket)
-                flow_server = FlowServer(path, self.policy.recorder.ring)
+                try:
+                    flow_server = FlowServer(path, self.policy.recorder.ring)
+                except OSError as err:  # the records are still counted in the metrics
+                    log.warning("cannot serve flow records on %s: %s", path, err)
         elif self.policy.cleanup():
             log.info("NetworkPolicy enforcement is off: removed the policy tables")
         for reflector in reflectors:

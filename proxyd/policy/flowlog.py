@@ -188,8 +188,12 @@ class FlowLog:
                 self.sequence.saw(struct.unpack("!I", number)[0])
             text = bytes(found.get(PREFIX, b"")).rstrip(b"\0").decode(errors="replace")
             logged = parse(text, bytes(found.get(PAYLOAD, b"")), time.time())
-            if logged is not None:
+            if logged is None:
+                continue
+            try:
                 self._report(logged)
+            except Exception:  # one record's failure must not end the others' (bounded by the rate)
+                log.exception("cannot record a packet the policy logged: %s", logged)
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run_logged, name="policy-flows", daemon=True)

@@ -5,9 +5,25 @@ from __future__ import annotations
 
 import ipaddress
 import struct
+from collections.abc import Iterator
+from typing import cast
 
+from cni.kernel.rawnetlink import NFGENMSG, NetlinkSocket, attribute
 from proxyd.policy.compile import ALLOW, DROP
-from proxyd.policy.flowlog import Logged, Logging, Sequence, logging_for, parse, prefix
+from proxyd.policy.flowlog import (
+    GROUP,
+    PACKET_MESSAGE,
+    PAYLOAD,
+    PREFIX,
+    SEQUENCE,
+    FlowLog,
+    Logged,
+    Logging,
+    Sequence,
+    logging_for,
+    parse,
+    prefix,
+)
 
 
 def ipv4(protocol: int, source: str, destination: str, ports: bytes) -> bytes:
@@ -70,3 +86,39 @@ def test_gaps_in_the_numbering_are_lost_records_and_it_wraps() -> None:
     wrapping.saw((1 << 32) - 2)
     wrapping.saw(1)
     assert wrapping.lost == 2, "the last number and 0"
+
+
+class FakeSocket:
+    """Hands over NFLOG packet messages as the kernel's netlink socket would."""
+
+    def __init__(self, *messages: bytes) -> None:
+        self._messages = messages
+
+    def messages(self) -> Iterator[tuple[int, memoryview]]:
+        for message in self._messages:
+            yield PACKET_MESSAGE, memoryview(message)
+
+
+def message(text: str, number: int) -> bytes:
+    packet = ipv4(6, "10.0.0.1", "10.0.0.2", struct.pack("!HH", 40000, 80) + bytes(16))
+    return (
+        NFGENMSG.pack(0, 0, GROUP)
+        + attribute(PREFIX, text.encode() + b"\0")
+        + attribute(PAYLOAD, packet)
+        + attribute(SEQUENCE, struct.pack("!I", number))
+    )
+
+
+def test_a_record_that_fails_costs_only_itself_and_gaps_count_as_lost() -> None:
+    reported: list[Logged] = []
+
+    def report(logged: Logged) -> None:
+        if logged.index == 0:
+            raise KeyError("a bug in resolving one record")
+        reported.append(logged)
+
+    flow_log = FlowLog(report)
+    sock = FakeSocket(message("ingress-X 0 allow", 1), message("ingress-X 1 allow", 4))
+    flow_log._read(cast(NetlinkSocket, sock))
+    assert [r.index for r in reported] == [1]
+    assert flow_log.lost == 2
