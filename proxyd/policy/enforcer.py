@@ -121,7 +121,10 @@ class PolicyEnforcer:
             return
         start, cpu_at_start = time.monotonic(), time.thread_time()
         cluster, changed_pods = self.state.take()
-        self._cluster = cluster
+        if self.recorder is not None:
+            # kept only to name the pods of flow records: a snapshot held past its sync
+            # holds every pod it listed
+            self._cluster = cluster
         try:
             self._sync(cluster, changed_pods, start, cpu_at_start)
         finally:
