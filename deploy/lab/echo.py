@@ -1,11 +1,11 @@
 """Traffic endpoints for tests, run inside namespaces.
 
-serve HOST PORT [tcp|udp] [LABEL]: answers every TCP connection (or UDP datagram) with
+serve HOST PORT [tcp|udp|sctp] [LABEL]: answers every TCP or SCTP connection (or UDP datagram) with
 "<client address> <LABEL>", the client address as the server saw it (an IPv4 client of a
 dual-stack socket without its ::ffff: prefix) and LABEL defaulting to the server's address; a
 TCP connection then echoes every line it receives, so a held connection can prove it still
 works.
-request HOST PORT [tcp|udp] [SOURCE_PORT]: prints the server's answer.
+request HOST PORT [tcp|udp|sctp] [SOURCE_PORT]: prints the server's answer.
 hold HOST PORT: connects, prints the greeting, then sends each stdin line and prints the echo.
 repeat HOST PORT [HOST ...]: connects to each HOST on PORT in turn, reading each greeting,
 over and over until stdin has input or closes; then prints as JSON each host's answers
@@ -21,6 +21,8 @@ import socket
 import sys
 import threading
 import time
+
+_PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "sctp": socket.IPPROTO_SCTP}
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -38,9 +40,16 @@ def _answer(conn: socket.socket, peer: str, label: str) -> None:
             conn.sendall(data)
 
 
+def _stream(host: str, proto: str) -> socket.socket:
+    """A TCP socket, or a one-to-one SCTP one (which the stream calls treat alike)."""
+    return socket.socket(_family(host), socket.SOCK_STREAM, _PROTOCOLS[proto])
+
+
 def serve(host: str, port: int, proto: str = "tcp", label: str = "") -> None:
-    kind = socket.SOCK_DGRAM if proto == "udp" else socket.SOCK_STREAM
-    sock = socket.socket(_family(host), kind)
+    if proto == "udp":
+        sock = socket.socket(_family(host), socket.SOCK_DGRAM)
+    else:
+        sock = _stream(host, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     if proto == "udp":
@@ -64,6 +73,12 @@ def request(host: str, port: int, proto: str, source_port: int = 0) -> None:
         sock.settimeout(2)
         sock.sendto(b"hi", (host, port))
         print(sock.recvfrom(2048)[0].decode().strip())
+        return
+    if proto == "sctp":
+        with _stream(host, proto) as conn:
+            conn.settimeout(3)
+            conn.connect((host, port))
+            print(conn.makefile().readline().strip())
         return
     with socket.create_connection((host, port), timeout=3) as conn:
         print(conn.makefile().readline().strip())
