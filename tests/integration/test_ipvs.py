@@ -21,9 +21,11 @@ import pytest
 from cni.kernel.addresses import LinkAddress
 from deploy.lab.netns import Netns
 from proxyd import proxier as proxier_module
+from proxyd.daemon import SYSCTLS_FOR_ROUTING
 from proxyd.iptables.kernel import IptablesKernel
 from proxyd.iptables.restore import RuleSet
 from proxyd.ipvs import dummy, names
+from proxyd.ipvs import netlink as ipvs_netlink
 from proxyd.ipvs import proxier as ipvs_proxier
 from proxyd.ipvs.desired import Frontend, RealServer
 from proxyd.ipvs.ipsets import Ipsets
@@ -295,8 +297,12 @@ for line in sys.stdin:
 
 @pytest.fixture
 def ipvs_node(make_netns: Callable[[str], Netns]) -> Iterator[tuple[Netns, Netns]]:
-    """A node with a pod behind a veth, serving TCP on 8080."""
+    """A node with a pod behind a veth, serving TCP on 8080, and the sysctls knit-proxyd sets
+    in the IPVS mode (without net.ipv4.vs.conntrack, the masquerade never sees IPVS's
+    connections and the node's own connections to a cluster IP get no answer)."""
     node, pod = make_netns("ipvsnode"), make_netns("ipvspod")
+    for name in (*SYSCTLS_FOR_ROUTING, *ipvs_netlink.SYSCTLS):
+        node.run("sysctl", "-qw", f"{name.replace('/', '.')}=1")
     node.ip("link", "add", "veth-pod", "type", "veth", "peer", "name", "eth0", "netns", pod.name)
     node.ip("addr", "add", "10.244.1.1/24", "dev", "veth-pod")
     node.ip("addr", "add", "192.0.2.10/24", "dev", "lo")
