@@ -118,6 +118,7 @@ class VmNode:
         check: bool = True,
         stdin: str = "",
         env: dict[str, str] | None = None,
+        cwd: str = "/",
         timeout: float = 60,
     ) -> subprocess.CompletedProcess[str]:
         """argv run in the VM, as subprocess.run with text output."""
@@ -126,6 +127,7 @@ class VmNode:
             "argv": list(argv),
             "stdin": base64.b64encode(stdin.encode()).decode(),
             "env": env or {},
+            "cwd": cwd,
             "timeout": timeout,
         }
         answer = self._ask(request, timeout + 10)

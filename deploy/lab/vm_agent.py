@@ -4,7 +4,7 @@ the test's namespace at the other end of the VM's tap link; deploy/lab/vm.py is 
 
 One JSON request line per connection, answered by JSON lines (bytes travel base64-coded):
 
-- `run` {argv, stdin, env, timeout}: one answer {code, stdout, stderr} (code -1: timed out).
+- `run` {argv, stdin, env, cwd, timeout}: one answer {code, stdout, stderr} (code -1: timed out).
 - `spawn` {argv, log, env}: {pid} at once, the process writing to the VM's file `log`; the
   process is ended (SIGTERM to its group, SIGKILL 10 s later) when the client closes its side
   of the connection, and the last answer is {code} when it has ended either way.
@@ -81,6 +81,7 @@ class Handler(socketserver.StreamRequestHandler):
                 input=_bytes(request.get("stdin", "")),
                 capture_output=True,
                 env=env,
+                cwd=request.get("cwd") or "/",
                 timeout=request.get("timeout", 60),
                 check=False,
                 start_new_session=True,

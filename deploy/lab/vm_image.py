@@ -48,6 +48,7 @@ MODULE_DIRS = (
 )  # fmt: skip
 # Left out of the initramfs, whose size is most of the boot time (the kernel unpacks it under
 # TCG): documentation, and the kubernetes client's asyncio copy (68 MB), which knit never loads.
+TEST_PINS = ("pytest==", "pytest-timeout==", "hypothesis==")
 TRIMMED = (
     "usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "var/cache",
     "opt/knit/site/kubernetes/aio",
@@ -103,9 +104,12 @@ def kernel_tree(package: str) -> Path:
 
 
 def python_dependencies() -> list[str]:
-    """knit's runtime requirements, as pyproject.toml pins them."""
+    """knit's runtime requirements and the test runner's, as pyproject.toml pins them (the
+    VM runs test modules itself; the linters stay on the host)."""
     with (ROOT / "pyproject.toml").open("rb") as f:
-        return list(tomllib.load(f)["project"]["dependencies"])
+        project = tomllib.load(f)["project"]
+    runner = [pin for pin in project["optional-dependencies"]["test"] if pin.startswith(TEST_PINS)]
+    return [*project["dependencies"], *runner]
 
 
 def _assemble(rootfs: Path, kernel: Path, version: str) -> None:
