@@ -1,7 +1,8 @@
 """The VM node's first proofs, on Debian's kernel (IPVS and SCTP, which the development
-kernel lacks): the kernel holds IPVS virtual servers and carries SCTP, and knit-proxyd, run in
-the VM against the real API server, sends TCP and SCTP through a ClusterIP to a pod in the
-VM, in the IPVS mode and the iptables mode."""
+kernel lacks): the kernel holds IPVS virtual servers and carries SCTP; the IPVS namespace
+tests pass inside the VM; and knit-proxyd, run in the VM against the real API server, sends
+TCP and SCTP through a ClusterIP and a NodePort to a pod in the VM, in the IPVS mode and the
+iptables mode."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from deploy.lab.kube import (
     slice_object,
 )
 from deploy.lab.netns import unique_name
+from deploy.lab.paths import ROOT
 from deploy.lab.process import eventually
-from deploy.lab.vm import ADDRESS, VmNode
+from deploy.lab.vm import ADDRESS, PYTHON, VmNode
 from tests.support.vm_env import (
     add_pod,
     api_access,
@@ -68,6 +70,22 @@ def test_kernel_holds_ipvs_and_carries_sctp(vm: VmNode) -> None:
         assert "sctp" in vm.run("cat", "/proc/net/protocols").stdout.lower()
     finally:
         server.stop()
+
+
+def test_the_ipvs_namespace_tests_pass_in_the_vm(vm: VmNode) -> None:
+    """tests/integration/test_ipvs.py as it is, run by pytest inside the VM: there its
+    real-kernel tests (virtual servers carrying traffic, graceful removal with a live
+    connection) run instead of skipping."""
+    result = vm.run(
+        PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-v", "tests/integration/test_ipvs.py",
+        cwd=str(ROOT), timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-6000:]
+    for name in (
+        "test_kernel_virtual_servers_carry_traffic_and_clean_up",
+        "test_kernel_graceful_removal_waits_for_the_connection",
+    ):
+        assert f"{name} PASSED" in result.stdout
 
 
 @dataclass
