@@ -1,6 +1,7 @@
 """The command agent of the VM node, its PID 1 (started by deploy/lab/vm_init.sh; standard
-library only, it runs on the VM's Debian Python). It listens on TCP PORT, reachable only from
-the test's namespace at the other end of the VM's tap link; deploy/lab/vm.py is its client.
+library only, it runs on the VM's Debian Python). It listens on ADDRESS:PORT, the VM's end of
+its tap link, which outside the VM only the test's namespace at the other end reaches;
+deploy/lab/vm.py is its client.
 
 One JSON request line per connection, answered by JSON lines (bytes travel base64-coded):
 
@@ -119,7 +120,7 @@ class Server(socketserver.ThreadingTCPServer):
 
 
 def main() -> None:
-    with Server(("0.0.0.0", int(sys.argv[1])), Handler) as server:
+    with Server((sys.argv[1], int(sys.argv[2])), Handler) as server:
         with open("/proc/uptime") as clock:
             uptime = clock.read().split()[0]
         print(f"knit-vm: agent listening at {uptime}s of uptime", flush=True)

@@ -36,4 +36,4 @@ read -r uptime _ < /proc/uptime
 echo "knit-vm: init done at ${uptime}s of uptime" > /dev/ttyS0
 cd /
 exec env PYTHONPATH="$src:/opt/knit/site" PYTHONPYCACHEPREFIX=/run/pycache \
-    python3 "$src/deploy/lab/vm_agent.py" "$port"
+    python3 "$src/deploy/lab/vm_agent.py" "${addr%/*}" "$port"
