@@ -35,5 +35,6 @@ mount -t 9p -o trans=virtio,version=9p2000.L,ro knit "$src"
 read -r uptime _ < /proc/uptime
 echo "knit-vm: init done at ${uptime}s of uptime" > /dev/ttyS0
 cd /
-exec env PYTHONPATH="$src:/opt/knit/site" PYTHONPYCACHEPREFIX=/run/pycache \
+# Bytecode in the image's prefix (deploy/lab/vm_image.py PYCACHE): the share is read-only.
+exec env PYTHONPATH="$src:/opt/knit/site" PYTHONPYCACHEPREFIX=/opt/knit/pycache \
     python3 "$src/deploy/lab/vm_agent.py" "${addr%/*}" "$port"
