@@ -43,14 +43,15 @@ PACKAGES = (
 # Under lib/modules/VERSION/kernel: what networking and the VM's virtio devices load.
 MODULE_DIRS = (
     "net", "lib", "crypto", "arch", "fs/9p", "fs/netfs", "fs/fscache", "drivers/virtio",
-    "drivers/char/virtio_console.ko", "drivers/net/vxlan", "drivers/net/virtio_net.ko",
-    "drivers/net/net_failover.ko", "drivers/net/dummy.ko", "drivers/net/veth.ko",
+    "drivers/net/vxlan", "drivers/net/virtio_net.ko", "drivers/net/net_failover.ko",
+    "drivers/net/dummy.ko", "drivers/net/veth.ko",
 )  # fmt: skip
-# Left out of the initramfs, whose size is most of the boot time (the kernel unpacks it under
-# TCG): documentation, and the kubernetes client's asyncio copy (68 MB), which knit never loads.
 PYCACHE = "/opt/knit/pycache"
 """The VM's PYTHONPYCACHEPREFIX (vm_init.sh names it too)."""
 TEST_PINS = ("pytest==", "pytest-timeout==", "hypothesis==")
+"""The test extras the VM needs to run test modules (not the linters)."""
+# Left out of the initramfs, whose size is most of the boot time (the kernel unpacks it under
+# TCG): documentation, and the kubernetes client's asyncio copy (68 MB), which knit never loads.
 TRIMMED = (
     "usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "var/cache",
     "opt/knit/site/kubernetes/aio",

@@ -22,7 +22,7 @@ for arg in $cmdline; do
 done
 # The datapaths' modules, loaded now so that no test waits for them: IPVS with the
 # schedulers knit-proxyd names, SCTP, and br_netfilter (pods on a bridge reach ClusterIPs).
-modprobe -a virtio_pci virtio_net virtio_console 9pnet_virtio 9p \
+modprobe -a virtio_pci virtio_net 9pnet_virtio 9p \
     ip_vs ip_vs_rr ip_vs_wrr ip_vs_sh ip_vs_lc sctp br_netfilter dummy veth \
     nf_conntrack nf_tables xt_set ip_set_hash_ip ip_set_hash_ipport ip_set_hash_ipportip \
     ip_set_hash_ipportnet ip_set_hash_net ip_set_bitmap_port
