@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -237,12 +238,15 @@ def _quiet(lab: Lab, settle: float) -> list[str]:
     """The churn's policies deleted, every node and pod Ready, then the audit's problems: none
     once the cluster settled, the last ones found if it did not within `settle` seconds; and
     then every pod of the workload answering from every node."""
-    lab.kubectl("-n", NAMESPACE, "delete", "networkpolicy", *policies(), "--ignore-not-found")
-    lab.wait_ready()
-    lab.kubectl(
-        "-n", NAMESPACE, "wait", "--for=condition=Ready", "pods", "--all", "--timeout=180s",
-        timeout=200,
-    )  # fmt: skip
+    try:
+        lab.kubectl("-n", NAMESPACE, "delete", "networkpolicy", *policies(), "--ignore-not-found")
+        lab.wait_ready()
+        lab.kubectl(
+            "-n", NAMESPACE, "wait", "--for=condition=Ready", "pods", "--all", "--timeout=180s",
+            timeout=200,
+        )  # fmt: skip
+    except (RuntimeError, TimeoutError) as err:
+        return [f"the cluster did not settle: {err}"]
     try:
         eventually(lambda: audit.settled(lab), settle, "the audit clean")
     except TimeoutError:
@@ -269,6 +273,7 @@ def run(
         clients.start(node)
     churn = Churn(lab, folder, rng, max_replicas)
     faults: list[Fault] = []
+    problems: list[str] = []
     began, start = time.time(), time.monotonic()
     churn.start()
     try:
@@ -277,14 +282,25 @@ def run(
         while len(faults) < len(kinds) or time.monotonic() - start < seconds:
             if not turn:
                 turn = rng.sample(kinds, len(kinds))
-            faults.append(inject(lab, turn.pop(), rng.choice(list(lab.nodes)), clients))
+            kind, node = turn.pop(), rng.choice(list(lab.nodes))
+            try:
+                faults.append(inject(lab, kind, node, clients))
+            except TimeoutError as err:
+                # a node that does not recover ends the faults; the audit says what it left
+                problems.append(f"{kind} on {node}: {err}")
+                break
             time.sleep(rng.uniform(*gap))
     finally:
         churn.stop()
         ended = time.time()
         clients.stop_all()
-    problems = _quiet(lab, 120)
-    footprints = {node: (footprints_before[node], footprint(lab, node)) for node in lab.nodes}
+    problems += _quiet(lab, 120)
+    footprints = {}
+    for node, before in footprints_before.items():
+        try:
+            footprints[node] = (before, footprint(lab, node))
+        except RuntimeError as err:
+            problems.append(str(err))
     kinds_report = report(faults, clients.clients, began, ended)
     lab.kubectl("delete", "namespace", NAMESPACE, "--timeout=120s", timeout=130)
     return Outcome(
@@ -318,6 +334,20 @@ def save(outcome: Outcome, folder: Path) -> Path:
     return path
 
 
+def keep_logs(lab: Lab, folder: Path) -> None:
+    """Each node's kubelet, containerd and knit container logs copied into folder, which the
+    lab's removal leaves."""
+    for name, node in lab.nodes.items():
+        into = folder / name
+        into.mkdir(parents=True, exist_ok=True)
+        for log in (node.folder / "kubelet.log", node.folder / "containerd.log"):
+            if log.exists():
+                shutil.copy(log, into)
+        for pod in (node.folder / "var/log/pods").glob("kube-system_knit-*"):
+            shutil.copytree(pod, into / pod.name, dirs_exist_ok=True)
+    print(f"the nodes' logs are kept in {folder}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--modes", default=",".join(PROXY_MODES))
@@ -338,6 +368,11 @@ def main() -> None:
                 max_replicas=options.max_replicas,
                 seed=options.seed,
             )
+            if outcome.problems or outcome.growth():
+                keep_logs(lab, folder / "logs")
+        except BaseException:
+            keep_logs(lab, folder / "logs")
+            raise
         finally:
             lab.down()
         save(outcome, folder)
