@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import statistics
 import time
@@ -83,25 +84,42 @@ def mean_syncs(samples: list[Sample], label: str) -> list[tuple[float, float]]:
     return means
 
 
-def _level(points: list[tuple[float, float]], first: float, last: float) -> float | None:
+def _median(points: list[tuple[float, float]], first: float, last: float) -> float | None:
     inside = [value for minute, value in points if first <= minute < last]
     return statistics.median(inside) if inside else None
 
 
-def figures(samples: list[Sample], minutes: float) -> list[dict[str, Any]]:
+def _sync_mean(samples: list[Sample], label: str, first: float, last: float) -> float | None:
+    """The mean sync time (ms) over a window: its syncs' time over their number, from its
+    first sample to its last. A median of the samples' means would weigh a sample of one slow
+    sync like one of thirty."""
+    inside = [s for s in samples if first <= s.minute < last]
+    if len(inside) < 2:
+        return None
+    seconds = inside[-1].syncs[label][0] - inside[0].syncs[label][0]
+    count = inside[-1].syncs[label][1] - inside[0].syncs[label][1]
+    return 1000 * seconds / count if count > 0 else None
+
+
+def figures(samples: list[Sample]) -> list[dict[str, Any]]:
+    """Each node's figures, over minutes 5-10 and the last five minutes sampled."""
+    end = max(s.minute for s in samples)
+    windows = (BASELINE, (end - FINAL, end + 1))
     rows = []
     for node in sorted({s.node for s in samples}):
         mine = [s for s in samples if s.node == node]
-        series: dict[str, tuple[list[tuple[float, float]], str, float]] = {
-            "memory (RSS)": ([(s.minute, s.rss_kib / 1024) for s in mine], "MiB", GOAL),
-            "threads": ([(s.minute, s.threads) for s in mine], "", GOAL),
-            "open file descriptors": ([(s.minute, s.fds) for s in mine], "", GOAL),
+        levels: dict[str, tuple[list[float | None], str]] = {
+            name: ([_median(points, *window) for window in windows], unit)
+            for name, points, unit in (
+                ("memory (RSS)", [(s.minute, s.rss_kib / 1024) for s in mine], "MiB"),
+                ("threads", [(s.minute, float(s.threads)) for s in mine], ""),
+                ("open file descriptors", [(s.minute, float(s.fds)) for s in mine], ""),
+            )
         }
         for label, _ in SYNCS:
-            series[f"{label} time, mean"] = (mean_syncs(mine, label), "ms", GOAL)
-        for name, (points, unit, goal) in series.items():
-            baseline = _level(points, *BASELINE)
-            final = _level(points, minutes - FINAL, minutes + 1)
+            means = [_sync_mean(mine, label, *window) for window in windows]
+            levels[f"{label} time, mean"] = (means, "ms")
+        for name, ([baseline, final], unit) in levels.items():
             if baseline is None or final is None:
                 rows.append({"step": node, "figure": name, "knit": "not sampled", "goal": ""})
                 continue
@@ -113,7 +131,7 @@ def figures(samples: list[Sample], minutes: float) -> list[dict[str, Any]]:
                     "knit": f"{baseline:.1f} -> {final:.1f} {unit}".strip(),
                     "anchor": "its own level over minutes 5-10",
                     "ratio": f"{final / baseline:.3f}x" if baseline else "",
-                    "goal": f"growth < {goal:.0%}: {'met' if growth < goal else 'NOT met'}",
+                    "goal": f"growth < {GOAL:.0%}: {'met' if growth < GOAL else 'NOT met'}",
                 }
             )
     return rows
@@ -157,14 +175,38 @@ def soak(lab: Lab, folder: Path, minutes: float, every: float, max_replicas: int
     return samples
 
 
+def report(samples: list[Sample], path: Path, title: str) -> None:
+    """The figures printed and the chart drawn beside the result file."""
+    for row in figures(samples):
+        print(f"{row['step']}: {row['figure']}: {row['knit']} {row.get('ratio', '')} {row['goal']}")
+    draw(samples, path.with_suffix(".png"), title)
+
+
+def redraw(path: Path) -> None:
+    """A result file's figures and chart made again from its samples (the figures' reading
+    changed, not the run)."""
+    result = json.loads(path.read_text())
+    samples = [
+        Sample(**{**s, "syncs": {k: tuple(v) for k, v in s["syncs"].items()}})
+        for s in result["samples"]
+    ]
+    result["figures"] = figures(samples)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    report(samples, path, result["title"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=PROXY_MODES, default="nftables")
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--every", type=float, default=15.0, help="seconds between samples")
     parser.add_argument("--max-replicas", type=int, default=15)
+    parser.add_argument("--redraw", type=Path, help="a result file: its figures and chart again")
     record.add_json_option(parser)
     options = parser.parse_args()
+    if options.redraw:
+        redraw(options.redraw)
+        return
     began_at = record.revision()
     folder = ROOT / "build" / "soak" / time.strftime("%Y-%m-%dT%H%M")
     lab = Lab(unique_name("knit-soak"), folder / "lab", options.mode)
@@ -173,13 +215,15 @@ def main() -> None:
         samples = soak(lab, folder / "run", options.minutes, options.every, options.max_replicas)
     finally:
         lab.down()
-    rows = figures(samples, options.minutes)
-    for row in rows:
-        print(f"{row['step']}: {row['figure']}: {row['knit']} {row.get('ratio', '')} {row['goal']}")
     path = record.result_path(options.json, "soak")
-    record.write(path, rows, began_at, samples=[asdict(s) for s in samples])
-    title = f"knit-proxyd over {options.minutes:g} minutes of churn, {options.mode} mode"
-    draw(samples, path.with_suffix(".png"), f"{title} ({time.strftime('%Y-%m-%d')}, {began_at})")
+    title = (
+        f"knit-proxyd over {options.minutes:g} minutes of churn, {options.mode} mode "
+        f"({time.strftime('%Y-%m-%d')}, {began_at})"
+    )
+    record.write(
+        path, figures(samples), began_at, title=title, samples=[asdict(s) for s in samples]
+    )
+    report(samples, path, title)
 
 
 if __name__ == "__main__":

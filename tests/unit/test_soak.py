@@ -46,7 +46,20 @@ def test_memory_that_grows_past_five_percent_is_not_flat() -> None:
     grown = [
         _sample(minute, 100_000 + 1000 * minute, (minute, 10 * minute)) for minute in range(21)
     ]
-    memory = {row["step"]: row["goal"] for row in figures(flat, 20) if "memory" in row["figure"]}
+    memory = {row["step"]: row["goal"] for row in figures(flat) if "memory" in row["figure"]}
     assert memory == {"node1": "growth < 5%: met"}
-    memory = {row["step"]: row["goal"] for row in figures(grown, 20) if "memory" in row["figure"]}
+    memory = {row["step"]: row["goal"] for row in figures(grown) if "memory" in row["figure"]}
     assert memory == {"node1": "growth < 5%: NOT met"}
+
+
+def test_a_window_s_sync_time_is_its_syncs_time_over_their_number() -> None:
+    # minutes 5-10: one slow sync in one sample, thirty quick ones in the other
+    samples = [_sample(minute, 100_000, (0.0, 0)) for minute in range(5)]
+    samples += [_sample(5, 100_000, (0.0, 0)), _sample(6, 100_000, (1.0, 1))]
+    samples += [_sample(7, 100_000, (1.3, 31))]
+    samples += [
+        _sample(minute, 100_000, (1.3 + 0.1 * minute, 31 + 10 * minute)) for minute in (15, 20)
+    ]
+    rows = {row["figure"]: row["knit"] for row in figures(samples)}
+    # (1.3 s / 31 syncs) = 41.9 ms, where the median of the samples' means would be 505
+    assert rows["proxy sync time, mean: minutes 5-10 -> last 5"].startswith("41.9 -> 10.0")
