@@ -219,6 +219,34 @@ def unreachable(lab: Lab, namespace: str, port: int) -> list[str]:
     ]
 
 
+def unready(lab: Lab, namespace: str) -> list[str]:
+    """NAMESPACE's pods that are not Ready or still going away, each with what says why: its
+    node, phase, conditions that are not true, and the last event about it."""
+    events: dict[str, str] = {}
+    for event in _items(lab, "events", "-n", namespace, "--sort-by=.lastTimestamp"):
+        events[event["involvedObject"].get("name", "")] = (
+            f"{event.get('reason')}: {event.get('message', '').strip()[:160]}"
+        )
+    found = []
+    for pod in _items(lab, "pods", "-n", namespace):
+        name, status = pod["metadata"]["name"], pod["status"]
+        false = [
+            f"{cond['type']}={cond['status']}"
+            + (f" ({cond['reason']})" if cond.get("reason") else "")
+            for cond in status.get("conditions", [])
+            if cond["status"] != "True"
+        ]
+        going = pod["metadata"].get("deletionTimestamp")
+        if false or going or not status.get("conditions"):
+            found.append(
+                f"{name} on {pod['spec'].get('nodeName')}: {status.get('phase')}"
+                + (f", deleted at {going}" if going else "")
+                + (f", {', '.join(false)}" if false else "")
+                + (f"; last event {events[name]}" if name in events else "")
+            )
+    return found
+
+
 def problems(lab: Lab) -> list[str]:
     """Every node's problems, and every Running pod without an address of both families."""
     view = api_view(lab)

@@ -50,6 +50,8 @@ from deploy.lab.process import eventually, terminate
 CHURN_ONLY = "churn alone"
 REACHABLE = 30.0
 """Seconds the workload's pods have to answer from every node once the audit is clean."""
+SETTLE_PODS = 180.0
+"""Seconds the workload's pods have to be Ready, and gone if deleted, once the churn stopped."""
 
 
 # ---------------------------------------------------------------- steady clients
@@ -244,12 +246,14 @@ def _quiet(lab: Lab, settle: float) -> list[str]:
     try:
         lab.kubectl("-n", NAMESPACE, "delete", "networkpolicy", *policies(), "--ignore-not-found")
         lab.wait_ready()
-        lab.kubectl(
-            "-n", NAMESPACE, "wait", "--for=condition=Ready", "pods", "--all", "--timeout=180s",
-            timeout=200,
-        )  # fmt: skip
     except (RuntimeError, TimeoutError) as err:
         return [f"the cluster did not settle: {err}"]
+    # polled rather than `kubectl wait --all`, which fails when a pod it waits for goes away
+    pending = partial(audit.unready, lab, NAMESPACE)
+    try:
+        eventually(lambda: not pending(), SETTLE_PODS, "every pod Ready", interval=2)
+    except TimeoutError:
+        return [f"a pod not Ready after {SETTLE_PODS:.0f} s: {pod}" for pod in pending()]
     try:
         eventually(lambda: audit.settled(lab), settle, "the audit clean")
     except TimeoutError:

@@ -25,6 +25,8 @@ DATA_PATH_KEPT = tuple(kind for kind in faults.FAULT_KINDS if kind != "node rebo
 def test_faults_under_churn_lose_nothing_and_leak_nothing(lab: Lab, tmp_path: Path) -> None:
     outcome = chaos.run(lab, tmp_path / "chaos", seconds=60, max_replicas=10)
     chaos.save(outcome, chaos.RESULTS / lab.mode)
+    if outcome.problems or outcome.growth():
+        chaos.keep_logs(lab, chaos.RESULTS / lab.mode / "logs")
     assert outcome.problems == []
     assert outcome.growth() == []
     assert outcome.churn_changes > 20
