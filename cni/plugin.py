@@ -8,7 +8,6 @@ import json
 import os
 import re
 import sys
-import traceback
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -16,8 +15,7 @@ from cni import ipam as ipam_module
 from cni import netconf, version
 from cni.errors import CniError, Code
 from cni.invocation import Invocation, from_environ, parse_stdin
-from cni.kernel.errors import KernelError, NetnsError
-from cni.kernel.firewall import FirewallError, Tag, attachment_selector, stale_selector
+from cni.kernel.errors import FirewallError, KernelError, NetnsError
 from cni.netconf import NetConf
 from cni.result import Result
 
@@ -104,20 +102,26 @@ def _best_effort(steps: list[Callable[[], None]]) -> list[CniError]:
 def _firewall_teardown(
     conf: NetConf, container_id: str, ifname: str, families: Collection[int]
 ) -> list[Callable[[], None]]:
-    from cni import masq, spoofcheck
-
+    # The firewall's modules (and subprocess, which they import) only for an attachment that
+    # has rules: most have none, and an in-process call pays for every import.
     steps: list[Callable[[], None]] = []
     if conf.ip_masq:
+        from cni import masq
+        from cni.kernel.firewall import attachment_selector
+
         masq_rules = attachment_selector(masq.KIND, conf.name, container_id, ifname)
         steps.append(lambda: masq.teardown([conf.ip_masq_backend], masq_rules, families))
     if conf.mac_spoof_check:
+        from cni import spoofcheck
+        from cni.kernel.firewall import attachment_selector
+
         spoofchk_rules = attachment_selector(spoofcheck.KIND, conf.name, container_id, ifname)
         steps.append(lambda: spoofcheck.teardown(spoofchk_rules))
     return steps
 
 
 def cmd_add(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> dict[str, Any]:
-    from cni import bridge, masq, spoofcheck
+    from cni import bridge
     from cni.kernel import netns
 
     conf = netconf.parse(raw)
@@ -135,12 +139,18 @@ def cmd_add(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> dict[s
         try:
             result = bridge.setup(conf, cid, ifname, invocation.netns, netns_fd, ipam_result, mac)
             if conf.ip_masq:
+                from cni import masq
+                from cni.kernel.firewall import Tag
+
                 masq.setup(
                     conf.ip_masq_backend,
                     Tag(masq.KIND, conf.name, cid, ifname),
                     [ip.address for ip in result.ips],
                 )
             if conf.mac_spoof_check:
+                from cni import spoofcheck
+                from cni.kernel.firewall import Tag
+
                 spoofcheck.setup(
                     Tag(spoofcheck.KIND, conf.name, cid, ifname),
                     host_veth,
@@ -237,6 +247,7 @@ def cmd_check(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None
 def _check_masq(conf: NetConf, container_id: str, ifname: str, prev: Result) -> None:
     """The attachment's masquerade rules, in the node's namespace, for prevResult's addresses."""
     from cni import bridge, masq
+    from cni.kernel.firewall import Tag, attachment_selector
 
     select = attachment_selector(masq.KIND, conf.name, container_id, ifname)
     addresses = [ip.address for ip in prev.ips]
@@ -268,6 +279,7 @@ def valid_attachments(raw: dict[str, Any]) -> set[tuple[str, str]]:
 def cmd_gc(invocation: Invocation, raw: dict[str, Any], stdin: bytes) -> None:
     from cni import masq, spoofcheck
     from cni.kernel.families import IP_FAMILIES
+    from cni.kernel.firewall import stale_selector
 
     conf = netconf.parse(raw)
     if not version.at_least(conf.cni_version, "1.1.0"):
@@ -307,6 +319,8 @@ def execute(
     except KernelError as err:
         return 1, error_output(cni_error(err), stdin)
     except Exception as err:
+        import traceback
+
         failure = CniError(Code.UNEXPECTED, f"{type(err).__name__}: {err}", traceback.format_exc())
         return 1, error_output(failure, stdin)
     return 0, b"" if answer is None else encode(answer)

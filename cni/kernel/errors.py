@@ -25,5 +25,10 @@ class NetnsError(KernelError):
         self.gone = gone
 
 
+class FirewallError(KernelError):
+    """An iptables binary is missing or failed, or nftables did (cni.kernel.nftables.NftError);
+    the plugin reports code 103."""
+
+
 class SysctlError(KernelError):
     """A sysctl cannot be written."""

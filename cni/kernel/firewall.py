@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cni.kernel.errors import KernelError
+from cni.kernel.errors import FirewallError
 
 TAG_PATTERN = re.compile(
     r'knit (?P<kind>[^\s"]+) net=(?P<net>[^\s"]+) id=(?P<id>[^\s"]+) if=(?P<ifname>[^\s"]+)'
@@ -60,11 +60,6 @@ def stale_selector(kind: str, network: str, valid: set[tuple[str, str]]) -> Sele
     return lambda tag: (
         tag.kind == kind and tag.network == network and (tag.container_id, tag.ifname) not in valid
     )
-
-
-class FirewallError(KernelError):
-    """An iptables binary is missing or failed, or nftables did (cni.kernel.nftables.NftError);
-    the plugin reports code 103."""
 
 
 def run(argv: list[str], stdin: str = "") -> str:

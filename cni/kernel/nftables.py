@@ -23,7 +23,8 @@ import socket
 import weakref
 from typing import Any
 
-from cni.kernel.firewall import FirewallError, Tag
+from cni.kernel.errors import FirewallError
+from cni.kernel.firewall import Tag
 from cni.kernel.rawnetlink import NETLINK_NETFILTER
 
 LIBRARY_ENV = "KNIT_LIBNFTABLES"

@@ -1,6 +1,6 @@
 """The proxy's own chains in the iptables of one family: snapshots of the chains it owns,
-whole and partial restores of its rule sets, and their removal. Running the binaries, the
-flavour and FirewallError come from cni.kernel.firewall."""
+whole and partial restores of its rule sets, and their removal. Running the binaries and the
+flavour come from cni.kernel.firewall, FirewallError from cni.kernel.errors."""
 
 from __future__ import annotations
 

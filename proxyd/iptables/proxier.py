@@ -3,7 +3,7 @@ only the difference (or everything, on a full sync) with one iptables-restore pe
 
 from __future__ import annotations
 
-from cni.kernel.firewall import FirewallError
+from cni.kernel.errors import FirewallError
 from proxyd.iptables.chains import owned_by_knit
 from proxyd.iptables.kernel import IptablesKernel
 from proxyd.iptables.render import TABLES, ServiceRules, render_base, render_service

@@ -18,7 +18,7 @@ from pyroute2.ipset import IPSetError
 from pyroute2.netlink.exceptions import NetlinkError
 
 from cni.kernel.addresses import link_addresses
-from cni.kernel.firewall import FirewallError
+from cni.kernel.errors import FirewallError
 from proxyd.iptables.kernel import IptablesKernel
 from proxyd.iptables.render import TABLES
 from proxyd.iptables.restore import RuleSet
