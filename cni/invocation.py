@@ -7,10 +7,10 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any
 
 from cni.errors import CniError, Code
+from cni.record import Record
 
 COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "VERSION", "GC")
 ATTACHMENT_COMMANDS = ("ADD", "DEL", "CHECK")
@@ -52,20 +52,41 @@ attaching: ContextVar[Callable[[tuple[str, ...]], None] | None] = ContextVar(
 )
 
 
-@dataclass(frozen=True)
-class Invocation:
-    command: str
-    container_id: str
-    netns: str
-    ifname: str
-    args: dict[str, str]
-    cni_path: tuple[str, ...]
-    # The call's own CNI_* variables, for a delegated plugin: a call served by the node
-    # daemon must not see the daemon's environment.
-    variables: dict[str, str] = field(default_factory=dict)
-    # CNI_NETNS opened by the caller (the fast path's plugin): the verbs use it in place of
-    # opening the path, which the node daemon may not resolve.
-    netns_fd: int | None = None
+class Invocation(Record):
+    __slots__ = (
+        "args",
+        "cni_path",
+        "command",
+        "container_id",
+        "ifname",
+        "netns",
+        "netns_fd",
+        "variables",
+    )
+
+    def __init__(
+        self,
+        command: str,
+        container_id: str,
+        netns: str,
+        ifname: str,
+        args: dict[str, str],
+        cni_path: tuple[str, ...],
+        variables: dict[str, str] | None = None,
+        netns_fd: int | None = None,
+    ) -> None:
+        self.command = command
+        self.container_id = container_id
+        self.netns = netns
+        self.ifname = ifname
+        self.args = args
+        self.cni_path = cni_path
+        # The call's own CNI_* variables, for a delegated plugin: a call served by the node
+        # daemon must not see the daemon's environment.
+        self.variables = {} if variables is None else variables
+        # CNI_NETNS opened by the caller (the fast path's plugin): the verbs use it in place
+        # of opening the path, which the node daemon may not resolve.
+        self.netns_fd = netns_fd
 
 
 def from_environ(environ: Mapping[str, str], netns_fd: int | None = None) -> Invocation:

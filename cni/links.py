@@ -12,13 +12,13 @@ import socket
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from cni.errors import CniError, Code
 from cni.kernel.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, link_addresses
 from cni.kernel.families import ADDRESS_FAMILIES
 from cni.kernel.rawnetlink import CREATE_NEW, U32, RawNetlinkError, attribute, attributes, request
+from cni.record import Record
 from cni.result import IPInterface
 
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK, RTM_SETLINK = 16, 17, 18, 19
@@ -40,15 +40,19 @@ IFF_UP, IFF_PROMISC = 0x1, 0x100
 U8 = struct.Struct("=B")
 
 
-@dataclass(frozen=True)
-class Link:
-    index: int
-    name: str
-    kind: str
-    mac: str
-    mtu: int
-    master: int | None
-    flags: int
+class Link(Record):
+    __slots__ = ("flags", "index", "kind", "mac", "master", "mtu", "name")
+
+    def __init__(
+        self, index: int, name: str, kind: str, mac: str, mtu: int, master: int | None, flags: int
+    ) -> None:
+        self.index = index
+        self.name = name
+        self.kind = kind
+        self.mac = mac
+        self.mtu = mtu
+        self.master = master
+        self.flags = flags
 
 
 @contextmanager

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from cni import shapes
 from cni.errors import CniError, Code
 from cni.invocation import valid_ifname
 from cni.paths import check_network_name, check_plugin_name
+from cni.record import Record
 from cni.result import DNS
 from cni.version import require_supported
 
@@ -52,25 +52,63 @@ largest an Ethernet link takes."""
 DNS_LISTS = ("nameservers", "search", "options")
 
 
-@dataclass(frozen=True)
-class NetConf:
-    cni_version: str
-    name: str
-    ipam: dict[str, Any]
-    bridge: str = DEFAULT_BRIDGE
-    is_gateway: bool = False
-    is_default_gateway: bool = False
-    force_address: bool = False
-    ip_masq: bool = False
-    ip_masq_backend: str = "iptables"
-    mtu: int = 0
-    hairpin_mode: bool = False
-    promisc_mode: bool = False
-    vlan: int = 0
-    mac_spoof_check: bool = False
-    enable_dad: bool = False
-    # The config's own dns: in the result in place of IPAM's when set (the reference's rule).
-    dns: DNS | None = None
+class NetConf(Record):
+    __slots__ = (
+        "bridge",
+        "cni_version",
+        "dns",
+        "enable_dad",
+        "force_address",
+        "hairpin_mode",
+        "ip_masq",
+        "ip_masq_backend",
+        "ipam",
+        "is_default_gateway",
+        "is_gateway",
+        "mac_spoof_check",
+        "mtu",
+        "name",
+        "promisc_mode",
+        "vlan",
+    )
+
+    def __init__(
+        self,
+        cni_version: str,
+        name: str,
+        ipam: dict[str, Any],
+        bridge: str = DEFAULT_BRIDGE,
+        is_gateway: bool = False,
+        is_default_gateway: bool = False,
+        force_address: bool = False,
+        ip_masq: bool = False,
+        ip_masq_backend: str = "iptables",
+        mtu: int = 0,
+        hairpin_mode: bool = False,
+        promisc_mode: bool = False,
+        vlan: int = 0,
+        mac_spoof_check: bool = False,
+        enable_dad: bool = False,
+        dns: DNS | None = None,
+    ) -> None:
+        self.cni_version = cni_version
+        self.name = name
+        self.ipam = ipam
+        self.bridge = bridge
+        self.is_gateway = is_gateway
+        self.is_default_gateway = is_default_gateway
+        self.force_address = force_address
+        self.ip_masq = ip_masq
+        self.ip_masq_backend = ip_masq_backend
+        self.mtu = mtu
+        self.hairpin_mode = hairpin_mode
+        self.promisc_mode = promisc_mode
+        self.vlan = vlan
+        self.mac_spoof_check = mac_spoof_check
+        self.enable_dad = enable_dad
+        # The config's own dns: in the result in place of IPAM's when set (the reference's
+        # rule).
+        self.dns = dns
 
 
 def parse_version_and_name(raw: dict[str, Any]) -> tuple[str, str]:

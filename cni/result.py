@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from cni import ip_text
 from cni.errors import CniError, Code
+from cni.record import Record
 from cni.version import at_least
 
 IPAddress = ip_text.Address
@@ -24,34 +24,52 @@ ROUTE_EXTRA_LIMITS = {
 """Each extra's kernel field: a u32, and scope a u8."""
 
 
-@dataclass
-class Interface:
-    name: str
-    mac: str = ""
-    sandbox: str = ""
-    mtu: int = 0
+class Interface(Record):
+    __slots__ = ("mac", "mtu", "name", "sandbox")
+
+    def __init__(self, name: str, mac: str = "", sandbox: str = "", mtu: int = 0) -> None:
+        self.name = name
+        self.mac = mac
+        self.sandbox = sandbox
+        self.mtu = mtu
 
 
-@dataclass
-class IPConfig:
-    address: IPInterface
-    gateway: IPAddress | None = None
-    interface: int | None = None
+class IPConfig(Record):
+    __slots__ = ("address", "gateway", "interface")
+
+    def __init__(
+        self, address: IPInterface, gateway: IPAddress | None = None, interface: int | None = None
+    ) -> None:
+        self.address = address
+        self.gateway = gateway
+        self.interface = interface
 
 
-@dataclass
-class Route:
-    dst: IPNetwork
-    gw: IPAddress | None = None
-    extras: dict[str, int] = field(default_factory=dict)
+class Route(Record):
+    __slots__ = ("dst", "extras", "gw")
+
+    def __init__(
+        self, dst: IPNetwork, gw: IPAddress | None = None, extras: dict[str, int] | None = None
+    ) -> None:
+        self.dst = dst
+        self.gw = gw
+        self.extras = {} if extras is None else extras
 
 
-@dataclass
-class DNS:
-    nameservers: list[str] = field(default_factory=list)
-    domain: str = ""
-    search: list[str] = field(default_factory=list)
-    options: list[str] = field(default_factory=list)
+class DNS(Record):
+    __slots__ = ("domain", "nameservers", "options", "search")
+
+    def __init__(
+        self,
+        nameservers: list[str] | None = None,
+        domain: str = "",
+        search: list[str] | None = None,
+        options: list[str] | None = None,
+    ) -> None:
+        self.nameservers = [] if nameservers is None else nameservers
+        self.domain = domain
+        self.search = [] if search is None else search
+        self.options = [] if options is None else options
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -66,12 +84,20 @@ class DNS:
         return out
 
 
-@dataclass
-class Result:
-    interfaces: list[Interface] = field(default_factory=list)
-    ips: list[IPConfig] = field(default_factory=list)
-    routes: list[Route] = field(default_factory=list)
-    dns: DNS = field(default_factory=DNS)
+class Result(Record):
+    __slots__ = ("dns", "interfaces", "ips", "routes")
+
+    def __init__(
+        self,
+        interfaces: list[Interface] | None = None,
+        ips: list[IPConfig] | None = None,
+        routes: list[Route] | None = None,
+        dns: DNS | None = None,
+    ) -> None:
+        self.interfaces = [] if interfaces is None else interfaces
+        self.ips = [] if ips is None else ips
+        self.routes = [] if routes is None else routes
+        self.dns = DNS() if dns is None else dns
 
     def to_json(self, cni_version: str) -> dict[str, Any]:
         with_ip_version = not at_least(cni_version, "1.0.0")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from cni import shapes
 from cni.errors import CniError, Code
 from cni.ipam.store import Store
 from cni.paths import check_directory
+from cni.record import Record
 from cni.result import DNS, IPAddress, IPConfig, IPNetwork, Result, Route, parse_route
 
 DEFAULT_DATA_DIR = "/var/lib/cni/networks"
@@ -31,12 +31,16 @@ IPAM_KEYS = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class Range:
-    subnet: IPNetwork
-    start: IPAddress
-    end: IPAddress
-    gateway: IPAddress
+class Range(Record):
+    __slots__ = ("end", "gateway", "start", "subnet")
+
+    def __init__(
+        self, subnet: IPNetwork, start: IPAddress, end: IPAddress, gateway: IPAddress
+    ) -> None:
+        self.subnet = subnet
+        self.start = start
+        self.end = end
+        self.gateway = gateway
 
     def contains(self, ip: IPAddress) -> bool:
         return ip.version == self.subnet.version and int(self.start) <= int(ip) <= int(self.end)
@@ -56,14 +60,24 @@ class Range:
 RangeSet = tuple[Range, ...]
 
 
-@dataclass(frozen=True)
-class HostLocalConf:
-    network: str
-    range_sets: tuple[RangeSet, ...]
-    routes: tuple[Route, ...]
-    data_dir: str
-    resolv_conf: str
-    requested: tuple[IPAddress, ...]
+class HostLocalConf(Record):
+    __slots__ = ("data_dir", "network", "range_sets", "requested", "resolv_conf", "routes")
+
+    def __init__(
+        self,
+        network: str,
+        range_sets: tuple[RangeSet, ...],
+        routes: tuple[Route, ...],
+        data_dir: str,
+        resolv_conf: str,
+        requested: tuple[IPAddress, ...],
+    ) -> None:
+        self.network = network
+        self.range_sets = range_sets
+        self.routes = routes
+        self.data_dir = data_dir
+        self.resolv_conf = resolv_conf
+        self.requested = requested
 
 
 def describe(range_set: RangeSet) -> str:
