@@ -12,7 +12,8 @@ peer or protocol entry it cannot read or does not implement (the experimental `n
 `domainNames` peers), and records each case in the policy's `problems`, which the caller logs.
 A policy whose tier, priority or subject cannot be read is left out whole, with its problem:
 its subject is unknown, and denying the whole cluster's traffic would be worse than what the
-API server's own validation of those fields already prevents.
+API server's own validation of those fields already prevents. The staged annotation is read
+as a NetworkPolicy's is (model.staged_of).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from proxyd.policy.model import (
     network,
     parse_selector,
     sequence,
+    staged_of,
 )
 
 ADMIN = "Admin"
@@ -70,6 +72,8 @@ class ClusterNetworkPolicy:
     ingress: tuple[ClusterRule, ...] = ()
     egress: tuple[ClusterRule, ...] = ()
     problems: tuple[str, ...] = field(default=(), compare=False)
+    staged: bool = False
+    """Annotated as staged: compiled only into the staged view, never enforced."""
 
     def rules(self, direction: str) -> tuple[ClusterRule, ...]:
         return self.ingress if direction == INGRESS else self.egress
@@ -185,6 +189,7 @@ def parse_cluster_policy(obj: Obj) -> ClusterNetworkPolicy:
     name = meta.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidObject("metadata has no name")
+    staged, annotation_problems = staged_of(meta)
     spec = mapping(obj.get("spec"), "spec")
     tier, priority = spec.get("tier"), spec.get("priority")
     if tier not in TIERS:
@@ -199,7 +204,7 @@ def parse_cluster_policy(obj: Obj) -> ClusterNetworkPolicy:
         subject = _pods_peer(subject_spec[kind], "subject.pods")
     else:
         raise InvalidObject(f"subject sets the unknown field {kind!r}")
-    problems: list[str] = []
+    problems = list(annotation_problems)
     rules: dict[str, list[ClusterRule]] = {INGRESS: [], EGRESS: []}
     for direction, key in ((INGRESS, "ingress"), (EGRESS, "egress")):
         for index, entry in enumerate(sequence(spec.get(key), key)):
@@ -211,5 +216,6 @@ def parse_cluster_policy(obj: Obj) -> ClusterNetworkPolicy:
             if rule is not None:
                 rules[direction].append(rule)
     return ClusterNetworkPolicy(
-        name, tier, priority, subject, tuple(rules[INGRESS]), tuple(rules[EGRESS]), tuple(problems)
-    )
+        name, tier, priority, subject, tuple(rules[INGRESS]), tuple(rules[EGRESS]),
+        tuple(problems), staged,
+    )  # fmt: skip

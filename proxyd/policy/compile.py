@@ -22,6 +22,10 @@ Compiled with `provenance` (for `kubectl knit explain`, never by the daemon), ea
 also carries the policy rule it comes from (`Origin`), and the table names the
 NetworkPolicies isolating each pod's chain: the same compile as the daemon's, so an
 explanation gives the daemon's verdict.
+
+Staged policies (model.STAGED_ANNOTATION) are left out, so that what is enforced is exactly
+what it would be without them; compiled as the staged view (`staged_view`, for flow records
+and `kubectl knit explain`, never written as it is), they are compiled as if enforced.
 """
 
 from __future__ import annotations
@@ -197,6 +201,10 @@ class Cluster:
     """The pods of each namespace: where a new peer set looks for its members."""
     local: Mapping[PodKey, Pod] = field(kw_only=True)
     """The pods of this node: the pods that get chains."""
+    staged: bool = field(default=False, kw_only=True)
+    """Whether any of the policies is staged (counted by the policy state as they change, so
+    that a cluster without one is not looked over for them at each sync). Wrongly False, it
+    has the staged policies enforced: never less protection."""
     _selected: dict[tuple[str, Selector], list[tuple[PodKey, Pod]]] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
@@ -236,6 +244,7 @@ class Cluster:
             cluster_policies,
             by_namespace=by_namespace,
             local=local,
+            staged=any(p.staged for p in policies) or any(p.staged for p in cluster_policies),
         )
 
 
@@ -440,10 +449,13 @@ class FamilyCompiler:
     another node's pod costs the same with 1,000 pods as with 10,000. The result is what a
     fresh compile of the same cluster gives."""
 
-    def __init__(self, family: int, *, provenance: bool = False) -> None:
-        """`provenance`: give each match its Origin (for explaining verdicts)."""
+    def __init__(self, family: int, *, provenance: bool = False, staged_view: bool = False) -> None:
+        """`provenance`: give each match its Origin (for explaining verdicts); `staged_view`:
+        compile the staged policies as if enforced (what they would do), where by default
+        they are left out."""
         self.family = family
         self.provenance = provenance
+        self.staged_view = staged_view
         self._peer_sets: dict[PeersKey, _PeerSet] = {}
         self.port_sets: dict[str, tuple[_PeerSet | None, PortMatch]] = {}
         """The last compile's peer-port sets: what each was made from."""
@@ -470,14 +482,28 @@ class FamilyCompiler:
                 self._last = self._refreshed(self._last, cluster, bool(changed))
                 return self._last
         self._last = _TableBuild(self, cluster).result()
-        self._last_policies = (*cluster.policies, *cluster.cluster_policies)
+        policies, cluster_policies = self.compiled(cluster)
+        self._last_policies = (*policies, *cluster_policies)
         return self._last
+
+    def compiled(
+        self, cluster: Cluster
+    ) -> tuple[tuple[NetworkPolicy, ...], tuple[ClusterNetworkPolicy, ...]]:
+        """The cluster's policies and cluster policies this compiler compiles: all in the
+        staged view, else the ones not staged."""
+        if self.staged_view or not cluster.staged:
+            return cluster.policies, cluster.cluster_policies
+        return (
+            tuple(policy for policy in cluster.policies if not policy.staged),
+            tuple(policy for policy in cluster.cluster_policies if not policy.staged),
+        )
 
     def _chains_hold(self, cluster: Cluster, changed: set[PodKey]) -> bool:
         """Whether the last compile's chains and maps still hold: the same policies (the
         same objects: the state replaces a policy's object when it changes) and no change to
         a pod of this node."""
-        policies = (*cluster.policies, *cluster.cluster_policies)
+        compiled, cluster_compiled = self.compiled(cluster)
+        policies = (*compiled, *cluster_compiled)
         if len(policies) != len(self._last_policies) or any(
             now is not was for now, was in zip(policies, self._last_policies, strict=True)
         ):
@@ -552,6 +578,7 @@ class _TableBuild:
         self.family = compiler.family
         self.out = FamilyPolicy()
         self.used: set[PeersKey] = set()
+        self.policies, self.cluster_policies = compiler.compiled(cluster)
 
     def matches(
         self,
@@ -685,7 +712,7 @@ class _TableBuild:
         isolation: dict[tuple[str, PodKey], tuple[list[str], list[Match]]] = {}
         # only the policies of namespaces with a pod here select one: the others are not
         # sorted, nor looked at again
-        judging = [policy for policy in self.cluster.policies if policy.namespace in local]
+        judging = [policy for policy in self.policies if policy.namespace in local]
         for policy in sorted(judging, key=lambda p: (p.namespace, p.name)):
             for pod, _ in local[policy.namespace]:
                 if not policy.pods.matches(pod.labels):
@@ -700,7 +727,7 @@ class _TableBuild:
                         allowed += self.matches(
                             policy.namespace, direction, rule.peers, rule.ports, pod, ALLOW, origin
                         )
-        ordered = sorted(self.cluster.cluster_policies, key=lambda p: (p.priority, p.name))
+        ordered = sorted(self.cluster_policies, key=lambda p: (p.priority, p.name))
         tiers = (
             [policy for policy in ordered if policy.tier == ADMIN],
             [policy for policy in ordered if policy.tier == BASELINE],
@@ -735,6 +762,10 @@ def _everyone(cluster: Cluster, port: PortMatch, family: int) -> frozenset[tuple
     return everyone.port_elements(port, family)
 
 
-def compile_family(cluster: Cluster, family: int, *, provenance: bool = False) -> FamilyPolicy:
-    """A fresh compile of one family; `provenance`: with each match's Origin."""
-    return FamilyCompiler(family, provenance=provenance).compile(cluster, None)
+def compile_family(
+    cluster: Cluster, family: int, *, provenance: bool = False, staged_view: bool = False
+) -> FamilyPolicy:
+    """A fresh compile of one family; `provenance`: with each match's Origin; `staged_view`:
+    with the staged policies compiled as if enforced."""
+    compiler = FamilyCompiler(family, provenance=provenance, staged_view=staged_view)
+    return compiler.compile(cluster, None)

@@ -7,6 +7,12 @@ whole (dropping only the bad peer or port would leave an empty list, which means
 a policy whose pod selector or policy types cannot be read isolates every pod of its
 namespace in both directions with no rule of its own. Each such narrowing is listed in the
 policy's `problems`, which the caller logs with the policy's namespace and name.
+
+A policy (or ClusterNetworkPolicy, cluster_model.py) annotated `knit.dev/staged: "true"` is
+staged: parsed as any other, and marked so that the compiler leaves it out of what is
+enforced (docs/observability.md#staged-policies). Only that exact value stages; an annotation
+that cannot be read, or any other value, leaves the object enforced, with a problem when the
+value is not "false": staging removes protection, so it is never read into an object.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ EGRESS = "Egress"
 DIRECTIONS = (INGRESS, EGRESS)
 OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 TERMINAL_PHASES = ("Succeeded", "Failed")
+STAGED_ANNOTATION = "knit.dev/staged"
+"""The annotation that stages a policy: its matches are recorded, its verdicts not enforced."""
+STAGED = "true"
+NOT_STAGED = "false"
 MAX_EXCEPT = 20_000
 """The most `except` entries knit takes in one ipBlock, few enough that one ipBlock's compile
 stays short (docs/benchmarks.md#networkpolicy-make-bench-policy); the API server takes as many
@@ -117,6 +127,8 @@ class NetworkPolicy:
     ingress: tuple[Rule, ...] = ()
     egress: tuple[Rule, ...] = ()
     problems: tuple[str, ...] = field(default=(), compare=False)
+    staged: bool = False
+    """Annotated as staged: compiled only into the staged view, never enforced."""
 
     def rules(self, direction: str) -> tuple[Rule, ...]:
         return self.ingress if direction == INGRESS else self.egress
@@ -285,11 +297,32 @@ def _directions(spec: dict[str, Any]) -> frozenset[str]:
     return frozenset(types) or frozenset((INGRESS, EGRESS) if "egress" in spec else (INGRESS,))
 
 
+def staged_of(meta: dict[str, Any]) -> tuple[bool, tuple[str, ...]]:
+    """Whether the object's metadata stages it, and the problem with its annotation if any.
+    Never raises: an object must not be skipped (and its protection lost) for the sake of
+    an annotation."""
+    annotations = meta.get("annotations")
+    if annotations is None:
+        return False, ()
+    if not isinstance(annotations, dict):
+        return False, ("metadata.annotations is not an object: not staged, enforced",)
+    value = annotations.get(STAGED_ANNOTATION)
+    if value is None or value == NOT_STAGED:
+        return False, ()
+    if value == STAGED:
+        return True, ()
+    shown = repr(value) if isinstance(value, str) else f"a {type(value).__name__}"
+    return False, (
+        f"annotation {STAGED_ANNOTATION} is {shown[:80]}, not {STAGED!r}: not staged, enforced",
+    )
+
+
 def parse_policy(obj: Obj) -> NetworkPolicy:
     meta = mapping(obj.get("metadata"), "metadata")
     namespace, name = meta.get("namespace"), meta.get("name")
     if not isinstance(namespace, str) or not isinstance(name, str):
         raise InvalidObject("metadata has no namespace or name")
+    staged, annotation_problems = staged_of(meta)
     spec = obj.get("spec")
     try:
         if not isinstance(spec, dict):
@@ -302,9 +335,10 @@ def parse_policy(obj: Obj) -> NetworkPolicy:
             name,
             EVERYTHING,
             frozenset(DIRECTIONS),
-            problems=(f"{err}: isolating every pod of the namespace",),
+            problems=(*annotation_problems, f"{err}: isolating every pod of the namespace"),
+            staged=staged,
         )
-    problems: list[str] = []
+    problems = list(annotation_problems)
     rules: dict[str, list[Rule]] = {INGRESS: [], EGRESS: []}
     for direction, key, peers_key in ((INGRESS, "ingress", "from"), (EGRESS, "egress", "to")):
         try:
@@ -319,7 +353,7 @@ def parse_policy(obj: Obj) -> NetworkPolicy:
                 problems.append(f"{key}[{index}] left out: {err}")
     return NetworkPolicy(
         namespace, name, pods, directions, tuple(rules[INGRESS]), tuple(rules[EGRESS]),
-        tuple(problems),
+        tuple(problems), staged,
     )  # fmt: skip
 
 

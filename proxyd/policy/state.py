@@ -39,17 +39,11 @@ log = logging.getLogger(__name__)
 Parsed = TypeVar("Parsed", Pod, Namespace, NetworkPolicy, ClusterNetworkPolicy)
 
 
-def _log_problems(kind: str) -> Callable[[PodKey, Any, Any], None]:
-    """What a policy's store hears on a change: the problems that narrowed the policy, logged
-    with its name once per change, not at each of its resyncs."""
-
-    def log_problems(
-        key: PodKey, old: Any, new: NetworkPolicy | ClusterNetworkPolicy | None
-    ) -> None:
-        for problem in new.problems if new is not None else ():
-            log.warning("%s %s: %s", kind, "/".join(filter(None, key)), problem)
-
-    return log_problems
+def _log_problems(key: PodKey, kind: str, new: NetworkPolicy | ClusterNetworkPolicy | None) -> None:
+    """The problems that narrowed a policy, logged with its name once per change, not at
+    each of its resyncs."""
+    for problem in new.problems if new is not None else ():
+        log.warning("%s %s: %s", kind, "/".join(filter(None, key)), problem)
 
 
 class PolicyState:
@@ -71,13 +65,31 @@ class PolicyState:
         self.takes = 0
         """Snapshots taken."""
         self._namespaces = Store[Namespace]("Namespace", parse_namespace)
+        self._staged = 0
+        """The staged policies and cluster policies held."""
         self._policies = Store[NetworkPolicy](
-            "NetworkPolicy", parse_policy, _log_problems("NetworkPolicy")
+            "NetworkPolicy", parse_policy, self._policy_changed("NetworkPolicy")
         )
         self._cluster_policies = Store[ClusterNetworkPolicy](
-            "ClusterNetworkPolicy", parse_cluster_policy, _log_problems("ClusterNetworkPolicy")
+            "ClusterNetworkPolicy",
+            parse_cluster_policy,
+            self._policy_changed("ClusterNetworkPolicy"),
         )
         self._stores = (self._pods, self._namespaces, self._policies, self._cluster_policies)
+
+    def _policy_changed(self, kind: str) -> Callable[[PodKey, Any, Any], None]:
+        """What a policy's store hears on a change (under the lock): its problems logged, and
+        the staged ones counted."""
+
+        def changed(
+            key: PodKey,
+            old: NetworkPolicy | ClusterNetworkPolicy | None,
+            new: NetworkPolicy | ClusterNetworkPolicy | None,
+        ) -> None:
+            _log_problems(key, kind, new)
+            self._staged += (new is not None and new.staged) - (old is not None and old.staged)
+
+        return changed
 
     def ready(self) -> bool:
         with self._lock:
@@ -96,6 +108,7 @@ class PolicyState:
                 tuple(self._cluster_policies.items.values()),
                 by_namespace=by_namespace,
                 local=local,
+                staged=self._staged > 0,
             )
             changed, self._changed_pods = self._changed_pods, set()
             self.takes += 1
