@@ -259,6 +259,14 @@ class Metrics:
             ["kind", "namespace", "name", "verdict"],
             registry=r,
         )
+        self.policy_staged_connections = Counter(
+            "knit_network_policy_staged_connections",
+            "Flow records whose connection staged policies would decide otherwise (another "
+            "verdict or another deciding rule), by what would decide them and the verdict "
+            "they would get",
+            ["kind", "namespace", "name", "verdict"],
+            registry=r,
+        )
         self._families: dict[int, FamilyMetrics] = {}
 
     def count_denied(self, read: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:

@@ -205,6 +205,11 @@ def _flows_arguments(commands: Any) -> None:
     parser.add_argument("--namespace", help="only connections with a pod of this namespace")
     parser.add_argument("--pod", metavar="[NS/]POD", help="only connections with this pod")
     parser.add_argument("--verdict", choices=(ALLOWED, DENIED))
+    parser.add_argument(
+        "--staged",
+        action="store_true",
+        help="only connections that staged policies would decide otherwise",
+    )
     parser.add_argument("-f", "--follow", action="store_true", help="go on with new records")
     parser.add_argument("-o", "--output", default="text", choices=("text", "json"))
     parser.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
@@ -231,7 +236,9 @@ def knit_pods(api: client.ApiClient, node: str | None) -> dict[str, str]:
 
 
 def flows_main(arguments: argparse.Namespace) -> int:
-    chosen = flows.Filter(arguments.node, arguments.namespace, arguments.pod, arguments.verdict)
+    chosen = flows.Filter(
+        arguments.node, arguments.namespace, arguments.pod, arguments.verdict, arguments.staged
+    )
     if arguments.local:
         return flows.local(arguments.socket, chosen, arguments.follow, arguments.output)
     try:

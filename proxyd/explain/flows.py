@@ -36,10 +36,14 @@ class Filter:
     pod: str | None = None
     """NAME, or NS/NAME."""
     verdict: str | None = None
+    staged: bool = False
+    """Only the connections staged policies would decide otherwise."""
 
     def matches(self, record: dict[str, Any]) -> bool:
         pods = [end["pod"] for end in (record["source"], record["destination"]) if end["pod"]]
         if self.node is not None and record["node"] != self.node:
+            return False
+        if self.staged and not record.get("staged"):
             return False
         if self.verdict is not None and record["verdict"] != self.verdict:
             return False
@@ -60,7 +64,8 @@ class Filter:
         """This filter as the command's flags, for the node's local reader."""
         flags = (("--node", self.node), ("--namespace", self.namespace), ("--pod", self.pod),
                  ("--verdict", self.verdict))  # fmt: skip
-        return [word for flag, value in flags if value is not None for word in (flag, value)]
+        words = [word for flag, value in flags if value is not None for word in (flag, value)]
+        return [*words, "--staged"] if self.staged else words
 
 
 class FlowsError(RuntimeError):
@@ -77,11 +82,16 @@ def _end(end: dict[str, Any]) -> str:
 
 def to_text(record: dict[str, Any]) -> str:
     """One line, as `hubble observe` prints one: time, node, direction, verdict, the ends, and
-    what decided."""
+    what decided; then what staged policies would do, where they would decide otherwise (a
+    daemon from before staged policies sends no `staged`)."""
+    staged = record.get("staged")
+    would = (
+        f" [staged: would {staged['verdict']}: {staged['decidedBy']['reason']}]" if staged else ""
+    )
     return (
         f"{record['time']} {record['node']} {record['direction']:<7} "
         f"{record['verdict'].upper():<5} {record['protocol']} {_end(record['source'])} -> "
-        f"{_end(record['destination'])}: {record['decidedBy']['reason']}"
+        f"{_end(record['destination'])}: {record['decidedBy']['reason']}{would}"
     )
 
 

@@ -11,6 +11,12 @@ waits for a proxy sync, nor the reverse, and without the proxy's --min-sync-peri
 costs what changed (about a millisecond for a pod's change), and the changes that arrive
 while one runs are taken together by the next. Each family's transaction is loaded by a thread
 of its own (ctypes lets go of the GIL) while the sync compiles the next family.
+
+Staged policies are never in the table as policies (the compiler leaves them out). With flow
+records on and a policy staged, each sync also compiles the staged view (staged.py), which
+resolves what the staged policies would do with each record, and the table gets a chain that
+only allows for each pod only staged policies select, to log its connections in. Without a
+staged policy, neither is made.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from proxyd.policy.model import Pod
 from proxyd.policy.quarantine import quarantined, signature, subset
 from proxyd.policy.recorder import Recorder
 from proxyd.policy.render import TABLE, Renderer
+from proxyd.policy.staged import observed
 from proxyd.policy.state import PolicyState
 from proxyd.runner import BoundedFrequencyRunner, backoff
 
@@ -86,7 +93,14 @@ class PolicyEnforcer:
         self._compilers = {
             family: FamilyCompiler(family, provenance=bool(flow_rate)) for family in self.families
         }
+        self._records = bool(flow_rate)
+        self._view_compilers: dict[int, FamilyCompiler] = {}
+        """Per family, the staged view's compiler, while flow records are on and a policy is
+        staged (dropped with its peer sets when none is)."""
         self._written: dict[int, FamilyPolicy | None] = dict.fromkeys(self.families)
+        self._views: dict[int, tuple[FamilyPolicy, FamilyPolicy]] = {}
+        """Per family, the table written and the staged view compiled with it, while a
+        policy is staged."""
         self._in_kernel: dict[int, bool | None] = dict.fromkeys(self.families)
         """Whether each family's table is in the kernel, where known: asked at start (a
         netlink round trip, which a first sync would follow with a wait for the GIL), and
@@ -162,7 +176,9 @@ class PolicyEnforcer:
         start: float,
         cpu_at_start: float,
     ) -> None:
-        loads: list[tuple[int, FamilyPolicy, bool, bool, Future[tuple[float, float]]]] = []
+        loads: list[
+            tuple[int, FamilyPolicy, FamilyPolicy | None, bool, bool, Future[tuple[float, float]]]
+        ] = []
         # a full compile allocates an object per pod and set element: see gc_pause
         with gc_pause.paused():
             for family in self.families:
@@ -171,11 +187,11 @@ class PolicyEnforcer:
                     continue
                 made = self._make(family, cluster, changed_pods)
                 if made is not None:
-                    wanted, transaction, full = made
+                    wanted, view, transaction, full = made
                     load = self._loaders[family].submit(self._load, family, transaction)
-                    loads.append((family, wanted, full, bool(transaction), load))
+                    loads.append((family, wanted, view, full, bool(transaction), load))
         loading_total = loader_cpu = 0.0
-        for family, wanted, full, changed, load in loads:
+        for family, wanted, view, full, changed, load in loads:
             try:
                 loading, cpu = load.result()
             except Exception:
@@ -192,6 +208,10 @@ class PolicyEnforcer:
             if changed and self.cutter is not None:
                 self.cutter.written(family, wanted)
             self._written[family] = wanted
+            if view is not None:
+                self._views[family] = (wanted, view)
+            else:
+                self._views.pop(family, None)
             self._in_kernel[family] = True
             self.failures[family] = 0
             self._failing_since.pop(family, None)
@@ -220,14 +240,19 @@ class PolicyEnforcer:
 
     def _make(
         self, family: int, cluster: Cluster, changed_pods: set[PodKey] | None
-    ) -> tuple[FamilyPolicy, str, bool] | None:
-        """What one family's table must hold, the transaction that makes it so and whether
-        that writes the whole table; None when making them failed."""
+    ) -> tuple[FamilyPolicy, FamilyPolicy | None, str, bool] | None:
+        """What one family's table must hold, the staged view compiled with it (None: none
+        is), the transaction that makes the table so and whether that writes it whole; None
+        when making them failed."""
         written = self._written[family]
         # after a failure, nothing the compiler kept is trusted
         changed = changed_pods if written is not None else None
         try:
-            wanted, lifted = self._held(family, self._compilers[family].compile(cluster, changed))
+            compiled = self._compilers[family].compile(cluster, changed)
+            view = self._staged_view(family, cluster, changed)
+            if view is not None:
+                compiled = observed(compiled, view)
+            wanted, lifted = self._held(family, compiled)
             renderer = self._renderers[family]
             # a lifted quarantine writes the whole table: nft keeps a chain's comment when its
             # rules are rewritten, and the pod's chain would go on saying it is quarantined
@@ -235,11 +260,26 @@ class PolicyEnforcer:
                 in_kernel = self._in_kernel[family]
                 if in_kernel is None:
                     in_kernel = self._nft[family].exists()
-                return wanted, renderer.full(wanted, replacing=in_kernel), True
-            return wanted, renderer.partial(written, wanted), False
+                return wanted, view, renderer.full(wanted, replacing=in_kernel), True
+            return wanted, view, renderer.partial(written, wanted), False
         except Exception:
             self._failed(family)
             return None
+
+    def _staged_view(
+        self, family: int, cluster: Cluster, changed: set[PodKey] | None
+    ) -> FamilyPolicy | None:
+        """The staged view of the family, when flow records are on and a policy is staged."""
+        if not (self._records and cluster.staged):
+            self._view_compilers.pop(family, None)
+            return None
+        compiler = self._view_compilers.get(family)
+        if compiler is None:
+            compiler = self._view_compilers[family] = FamilyCompiler(
+                family, provenance=True, staged_view=True
+            )
+            changed = None  # a new compiler knows no pods to update
+        return compiler.compile(cluster, changed)
 
     def _held(self, family: int, compiled: FamilyPolicy) -> tuple[FamilyPolicy, bool]:
         """The compiled table with the family's quarantined pods still quarantined, and
@@ -344,17 +384,24 @@ class PolicyEnforcer:
             if written is None:
                 continue
             for chain, packets in counter_packets(family, TABLE).items():
-                owner = written.owners.get(chain)
-                if owner is not None:
+                owner, isolating = written.owners.get(chain), written.isolating.get(chain)
+                # a chain without isolating policies only logs for the staged view
+                if owner is not None and isolating is not None:
                     direction = _direction(chain)
-                    policies = ",".join(sorted(written.isolating[chain]))
-                    totals[direction, owner[0], policies] += packets
+                    totals[direction, owner[0], ",".join(sorted(isolating))] += packets
         return totals
 
-    def table(self, family: int) -> tuple[FamilyPolicy | None, Mapping[PodKey, Pod]]:
-        """The family's table as last written, and the pods of the cluster it was compiled
-        from (flow records are resolved by them)."""
-        return self._written.get(family), self._cluster.pods if self._cluster else {}
+    def table(
+        self, family: int
+    ) -> tuple[FamilyPolicy | None, FamilyPolicy | None, Mapping[PodKey, Pod]]:
+        """The family's table as last written, the staged view compiled with it (None: no
+        policy is staged), and the pods of the cluster they were compiled from (flow records
+        are resolved by them)."""
+        written = self._written.get(family)
+        # read apart from the table: a view is only good for the table it was compiled with
+        with_view = self._views.get(family)
+        view = with_view[1] if with_view is not None and with_view[0] is written else None
+        return written, view, self._cluster.pods if self._cluster else {}
 
     def lost_records(self) -> dict[str, int]:
         """Flow records lost over the limit (the tables' LOST counters) and in the NFLOG

@@ -7,6 +7,10 @@ A record is resolved by the table written when it is read, which a sync may have
 since the packet was logged (a flush of NFLOG's batch, at most 0.1 s, plus the time to read
 it): a rule index that no longer gives the logged verdict resolves to `Unknown`, never to
 another rule.
+
+With staged policies, the record also says what the staged view compiled with that table
+(staged.py) makes of the connection, where that differs from what was enforced: the view's
+chains judge the logged packet's addresses, protocol and port as the enforced ones did.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from proxyd.policy.decided import DecidedBy, decided_by
 from proxyd.policy.decided import to_json as decided_json
 from proxyd.policy.flowlog import Logged
 from proxyd.policy.model import EGRESS, INGRESS, Pod
-from proxyd.policy.verdict import Step
+from proxyd.policy.staged import changes
+from proxyd.policy.verdict import Connection, Judge, Step
 
 UNKNOWN = "Unknown"
 """decidedBy.kind when the table no longer holds the rule that logged the packet."""
@@ -44,6 +49,21 @@ class End:
 
 
 @dataclass(frozen=True)
+class Staged:
+    """What the staged policies would make of a recorded connection."""
+
+    allowed: bool
+    decided_by: DecidedBy
+
+    @property
+    def verdict(self) -> str:
+        return ALLOWED if self.allowed else DENIED
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "decidedBy": decided_json(self.decided_by)}
+
+
+@dataclass(frozen=True)
 class FlowRecord:
     at: float
     node: str
@@ -56,6 +76,9 @@ class FlowRecord:
     rule: int | None
     """The index of the deciding rule among the chain's compiled rules (None: its end)."""
     decided_by: DecidedBy
+    staged: Staged | None = None
+    """What the staged policies would make of it, where that differs from what was enforced
+    (verdict or deciding rule); None otherwise."""
 
     @property
     def verdict(self) -> str:
@@ -74,6 +97,7 @@ class FlowRecord:
             "chain": self.chain,
             "rule": self.rule,
             "decidedBy": decided_json(self.decided_by),
+            "staged": None if self.staged is None else self.staged.to_json(),
         }
 
 
@@ -102,6 +126,19 @@ class PodIndex:
         return self._by_address.get(int(ipaddress.ip_address(address)))
 
 
+class ViewJudge:
+    """The Judge of the last staged view a record asked for, made anew only for a new view
+    (its peer sets are indexed as rules ask for them)."""
+
+    def __init__(self) -> None:
+        self._judge: Judge | None = None
+
+    def of(self, view: FamilyPolicy) -> Judge:
+        if self._judge is None or self._judge.policy is not view:
+            self._judge = Judge(view)
+        return self._judge
+
+
 def direction_of(chain: str) -> str:
     """A pod chain's direction, from its name (compile.chain_name)."""
     return INGRESS if chain.startswith("ingress") else EGRESS
@@ -127,21 +164,41 @@ def decided(logged: Logged, policy: FamilyPolicy | None) -> DecidedBy:
     return decided_by(step, policy, direction_of(logged.chain))
 
 
+def staged_decision(
+    logged: Logged, enforced: DecidedBy, view: FamilyPolicy, judges: ViewJudge
+) -> Staged | None:
+    """What the staged view makes of the logged connection, where that differs from what
+    decided it (`enforced`); None when it does not, or when the record's rule is not known."""
+    if enforced.kind in (UNKNOWN, QUARANTINED):
+        return None
+    direction = direction_of(logged.chain)
+    connection = Connection(logged.source, logged.destination, logged.protocol, logged.port or 0)
+    decision = judges.of(view).decide(direction, connection)
+    if decision is None:
+        return None
+    would = Staged(decision.allowed, decided_by(decision.decided_by, view, direction))
+    was = (logged.verdict == ALLOW, enforced)
+    return would if changes(was, (would.allowed, would.decided_by)) else None
+
+
 def resolve(
     logged: Logged,
     node: str,
     policy: FamilyPolicy | None,
     pods: Mapping[PodKey, Pod],
     index: PodIndex,
+    view: tuple[FamilyPolicy, ViewJudge] | None = None,
 ) -> FlowRecord:
     """The record of a logged packet; `policy` and `pods`: the family's table as last
-    written and the cluster it was compiled from."""
+    written and the cluster it was compiled from; `view`: the staged view compiled with that
+    table, when a policy is staged, and its judge."""
     direction = direction_of(logged.chain)
     owner = None
     if policy is not None and (pod_chain := policy.chains.get(logged.chain)) is not None:
         owner = policy.owners.get(pod_chain.counter)
     source = index.at(pods, logged.source) or (owner if direction == EGRESS else None)
     destination = index.at(pods, logged.destination) or (owner if direction == INGRESS else None)
+    enforced = decided(logged, policy)
     return FlowRecord(
         logged.at,
         node,
@@ -152,7 +209,8 @@ def resolve(
         End(logged.destination, logged.port, destination),
         logged.chain,
         logged.index,
-        decided(logged, policy),
+        enforced,
+        None if view is None else staged_decision(logged, enforced, *view),
     )
 
 

@@ -394,6 +394,58 @@ def test_flow_records_name_the_deciding_rule_and_count_per_policy(
         world.cluster.start_daemon(node)
 
 
+def test_a_staged_default_deny_passes_every_probe_and_flows_say_would_deny(
+    world: World, policies: list[str]
+) -> None:
+    node = world.cluster.nodes["a"]
+    world.cluster.stop_daemon(node)
+    try:
+        world.cluster.start_daemon(node, "--flow-records-rate=100")
+        name = unique_name("staged")
+        path = POLICIES.format(world.x)
+        annotations = {"knit.dev/staged": "true"}
+        spec = {"podSelector": {}, "policyTypes": ["Ingress"]}
+        world.cluster.kube.create(
+            path, {"metadata": {"name": name, "annotations": annotations}, "spec": spec}
+        )
+        policies.append(f"{path}/{name}")
+        server = world.server.address(4)
+        flows = str(node.socket.parent / "flows.sock")
+
+        def would_deny(client: LabPod) -> list[dict[str, Any]]:
+            return [
+                r
+                for r in flow_server.read(flows, follow=False)
+                if r["source"]["address"] == client.address(4)
+                and r["destination"] == {"address": server, "port": 80,
+                                         "pod": {"namespace": world.x, "name": world.server.name}}
+                and r["verdict"] == "allow" and r["staged"] is not None
+            ]  # fmt: skip
+
+        for client in (world.near, world.far):
+            eventually(
+                lambda client=client: reaches(client, server, 80) and would_deny(client),
+                30,
+                what=f"{client.name}'s probe passes and is recorded as would-deny",
+            )
+            for family in (4, 6):
+                assert reaches(client, world.server.address(family), 80), "the verdict stays"
+            record = would_deny(client)[-1]
+            assert record["decidedBy"]["kind"] == "Default"
+            staged = record["staged"]
+            assert staged["verdict"] == "deny"
+            by = staged["decidedBy"]
+            assert (by["kind"], by["namespace"], by["name"], by["rule"]) == (
+                "NetworkPolicy", world.x, name, None,
+            )  # fmt: skip
+        labels = f'kind="NetworkPolicy",name="{name}",namespace="{world.x}",verdict="deny"'
+        counted = series(node, "knit_network_policy_staged_connections_total", labels)
+        assert counted >= 2
+    finally:
+        world.cluster.stop_daemon(node)
+        world.cluster.start_daemon(node)
+
+
 def udp_from_a_fixed_port(client: LabPod, host: str) -> bool:
     """A UDP request from one source port: every request is the same conntrack entry."""
     argv = [PYTHON, str(ECHO), "request", host, str(UDP_PORT), "udp", "40053"]

@@ -49,6 +49,26 @@ def test_filters_by_node_verdict_namespace_and_pod_at_either_end() -> None:
     assert not flows.Filter(namespace="x").matches(record(source=None, destination=None))
 
 
+def test_a_staged_decision_is_printed_after_the_enforced_one_and_can_be_filtered() -> None:
+    would = {"verdict": "deny", "decidedBy": {"kind": "NetworkPolicy", "reason": "isolated by "
+             "NetworkPolicy deny-all; no rule allows"}}  # fmt: skip
+    allowed = record(verdict="allow") | {
+        "decidedBy": {"kind": "Default", "reason": "not isolated"}, "staged": would,
+    }  # fmt: skip
+    assert flows.to_text(allowed).endswith(
+        "ALLOW TCP y/client 10.0.2.20:40000 -> x/web [fd00::1]:80: not isolated "
+        "[staged: would deny: isolated by NetworkPolicy deny-all; no rule allows]"
+    )
+    assert flows.Filter(staged=True).matches(allowed)
+    assert not flows.Filter(staged=True).matches(record() | {"staged": None})
+    assert not flows.Filter(staged=True).matches(record()), "a daemon from before: no staged"
+    assert "staged" not in flows.to_text(record())
+    chosen = flows.Filter(verdict="allow", staged=True)
+    assert chosen.arguments() == ["--verdict", "allow", "--staged"]
+    parsed = cli._arguments().parse_args(["flows", "--local", *chosen.arguments()])
+    assert parsed.staged and parsed.verdict == "allow"
+
+
 def test_a_filter_passes_on_to_the_nodes_reader_as_flags() -> None:
     chosen = flows.Filter("n1", "x", "x/web", "deny")
     command = flows.exec_command("/bin/kubectl", "knit-abc", chosen, True, "/k.yaml")

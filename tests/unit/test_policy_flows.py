@@ -192,7 +192,7 @@ def test_the_recorder_keeps_counts_and_logs_denials_within_their_rate(
     table, cluster = isolated_web()
     chain = table.ingress[WEB]
     metrics = Metrics()
-    recorder = Recorder("n1", lambda _: (table, cluster.pods), metrics, True, denied_rate=1)
+    recorder = Recorder("n1", lambda _: (table, None, cluster.pods), metrics, True, denied_rate=1)
     recorder.report(logged(f"{chain} 0 allow", CLIENT, WEB, 80))
     with caplog.at_level("INFO"):
         for _ in range(3):
@@ -207,7 +207,9 @@ def test_the_recorder_keeps_counts_and_logs_denials_within_their_rate(
 
 def test_without_records_the_recorder_only_logs_denials() -> None:
     table, cluster = isolated_web()
-    recorder = Recorder("n1", lambda _: (table, cluster.pods), Metrics(), False, denied_rate=5)
+    recorder = Recorder(
+        "n1", lambda _: (table, None, cluster.pods), Metrics(), False, denied_rate=5
+    )
     assert recorder.ring is None
     recorder.report(logged(f"{table.ingress[WEB]} end drop", OTHER, WEB, 80))
 
