@@ -10,6 +10,11 @@ A Service with several eligible endpoints is explained once per endpoint (or for
 asked for): the proxy picks one per connection, and policies may judge them differently. The
 explanation's verdict is a deny when any eligible endpoint is denied, since a new connection
 may then be denied; the connection it shows first is the first denied one.
+
+With staged policies, each connection is judged a second time by the staged view of the two
+nodes' tables (the same compile, the staged policies in it as if enforced: staged.py); where
+that changes a direction's verdict or deciding rule, the connection says what it would be.
+The verdict stays the enforced one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from proxyd.policy.cluster_model import ClusterNetworkPolicy
 from proxyd.policy.compile import Cluster, PodKey, compile_family
 from proxyd.policy.decided import DEFAULT, UNJUDGED, VERDICT_WORDS, DecidedBy, decided_by
 from proxyd.policy.model import EGRESS, INGRESS, Namespace, NetworkPolicy, Pod
+from proxyd.policy.staged import changes
 from proxyd.policy.verdict import Connection, Judge
 from proxyd.port_plan import FamilyContext, PortPlan, plan_port
 
@@ -134,6 +140,21 @@ class Judgement:
 
 
 @dataclass(frozen=True)
+class StagedLeg:
+    """What the staged policies would make of one connection: both directions as the staged
+    view judges them, and the directions whose verdict or deciding rule that changes."""
+
+    egress: Judgement
+    ingress: Judgement
+    changed: tuple[str, ...]
+    """EGRESS, INGRESS, or both."""
+
+    @property
+    def allowed(self) -> bool:
+        return self.egress.allowed and self.ingress.allowed
+
+
+@dataclass(frozen=True)
 class Leg:
     """One connection as the forward hook sees it: to one endpoint, after the DNAT."""
 
@@ -145,10 +166,17 @@ class Leg:
     masquerade_reason: str
     egress: Judgement
     ingress: Judgement
+    staged: StagedLeg | None = None
+    """Where staged policies would change a direction's verdict or deciding rule."""
 
     @property
     def allowed(self) -> bool:
         return self.egress.allowed and self.ingress.allowed
+
+    @property
+    def would_allow(self) -> bool:
+        """The verdict with the staged policies enforced."""
+        return self.staged.allowed if self.staged is not None else self.allowed
 
 
 @dataclass(frozen=True)
@@ -207,6 +235,18 @@ class Explanation:
             (leg for leg in self.legs if not leg.allowed), self.legs[0] if self.legs else None
         )
 
+    @property
+    def would_allow(self) -> bool:
+        """The verdict with the staged policies enforced."""
+        return bool(self.legs) and all(leg.would_allow for leg in self.legs)
+
+    @property
+    def staged_shown(self) -> StagedLeg | None:
+        """What the staged policies change, shown first: of the connections they change, the
+        first they would deny, else the first; None when they change none."""
+        changed = [leg.staged for leg in self.legs if leg.staged is not None]
+        return next((s for s in changed if not s.allowed), changed[0] if changed else None)
+
 
 class Explainer:
     """Answers questions about one World; each node's compiled tables are kept for the
@@ -214,20 +254,26 @@ class Explainer:
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self._judges: dict[tuple[str, int], Judge] = {}
+        self._judges: dict[tuple[str, int, bool], Judge] = {}
         self._by_address: dict[int, Pod] = {
             number: pod for pod in world.pods.values() for number in pod.numbers
         }
+        self.has_staged = any(p.staged for p in world.policies) or any(
+            p.staged for p in world.cluster_policies
+        )
+        """Whether a policy is staged: connections are then judged by the staged view too."""
 
-    def judge(self, node: str, family: int) -> Judge:
-        """The node's policy table of the family, compiled as its daemon compiles it."""
-        key = (node, family)
+    def judge(self, node: str, family: int, staged_view: bool = False) -> Judge:
+        """The node's policy table of the family, compiled as its daemon compiles it, or its
+        staged view (`staged_view`)."""
+        key = (node, family, staged_view)
         if key not in self._judges:
             world = self.world
             cluster = Cluster.of(
                 node, world.pods, world.namespaces, world.policies, world.cluster_policies
             )
-            self._judges[key] = Judge(compile_family(cluster, family, provenance=True))
+            compiled = compile_family(cluster, family, provenance=True, staged_view=staged_view)
+            self._judges[key] = Judge(compiled)
         return self._judges[key]
 
     def explain(self, question: Question) -> Explanation:
@@ -473,6 +519,31 @@ class Explainer:
     def _leg(
         self, source: Pod, address: str, port: int, protocol: str, masquerade: bool, why: str
     ) -> Leg:
+        """The connection judged by the nodes' tables, and by their staged views where a
+        policy is staged."""
+        leg = self._judged(source, address, port, protocol, masquerade, why, False)
+        if not self.has_staged:
+            return leg
+        would = self._judged(source, address, port, protocol, masquerade, why, True)
+        changed = tuple(
+            was.direction
+            for was, now in ((leg.egress, would.egress), (leg.ingress, would.ingress))
+            if changes((was.allowed, was.decided_by), (now.allowed, now.decided_by))
+        )
+        if not changed:
+            return leg
+        return dataclasses.replace(leg, staged=StagedLeg(would.egress, would.ingress, changed))
+
+    def _judged(
+        self,
+        source: Pod,
+        address: str,
+        port: int,
+        protocol: str,
+        masquerade: bool,
+        why: str,
+        staged_view: bool,
+    ) -> Leg:
         family = family_of(address)
         source_address = source.by_family[family][0]
         destination = self._by_address.get(int(ipaddress.ip_address(address)))
@@ -490,7 +561,7 @@ class Explainer:
             unjudged = DecidedBy(UNJUDGED, "to the source's own node: never judged by policy")
             egress = Judgement(EGRESS, True, True, unjudged)
         else:
-            egress = self._judgement(EGRESS, source, source.node, connection, True)
+            egress = self._judgement(EGRESS, source, source.node, connection, True, staged_view)
         if destination is None:
             ingress = Judgement(
                 INGRESS,
@@ -513,14 +584,20 @@ class Explainer:
                     )
                 connection = Connection(node_address, address, protocol.lower(), port)
             ingress = self._judgement(
-                INGRESS, destination, destination.node, connection, egress.allowed
+                INGRESS, destination, destination.node, connection, egress.allowed, staged_view
             )
         return Leg(address, port, key, node, masquerade, why, egress, ingress)
 
     def _judgement(
-        self, direction: str, pod: Pod, node: str, connection: Connection, reached: bool
+        self,
+        direction: str,
+        pod: Pod,
+        node: str,
+        connection: Connection,
+        reached: bool,
+        staged_view: bool,
     ) -> Judgement:
-        judge = self.judge(node, family_of(connection.destination))
+        judge = self.judge(node, family_of(connection.destination), staged_view)
         decision = judge.decide(direction, connection)
         key = (pod.namespace, pod.name)
         if decision is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxyd.explain.explain import Explanation, Judgement, Leg
+from proxyd.explain.explain import Explanation, Judgement, Leg, StagedLeg
 from proxyd.model import family_of
 from proxyd.policy.compile import PodKey
 from proxyd.policy.decided import to_json as decided_json
@@ -46,6 +46,17 @@ def _judgement(judgement: Judgement) -> dict[str, Any]:
     }
 
 
+def _staged(staged: StagedLeg | None, would_allow: bool) -> dict[str, Any] | None:
+    if staged is None:
+        return None
+    return {
+        "verdict": _verdict(would_allow),
+        "changed": [direction.lower() for direction in staged.changed],
+        "egress": _judgement(staged.egress),
+        "ingress": _judgement(staged.ingress),
+    }
+
+
 def _leg(explanation: Explanation, leg: Leg) -> dict[str, Any]:
     dnat = None
     if explanation.service is not None:
@@ -64,13 +75,16 @@ def _leg(explanation: Explanation, leg: Leg) -> dict[str, Any]:
         "masqueradeReason": leg.masquerade_reason or None,
         "egress": _judgement(leg.egress),
         "ingress": _judgement(leg.ingress),
+        "staged": _staged(leg.staged, leg.would_allow),
     }
 
 
 def to_json(explanation: Explanation) -> dict[str, Any]:
     """The schema of docs/observability.md: `egress` and `ingress` are those of the
     connection shown (the first denied, else the first; None when no connection is made),
-    `connections` has every endpoint explained."""
+    `connections` has every endpoint explained; `staged` is None unless staged policies
+    change a connection's verdict or deciding rule, else the verdict with them enforced and
+    the directions of the connection they change shown first (the first they deny)."""
     service = explanation.service
     shown = explanation.shown
     return {
@@ -117,6 +131,7 @@ def to_json(explanation: Explanation) -> dict[str, Any]:
         "ingress": None if shown is None else _judgement(shown.ingress),
         "connections": [_leg(explanation, leg) for leg in explanation.legs],
         "notes": list(explanation.notes),
+        "staged": _staged(explanation.staged_shown, explanation.would_allow),
     }
 
 
@@ -132,6 +147,16 @@ def _direction_lines(judgement: Judgement) -> list[str]:
         at = "end" if hop.index is None else f"rule {hop.index}"
         lines.append(f"          {hop.chain} {at}: {hop.verdict} ({hop.decided_by.reason})")
     return lines
+
+
+def _staged_line(staged: StagedLeg) -> str:
+    """`staged: would deny (ingress: what would decide)`, for the directions it changes."""
+    changed = {judgement.direction: judgement for judgement in (staged.egress, staged.ingress)}
+    reasons = "; ".join(
+        f"{direction.lower()}: {changed[direction].decided_by.reason}"
+        for direction in staged.changed
+    )
+    return f"  staged: would {_verdict(staged.allowed)} ({reasons})"
 
 
 def to_text(explanation: Explanation) -> str:
@@ -176,10 +201,19 @@ def to_text(explanation: Explanation) -> str:
         lines.append(head)
         lines += _direction_lines(leg.egress) + _direction_lines(leg.ingress)
         lines.append(f"  => {_verdict(leg.allowed)}")
+        if leg.staged is not None:
+            lines.append(_staged_line(leg.staged))
     denied = sum(not leg.allowed for leg in explanation.legs)
     verdict = f"verdict  {_verdict(explanation.allowed)}"
     if len(explanation.legs) > 1 and denied:
         verdict += f" ({denied} of {len(explanation.legs)} endpoints denied)"
     elif not explanation.legs:
         verdict += " (no connection is made)"
-    return "\n".join([*lines, verdict]) + "\n"
+    lines.append(verdict)
+    if explanation.staged_shown is not None:
+        would_deny = sum(not leg.would_allow for leg in explanation.legs)
+        staged = f"staged   would {_verdict(explanation.would_allow)}"
+        if len(explanation.legs) > 1 and would_deny:
+            staged += f" ({would_deny} of {len(explanation.legs)} endpoints denied)"
+        lines.append(staged + ", with the staged policies enforced")
+    return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@ parsers; the two nodes' tables come from its compiler."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -26,7 +27,7 @@ from proxyd.explain.explain import (
 from proxyd.explain.output import to_json, to_text
 from proxyd.model import NodeInfo, parse_endpoint_slice, parse_service
 from proxyd.policy.cluster_model import parse_cluster_policy
-from proxyd.policy.model import Namespace, parse_pod, parse_policy
+from proxyd.policy.model import EGRESS, INGRESS, Namespace, parse_pod, parse_policy
 
 NODES = {
     "n1": NodeInfo("n1", zone="a", addresses=("192.168.0.1",)),
@@ -253,6 +254,85 @@ def test_a_baseline_that_does_not_match_leaves_the_default() -> None:
     ingress = explanation.legs[0].ingress
     assert ingress.allowed and ingress.decided_by.kind == "Default"
     assert ingress.judged_by == ("default-deny-y",) and ingress.path[-1].index is None
+
+
+# ------------------------------------------------------------ staged policies
+
+
+def staged(the_policy: Any) -> Any:
+    return dataclasses.replace(the_policy, staged=True)
+
+
+def test_a_staged_default_deny_changes_no_verdict_and_says_it_would_deny() -> None:
+    the_world = world((staged(policy("x", "deny-all", DENY_ALL)),), services=(service({}),))
+    explanation = explain(the_world, NamedTarget("x", "web"), 80)
+    assert explanation.allowed and not explanation.would_allow
+    for leg in explanation.legs:
+        assert leg.ingress.decided_by.kind == "Default"
+        assert leg.staged is not None and leg.staged.changed == (INGRESS,)
+        assert leg.staged.ingress.decided_by.name == "deny-all"
+    out = to_json(explanation)
+    assert out["verdict"] == "allow" and out["ingress"]["verdict"] == "allow"
+    assert out["staged"]["verdict"] == "deny" and out["staged"]["changed"] == ["ingress"]
+    assert out["staged"]["ingress"]["decidedBy"] | {"reason": ""} == {
+        "kind": "NetworkPolicy", "namespace": "x", "name": "deny-all", "tier": "NetworkPolicy",
+        "priority": None, "rule": None, "ruleName": None, "action": None, "reason": "",
+    }  # fmt: skip
+    assert out["staged"]["egress"]["verdict"] == "allow", "both directions, as the view judges"
+    assert [c["staged"]["verdict"] for c in out["connections"]] == ["deny", "deny"]
+    text = to_text(explanation)
+    assert (
+        text.count(
+            "  staged: would deny (ingress: isolated by NetworkPolicy deny-all; no rule allows)\n"
+        )
+        == 2
+    )
+    assert text.endswith(
+        "verdict  allow\nstaged   would deny (2 of 2 endpoints denied), with the staged "
+        "policies enforced\n"
+    )
+
+
+def test_staged_shows_only_what_it_changes_and_nothing_without_a_staged_policy() -> None:
+    policies = (policy("x", "deny-all", DENY_ALL), policy("x", "from-y", FROM_Y_HTTP))
+    enforced = explain(world(policies), WEB_0, 8080)
+    assert enforced.legs[0].staged is None and to_json(enforced)["staged"] is None
+    assert "staged" not in to_text(enforced)
+    # a staged isolation of a pod isolated already, and the same rule allowing: no change
+    also_isolating = (*policies, staged(policy("x", "isolate-too", DENY_ALL)))
+    for port in (8080, 8081):
+        same = explain(world(also_isolating), WEB_0, port)
+        assert same.legs[0].staged is None and to_json(same)["staged"] is None
+    # a staged Admin deny decides before the NetworkPolicy that allows
+    blocking = (staged(cluster_policy("block-y", "Admin", 5, "Deny")),)
+    explanation = explain(world(policies, blocking), WEB_0, 8080)
+    assert explanation.allowed and not explanation.would_allow
+    ingress = to_json(explanation)["staged"]["ingress"]
+    assert (ingress["decidedBy"]["name"], ingress["decidedBy"]["action"]) == ("block-y", "Deny")
+    assert "  staged: would deny (ingress: ClusterNetworkPolicy block-y (Admin tier, priority 5) " \
+        "ingress rule 0: Deny)\n" in to_text(explanation)  # fmt: skip
+
+
+def test_a_staged_allow_says_it_would_allow_what_is_denied() -> None:
+    policies = (policy("x", "deny-all", DENY_ALL), staged(policy("x", "from-y", FROM_Y_HTTP)))
+    explanation = explain(world(policies), WEB_0, 8080)
+    assert not explanation.allowed and explanation.would_allow
+    out = to_json(explanation)
+    assert out["verdict"] == "deny" and out["staged"]["verdict"] == "allow"
+    assert out["staged"]["ingress"]["decidedBy"]["name"] == "from-y"
+    assert "staged   would allow, with the staged policies enforced\n" in to_text(explanation)
+
+
+def test_a_staged_egress_deny_leaves_the_staged_ingress_unreached() -> None:
+    only_dns = {
+        "podSelector": {},
+        "policyTypes": ["Egress"],
+        "egress": [{"ports": [{"port": 53, "protocol": "UDP"}]}],
+    }
+    the_world = world((staged(policy("y", "only-dns", only_dns)), policy("x", "deny", DENY_ALL)))
+    (leg,) = explain(the_world, WEB_0, 8080).legs
+    assert leg.staged is not None and leg.staged.changed == (EGRESS,)
+    assert not leg.staged.egress.allowed and not leg.staged.ingress.reached
 
 
 # ------------------------------------------------------------ Services
