@@ -149,7 +149,7 @@ def fetch_world(api: client.ApiClient, masquerade_all: bool) -> World:
     )
 
 
-def _api_client(kubeconfig_path: str | None) -> client.ApiClient:
+def api_client(kubeconfig_path: str | None) -> client.ApiClient:
     configuration = client.Configuration()
     kubeconfig.load_kube_config(config_file=kubeconfig_path, client_configuration=configuration)
     return client.ApiClient(configuration)
@@ -243,7 +243,7 @@ def flows_main(arguments: argparse.Namespace) -> int:
         return flows.local(arguments.socket, chosen, arguments.follow, arguments.output)
     try:
         binary = flows.kubectl()
-        pods = knit_pods(_api_client(arguments.kubeconfig), arguments.node)
+        pods = knit_pods(api_client(arguments.kubeconfig), arguments.node)
         if not pods:
             raise flows.FlowsError(f"no running knit pod in {flows.KNIT_NAMESPACE}")
     except (flows.FlowsError, OSError, kubeconfig.ConfigException) as err:
@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         question = Question(
             parse_pod_key(arguments.source), target, port, arguments.protocol, arguments.endpoint
         )
-        world = fetch_world(_api_client(arguments.kubeconfig), arguments.masquerade_all)
+        world = fetch_world(api_client(arguments.kubeconfig), arguments.masquerade_all)
         explanation = Explainer(world).explain(question)
     except (ExplainError, ConnectionError, OSError, kubeconfig.ConfigException) as err:
         print(f"kubectl knit explain: {err}", file=sys.stderr)
