@@ -28,13 +28,14 @@ from deploy.lab.lab import Lab
 from deploy.lab.netns import unique_name
 from deploy.lab.process import eventually
 from proxyd.explain.cli import api_client, fetch_world
-from proxyd.explain.explain import AddressTarget, Explainer, Question
+from proxyd.explain.explain import AddressTarget, Explainer, Explanation, Question
 
 PODS = ("a", "b", "c")
 PORTS = (80, 81)
 PROTOCOLS = ("TCP", "UDP")
 AGREE_WITHIN = 30.0
 CLUSTER_POLICIES = "clusternetworkpolicies.policy.networking.k8s.io"
+STAGED = "NetworkPolicy, staged: deny all ingress"
 # every target given as ADDRESS PORT PROTOCOL probed at once from the pod it runs in: a TCP
 # connection or a UDP exchange with netexec's `hostname` command, one second each
 PROBE = r"""
@@ -181,6 +182,12 @@ def _deny_all_ingress(n: Names, ips: dict[str, str], prefix: str) -> list[dict[s
     return [netpol(n.x, "deny-ingress", policyTypes=["Ingress"])]
 
 
+def _staged_deny_all_ingress(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
+    staged = netpol(n.x, "staged-deny-ingress", policyTypes=["Ingress"])
+    staged["metadata"]["annotations"] = {"knit.dev/staged": "true"}
+    return [staged]
+
+
 def _ingress_from_namespace(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
     peer = {"namespaceSelector": _by_name(n.y)}
     return [netpol(n.x, "from-y", podSelector={"matchLabels": {"pod": "a"}},
@@ -252,6 +259,7 @@ def _admin_egress_deny(n: Names, ips: dict[str, str], prefix: str) -> list[dict[
 SCENARIOS: dict[str, Scenario] = {
     "no policy": _no_policy,
     "NetworkPolicy: deny all ingress": _deny_all_ingress,
+    STAGED: _staged_deny_all_ingress,
     "NetworkPolicy: ingress from a namespace": _ingress_from_namespace,
     "NetworkPolicy: ingress from a pod on a port": _ingress_from_pod_on_a_port,
     "NetworkPolicy: ingress on a named port": _ingress_on_a_named_port,
@@ -302,31 +310,43 @@ def observed(lab: Lab, probes: list[Probe]) -> dict[Probe, bool]:
         return {probe: allowed for result in results for probe, allowed in result.items()}
 
 
-def explained(lab: Lab, probes: list[Probe]) -> dict[Probe, bool]:
-    """Each probe's verdict as explain gives it, from one reading of the API objects."""
+def explained(lab: Lab, probes: list[Probe]) -> dict[Probe, Explanation]:
+    """Each probe explained, from one reading of the API objects."""
     explainer = Explainer(fetch_world(api_client(str(lab.kubeconfig)), masquerade_all=False))
     answers = {}
     for probe in probes:
         source, _, address, port, protocol = probe
         namespace, pod = source.split("/")
         question = Question((namespace, pod), AddressTarget(address), port, protocol)
-        answers[probe] = explainer.explain(question).allowed
+        answers[probe] = explainer.explain(question)
     return answers
 
 
-def _compared(lab: Lab, probes: list[Probe]) -> tuple[list[str], int]:
-    """The probes on which explain and the packets disagree, and how many explain denies."""
+@dataclass
+class Compared:
+    disagreeing: list[str]
+    denied: int
+    """How many probes explain denies."""
+    would_deny: int
+    """How many probes explain would deny with the staged policies enforced."""
+
+
+def _compared(lab: Lab, probes: list[Probe]) -> Compared:
     said = explained(lab, probes)
     seen = observed(lab, probes)
     verdict = {True: "allow", False: "deny"}
     disagreeing = [
-        f"{source} -> {target}:{port}/{protocol}: explain says {verdict[said[probe]]}, "
-        f"the packets say {verdict[seen[probe]]}"
+        f"{source} -> {target}:{port}/{protocol}: explain says "
+        f"{verdict[said[probe].allowed]}, the packets say {verdict[seen[probe]]}"
         for probe in probes
         for source, target, _, port, protocol in [probe]
-        if said[probe] != seen[probe]
+        if said[probe].allowed != seen[probe]
     ]
-    return disagreeing, list(said.values()).count(False)
+    return Compared(
+        disagreeing,
+        sum(not answer.allowed for answer in said.values()),
+        sum(not answer.would_allow for answer in said.values()),
+    )
 
 
 def _delete(lab: Lab, obj: dict[str, Any]) -> None:
@@ -339,29 +359,35 @@ def _delete(lab: Lab, obj: dict[str, Any]) -> None:
 def test_explain_agrees_with_the_packets_in_every_scenario(lab: Lab, matrix: Matrix) -> None:
     probes = _probes(matrix)
     prefix = unique_name("agree")
-    disagreeing: dict[str, list[str]] = {}
-    denied: dict[str, int] = {}
+    compared: dict[str, Compared] = {}
     for scenario, objects_of in SCENARIOS.items():
         objects = objects_of(matrix.names, matrix.addresses, prefix)
         if objects:
             _apply(lab, objects)
-        last: list[str] = []
 
         def agree(scenario: str = scenario) -> bool:
-            nonlocal last
-            last, denied[scenario] = _compared(lab, probes)
-            return not last
+            compared[scenario] = _compared(lab, probes)
+            return not compared[scenario].disagreeing
 
         try:
             eventually(agree, AGREE_WITHIN, scenario, interval=1)
         except TimeoutError:
-            disagreeing[scenario] = last
+            pass
         finally:
             for obj in objects:
                 _delete(lab, obj)
-    for scenario in SCENARIOS:
-        print(f"{scenario:62} {len(probes)} probes, {denied[scenario]:3} denied, "
-              f"{len(disagreeing.get(scenario, []))} disagreeing")  # fmt: skip
-    assert disagreeing == {}
-    # each scenario's policies deny some probes and allow others, so both answers were compared
-    assert [name for name, count in denied.items() if not 0 < count < len(probes)] == ["no policy"]
+    for scenario, outcome in compared.items():
+        print(f"{scenario:62} {len(probes)} probes, {outcome.denied:3} denied, "
+              f"{outcome.would_deny:3} would be with the staged enforced, "
+              f"{len(outcome.disagreeing)} disagreeing")  # fmt: skip
+    assert {
+        name: outcome.disagreeing for name, outcome in compared.items() if outcome.disagreeing
+    } == {}
+    denied = {name: outcome.denied for name, outcome in compared.items()}
+    # each scenario's policies deny some probes and allow others, so both answers were compared;
+    # a staged policy denies nothing, and would deny what the same policy enforced denies
+    assert [name for name, count in denied.items() if not 0 < count < len(probes)] == [
+        "no policy",
+        STAGED,
+    ]
+    assert compared[STAGED].would_deny == denied["NetworkPolicy: deny all ingress"]
