@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -264,7 +265,16 @@ def flows_main(arguments: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    arguments = _arguments().parse_args(argv)
+    try:
+        return _answer(_arguments().parse_args(argv))
+    except BrokenPipeError:
+        # the reader went away (`| head`, a pager quit): stop quietly, as a Unix filter does,
+        # with stdout pointed at /dev/null so the interpreter's last flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _answer(arguments: argparse.Namespace) -> int:
     if arguments.command == "flows":
         return flows_main(arguments)
     try:

@@ -4,6 +4,8 @@ records of several nodes gathered, and the local reader inside the knit pod."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,19 @@ def test_without_kubectl_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "")
     with pytest.raises(flows.FlowsError, match="kubectl"):
         flows.kubectl()
+
+
+def test_a_reader_that_goes_away_ends_flows_quietly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def closed(*_: object, **__: object) -> int:
+        raise BrokenPipeError
+
+    monkeypatch.setattr(cli, "flows_main", closed)
+    pointed: list[int] = []
+    monkeypatch.setattr(os, "dup2", lambda _, fd: pointed.append(fd))
+    with open(os.devnull, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert cli.main(["flows", "--local"]) == 1
+        assert pointed == [stdout.fileno()]
+    assert capsys.readouterr().err == ""
