@@ -21,11 +21,12 @@ from kubernetes import client
 from kubernetes import config as kubeconfig
 
 from proxyd import watch
-from proxyd.explain import flows
+from proxyd.explain import flows, probe, verify
 from proxyd.explain.explain import (
     AddressTarget,
     Explainer,
     ExplainError,
+    Explanation,
     NamedTarget,
     PodTarget,
     Question,
@@ -34,7 +35,8 @@ from proxyd.explain.explain import (
     Target,
     World,
 )
-from proxyd.explain.output import to_json, to_text
+from proxyd.explain.output import to_json, to_text, verification_json, verification_text
+from proxyd.explain.verify import Verification
 from proxyd.model import (
     PROTOCOLS,
     EndpointSlice,
@@ -183,6 +185,19 @@ def _arguments() -> argparse.ArgumentParser:
         help="of a Service's eligible endpoints, explain only this one (default: each)",
     )
     explain.add_argument("-o", "--output", default="text", choices=("text", "json"))
+    explain.add_argument(
+        "--verify",
+        action="store_true",
+        help="probe the connections from the source pod (an ephemeral container) and say "
+        "whether the kernel agrees; exit status 3 when it does not",
+    )
+    explain.add_argument(
+        "--probe-image",
+        default=probe.IMAGE,
+        metavar="IMAGE",
+        help="the image of --verify's ephemeral container: agnhost (its connect command), "
+        "with a shell",
+    )
     explain.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
     explain.add_argument(
         "--masquerade-all",
@@ -282,13 +297,28 @@ def _answer(arguments: argparse.Namespace) -> int:
         question = Question(
             parse_pod_key(arguments.source), target, port, arguments.protocol, arguments.endpoint
         )
-        world = fetch_world(api_client(arguments.kubeconfig), arguments.masquerade_all)
-        explanation = Explainer(world).explain(question)
+        api = api_client(arguments.kubeconfig)
+        explanation = Explainer(fetch_world(api, arguments.masquerade_all)).explain(question)
+        verification = (
+            _verified(api, explanation, arguments.probe_image) if arguments.verify else None
+        )
     except (ExplainError, ConnectionError, OSError, kubeconfig.ConfigException) as err:
         print(f"kubectl knit explain: {err}", file=sys.stderr)
         return 2
     if arguments.output == "json":
-        print(json.dumps(to_json(explanation), indent=2))
+        answer = to_json(explanation)
+        answer["verify"] = None if verification is None else verification_json(verification)
+        print(json.dumps(answer, indent=2))
     else:
-        print(to_text(explanation), end="")
+        text = to_text(explanation)
+        print(text + ("" if verification is None else verification_text(verification)), end="")
+    if verification is not None and not verification.agrees:
+        return 3
     return 0 if explanation.allowed else 1
+
+
+def _verified(api: client.ApiClient, explanation: Explanation, image: str) -> Verification:
+    probes, skipped = verify.probes(explanation)
+    namespace, pod = explanation.source
+    container, answers = probe.run(api, namespace, pod, probes, image) if probes else ("-", [])
+    return Verification(container, tuple(answers), tuple(skipped))

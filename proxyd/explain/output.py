@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from proxyd.explain.explain import Explanation, Judgement, Leg, StagedLeg
+from proxyd.explain.verify import Verification
 from proxyd.model import family_of
 from proxyd.policy.compile import PodKey
 from proxyd.policy.decided import to_json as decided_json
@@ -216,4 +218,45 @@ def to_text(explanation: Explanation) -> str:
         if len(explanation.legs) > 1 and would_deny:
             staged += f" ({would_deny} of {len(explanation.legs)} endpoints denied)"
         lines.append(staged + ", with the staged policies enforced")
+    return "\n".join(lines) + "\n"
+
+
+def verification_json(verification: Verification) -> dict[str, Any]:
+    """`verify` of docs/observability.md's schema: whether every probe agrees with the
+    explanation, and each probe."""
+    return {
+        "agrees": verification.agrees,
+        "container": verification.pod,
+        "probes": [
+            {
+                "address": answer.probe.address,
+                "port": answer.probe.port,
+                "protocol": answer.probe.protocol,
+                "target": answer.probe.target,
+                "expected": _verdict(answer.probe.expected),
+                "outcome": answer.outcome,
+                "judgement": answer.judgement,
+            }
+            for answer in verification.answers
+        ],
+        "skipped": list(verification.skipped),
+    }
+
+
+def verification_text(verification: Verification) -> str:
+    lines = [f"probes   from the source pod (ephemeral container {verification.pod}):"]
+    for answer in verification.answers:
+        probe = answer.probe
+        lines.append(
+            f"         {_endpoint(probe.address, probe.port)} {probe.protocol} ({probe.target}): "
+            f"expected {_verdict(probe.expected)}, {answer.outcome}: {answer.judgement}"
+        )
+    lines += [f"         not probed: {why}" for why in verification.skipped]
+    total = len(verification.answers)
+    if verification.agrees:
+        lines.append(f"verify   the kernel agrees ({total} of {total} probes)")
+    else:
+        counts = Counter(answer.judgement for answer in verification.answers)
+        found = ", ".join(f"{count} {judgement}" for judgement, count in sorted(counts.items()))
+        lines.append(f"verify   NOT CONFIRMED ({found}, of {total} probes)")
     return "\n".join(lines) + "\n"

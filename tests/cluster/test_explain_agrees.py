@@ -27,6 +27,7 @@ from deploy.lab.churn import AGNHOST
 from deploy.lab.lab import Lab
 from deploy.lab.netns import unique_name
 from deploy.lab.process import eventually
+from proxyd.explain import cli
 from proxyd.explain.cli import api_client, fetch_world
 from proxyd.explain.explain import AddressTarget, Explainer, Explanation, Question
 
@@ -391,3 +392,40 @@ def test_explain_agrees_with_the_packets_in_every_scenario(lab: Lab, matrix: Mat
         STAGED,
     ]
     assert compared[STAGED].would_deny == denied["NetworkPolicy: deny all ingress"]
+
+
+def test_verify_probes_from_the_source_pod_and_finds_the_kernel_agreeing(
+    lab: Lab, matrix: Matrix, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """explain --verify's probes run in an ephemeral container of the source pod: a TCP
+    connection a policy drops times out, a UDP exchange no policy judges is answered."""
+    n = matrix.names
+    deny = netpol(n.x, "verify-deny", policyTypes=["Ingress"])
+    _apply(lab, [deny])
+
+    def verified(target: str, protocol: str) -> tuple[int, dict[str, Any]]:
+        argv = ["explain", "--from", f"{n.y}/a", "--to", target, "--protocol", protocol,
+                "--verify", "-o", "json", "--kubeconfig", str(lab.kubeconfig)]  # fmt: skip
+        status = cli.main(argv)
+        return status, json.loads(capsys.readouterr().out)
+
+    answer: tuple[int, dict[str, Any]] = (2, {})
+
+    def agreeing() -> bool:
+        nonlocal answer
+        answer = verified(f"pod/{n.x}/b:80", "TCP")
+        return bool(answer[1]["verify"]["agrees"])
+
+    try:
+        # the daemons program the policy a moment after the API has it
+        eventually(agreeing, AGREE_WITHIN, "explain --verify agreeing", interval=1)
+    finally:
+        _delete(lab, deny)
+    status, denied = answer
+    assert status == 1 and denied["verdict"] == "deny"
+    assert [p["outcome"] for p in denied["verify"]["probes"]] == ["timed out"]
+    assert denied["verify"]["container"].startswith("knit-verify-")
+    status, allowed = verified(f"pod/{n.z}/b:81", "UDP")
+    assert status == 0 and allowed["verdict"] == "allow"
+    assert allowed["verify"]["agrees"], allowed["verify"]
+    assert [p["outcome"] for p in allowed["verify"]["probes"]] == ["connected"]

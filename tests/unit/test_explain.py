@@ -1,6 +1,7 @@
 """`kubectl knit explain` on fixed clusters: the destination resolved as the proxy resolves it,
 and each direction's deciding rule. The objects are API-shaped and go through the daemon's
-parsers; the two nodes' tables come from its compiler."""
+parsers; the two nodes' tables come from its compiler. Then `--verify`'s pure half: what is
+probed, how an outcome judges the explanation, its output."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from proxyd.explain import probe
 from proxyd.explain.cli import parse_target
 from proxyd.explain.explain import (
     AddressTarget,
@@ -24,7 +26,16 @@ from proxyd.explain.explain import (
     Target,
     World,
 )
-from proxyd.explain.output import to_json, to_text
+from proxyd.explain.output import to_json, to_text, verification_json, verification_text
+from proxyd.explain.verify import (
+    AGREES,
+    DISAGREES,
+    INCONCLUSIVE,
+    Answer,
+    Probe,
+    Verification,
+    probes,
+)
 from proxyd.model import NodeInfo, parse_endpoint_slice, parse_service
 from proxyd.policy.cluster_model import parse_cluster_policy
 from proxyd.policy.model import EGRESS, INGRESS, Namespace, parse_pod, parse_policy
@@ -496,3 +507,106 @@ def test_targets_as_written(text: str, expected: tuple[Target, int | str]) -> No
 def test_targets_that_are_not(text: str) -> None:
     with pytest.raises(ExplainError):
         parse_target(text)
+
+
+# ------------------------------------------------------------ --verify: what is probed, how an
+# outcome judges the explanation, and the output (the probes themselves run on the lab:
+# tests/cluster/test_explain_agrees.py)
+
+ISOLATE_WEB = {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress"]}
+
+
+def test_a_pod_is_probed_once_at_its_address_and_port() -> None:
+    explanation = explain(world((policy("x", "deny", ISOLATE_WEB),)), PodTarget("x", "web-0"), 8080)
+    assert probes(explanation) == ([Probe("10.0.1.10", 8080, "TCP", "x/web-0", False)], [])
+
+
+def test_a_service_is_probed_at_each_endpoint_and_at_its_frontend_when_they_agree() -> None:
+    allowed = explain(world((policy("x", "from-y", FROM_Y_HTTP),), services=(service({}),)),
+                      ServiceTarget("x", "web"), 80)  # fmt: skip
+    found, skipped = probes(allowed)
+    assert [(p.address, p.port, p.expected) for p in found] == [
+        ("10.0.1.10", 8080, True), ("10.0.2.11", 8080, True), ("10.96.0.10", 80, True),
+    ]  # fmt: skip
+    assert found[-1].target == "Service x/web" and skipped == []
+
+
+def test_a_service_whose_endpoints_differ_is_not_probed_at_its_frontend() -> None:
+    # web-0 is isolated, `other` (10.0.1.12) is not: the proxy's pick decides the frontend's
+    endpoints = [endpoint("10.0.1.10", "n1"), endpoint("10.0.1.12", "n1")]
+    the_world = world((policy("x", "deny", ISOLATE_WEB),), services=(service({}),),
+                      endpoints=endpoints)  # fmt: skip
+    found, skipped = probes(explain(the_world, ServiceTarget("x", "web"), 80))
+    assert [(p.address, p.expected) for p in found] == [("10.0.1.10", False), ("10.0.1.12", True)]
+    assert skipped == [
+        "10.96.0.10:80: its endpoints' verdicts differ, so the proxy's choice decides"
+    ]
+
+
+def test_a_masqueraded_connection_is_not_probed_directly() -> None:
+    the_world = world(services=(service({}),), masquerade_all=True)
+    found, skipped = probes(explain(the_world, ServiceTarget("x", "web"), 80))
+    assert [p.address for p in found] == ["10.96.0.10"]
+    assert len(skipped) == 2 and all("masqueraded" in why for why in skipped)
+
+
+def test_a_service_without_an_eligible_endpoint_must_not_connect() -> None:
+    the_world = world(services=(service({}),), endpoints=[endpoint("10.0.1.10", "n1", ready=False)])
+    found, _ = probes(explain(the_world, ServiceTarget("x", "web"), 80))
+    assert [(p.address, p.expected) for p in found] == [("10.96.0.10", False)]
+
+
+ALLOWED = Probe("10.0.1.10", 8080, "TCP", "x/web-0", True)
+DENIED = Probe("fd00::10", 8080, "UDP", "x/web-0", False)
+
+
+def test_an_outcome_judges_the_expected_verdict() -> None:
+    # reached the destination: connected, or refused by it (nothing listens); a drop times out
+    assert [Answer(ALLOWED, outcome).judgement for outcome in ("connected", "refused")] == [
+        AGREES, AGREES,
+    ]  # fmt: skip
+    assert Answer(ALLOWED, "timed out").judgement == DISAGREES
+    assert Answer(DENIED, "timed out").judgement == AGREES
+    assert Answer(DENIED, "connected").judgement == DISAGREES
+    assert Answer(DENIED, "error: unknown host").judgement == INCONCLUSIVE
+    assert Answer(DENIED, probe.NO_ANSWER).judgement == INCONCLUSIVE
+
+
+def test_the_container_log_is_read_per_probe_and_a_missing_line_is_no_answer() -> None:
+    printed = "10.0.1.10 8080 connected\nfd00::10 8080 error: dial udp: bad address\n"
+    answers = probe.parse(printed, [ALLOWED, DENIED, Probe("10.0.9.9", 80, "TCP", "-", True)])
+    assert [a.outcome for a in answers] == [
+        "connected", "error: dial udp: bad address", probe.NO_ANSWER,
+    ]  # fmt: skip
+
+
+def test_the_container_probes_each_address_in_its_family_form() -> None:
+    container: dict[str, Any] = probe._container("knit-verify-1", probe.IMAGE, [ALLOWED, DENIED])
+    command = container["command"]
+    assert command[:2] == ["sh", "-c"] and "/agnhost connect" in command[2]
+    assert command[4:] == [str(probe.PROBE_TIMEOUT), "10.0.1.10", "8080", "tcp",
+                           "fd00::10", "8080", "udp"]  # fmt: skip
+    assert "[$address]:$port" in command[2]
+
+
+def test_the_output_says_whether_the_kernel_agrees() -> None:
+    agreeing = Verification("knit-verify-1", (Answer(ALLOWED, "connected"),), ())
+    assert agreeing.agrees
+    assert "verify   the kernel agrees (1 of 1 probes)" in verification_text(agreeing)
+    mixed = Verification(
+        "knit-verify-2",
+        (Answer(ALLOWED, "timed out"), Answer(DENIED, "timed out")),
+        ("10.96.0.10:80: its endpoints' verdicts differ, so the proxy's choice decides",),
+    )
+    assert not mixed.agrees
+    text = verification_text(mixed)
+    assert "[fd00::10]:8080 UDP (x/web-0): expected deny, timed out: agrees" in text
+    assert "not probed: 10.96.0.10:80" in text
+    assert "NOT CONFIRMED (1 agrees, 1 disagrees, of 2 probes)" in text
+    shown = json.loads(json.dumps(verification_json(mixed)))
+    assert shown["agrees"] is False and shown["container"] == "knit-verify-2"
+    assert shown["probes"][0] == {
+        "address": "10.0.1.10", "port": 8080, "protocol": "TCP", "target": "x/web-0",
+        "expected": "allow", "outcome": "timed out", "judgement": "disagrees",
+    }  # fmt: skip
+    assert len(shown["skipped"]) == 1
