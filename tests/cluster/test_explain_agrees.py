@@ -257,6 +257,105 @@ def _admin_egress_deny(n: Names, ips: dict[str, str], prefix: str) -> list[dict[
     return [cnp(f"{prefix}-no-udp-80", "Admin", 20, n.z, egress=[rule])]
 
 
+def _deny_all_both_ways(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
+    return [netpol(n.x, "deny-all", policyTypes=["Ingress", "Egress"])]
+
+
+def _ingress_by_namespace_expression(
+    n: Names, ips: dict[str, str], prefix: str
+) -> list[dict[str, Any]]:
+    outside_x = {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [n.x]},
+    ]}  # fmt: skip
+    return [netpol(n.x, "not-from-x", ingress=[{"from": [{"namespaceSelector": outside_x}]}])]
+
+
+def _ingress_from_pod_and_namespace(
+    n: Names, ips: dict[str, str], prefix: str
+) -> list[dict[str, Any]]:
+    # one peer: pod b of namespace y, or c of any namespace but x (an AND in each peer)
+    b_in_y = {"podSelector": {"matchLabels": {"pod": "b"}}, "namespaceSelector": _by_name(n.y)}
+    c_anywhere = {
+        "podSelector": {"matchExpressions": [{"key": "pod", "operator": "In", "values": ["c"]}]},
+        "namespaceSelector": {},
+    }
+    return [netpol(n.x, "b-in-y-or-c", podSelector={"matchLabels": {"pod": "a"}},
+                   ingress=[{"from": [b_in_y, c_anywhere]}])]  # fmt: skip
+
+
+def _ingress_from_own_namespace_only(
+    n: Names, ips: dict[str, str], prefix: str
+) -> list[dict[str, Any]]:
+    return [netpol(n.z, "own-namespace", ingress=[{"from": [{"podSelector": {}}]}])]
+
+
+def _stacked_policies(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
+    # two policies over overlapping pods: their allows add up
+    return [
+        netpol(n.x, "y-to-80", ingress=[{"from": [{"namespaceSelector": _by_name(n.y)}],
+                                         "ports": [{"port": 80, "protocol": "TCP"}]}]),
+        netpol(n.x, "z-to-a-81", podSelector={"matchLabels": {"pod": "a"}},
+               ingress=[{"from": [{"namespaceSelector": _by_name(n.z)}],
+                         "ports": [{"port": 81, "protocol": "UDP"}]}]),
+    ]  # fmt: skip
+
+
+def _ingress_on_one_protocol(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
+    return [netpol(n.y, "udp-only", ingress=[{"ports": [{"protocol": "UDP"}]}])]
+
+
+def _ingress_on_a_port_range(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
+    ports = [{"port": 81, "endPort": 90, "protocol": "TCP"}]
+    return [netpol(n.y, "range-81-90", ingress=[{"ports": ports}])]
+
+
+def _egress_on_a_named_port(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
+    ports = [{"port": "serve-80-tcp", "protocol": "TCP"}]
+    return [netpol(n.z, "named-80-out", policyTypes=["Egress"], egress=[{"ports": ports}])]
+
+
+def _egress_to_a_block_with_an_exception(
+    n: Names, ips: dict[str, str], prefix: str
+) -> list[dict[str, Any]]:
+    around_xa = ipaddress.ip_network(f"{ips[f'{n.x}/a']}/16", strict=False)
+    block = {"cidr": str(around_xa), "except": [f"{ips[f'{n.x}/b']}/32"]}
+    return [netpol(n.y, "out-but-xb", policyTypes=["Egress"],
+                   egress=[{"to": [{"ipBlock": block}]}])]  # fmt: skip
+
+
+def _client_egress_deny_beats_server_allow(
+    n: Names, ips: dict[str, str], prefix: str
+) -> list[dict[str, Any]]:
+    return [
+        netpol(n.y, "no-egress", podSelector={"matchLabels": {"pod": "b"}},
+               policyTypes=["Egress"]),
+        netpol(n.x, "allow-all-in", ingress=[{}]),
+    ]  # fmt: skip
+
+
+def _admin_priorities(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
+    # the lower priority number wins: accept y on port 80 before denying all of y
+    accept_80 = {"action": "Accept", "from": [{"namespaces": _by_name(n.y)}],
+                 "protocols": [{"tcp": {"destinationPort": {"number": 80}}}]}  # fmt: skip
+    deny = {"action": "Deny", "from": [{"namespaces": _by_name(n.y)}]}
+    return [
+        cnp(f"{prefix}-deny-y", "Admin", 30, n.z, ingress=[deny]),
+        cnp(f"{prefix}-accept-y-80", "Admin", 5, n.z, ingress=[accept_80]),
+    ]
+
+
+def _pods_peer_and_baseline(n: Names, ips: dict[str, str], prefix: str) -> list[dict[str, Any]]:
+    # an Admin deny of pod c of any namespace; a Baseline accept does not undo a
+    # NetworkPolicy's isolation, which denies the rest of x
+    pods_c = {"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"pod": "c"}}}}
+    return [
+        cnp(f"{prefix}-no-c", "Admin", 15, n.y, ingress=[{"action": "Deny", "from": [pods_c]}]),
+        cnp(f"{prefix}-baseline-x", "Baseline", 15, n.x,
+            ingress=[{"action": "Accept", "from": [{"namespaces": _by_name(n.z)}]}]),
+        netpol(n.x, "from-y-only", ingress=[{"from": [{"namespaceSelector": _by_name(n.y)}]}]),
+    ]  # fmt: skip
+
+
 SCENARIOS: dict[str, Scenario] = {
     "no policy": _no_policy,
     "NetworkPolicy: deny all ingress": _deny_all_ingress,
@@ -271,6 +370,18 @@ SCENARIOS: dict[str, Scenario] = {
     "ClusterNetworkPolicy: Admin accept over a NetworkPolicy": _admin_accept_over_networkpolicy,
     "ClusterNetworkPolicy: Admin pass, then Baseline": _admin_pass_then_baseline,
     "ClusterNetworkPolicy: Admin egress deny by protocol and port": _admin_egress_deny,
+    "NetworkPolicy: deny all ingress and egress": _deny_all_both_ways,
+    "NetworkPolicy: ingress by a namespace expression": _ingress_by_namespace_expression,
+    "NetworkPolicy: ingress from pod AND namespace peers": _ingress_from_pod_and_namespace,
+    "NetworkPolicy: ingress from its own namespace only": _ingress_from_own_namespace_only,
+    "NetworkPolicy: stacked policies add up": _stacked_policies,
+    "NetworkPolicy: ingress on one protocol, any port": _ingress_on_one_protocol,
+    "NetworkPolicy: ingress on a port range": _ingress_on_a_port_range,
+    "NetworkPolicy: egress on a named port": _egress_on_a_named_port,
+    "NetworkPolicy: egress to ipBlock with an exception": _egress_to_a_block_with_an_exception,
+    "NetworkPolicy: client egress deny over server allow": _client_egress_deny_beats_server_allow,
+    "ClusterNetworkPolicy: Admin priorities": _admin_priorities,
+    "ClusterNetworkPolicy: pods peer, Baseline under isolation": _pods_peer_and_baseline,
 }
 
 
