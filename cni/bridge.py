@@ -7,7 +7,6 @@ import functools
 import hashlib
 import ipaddress
 import time
-from typing import NoReturn
 
 from cni import links
 from cni.errors import CniError, Code
@@ -26,6 +25,10 @@ from cni.links import (
 from cni.netconf import IPV6_MIN_MTU, NetConf
 from cni.result import Interface, IPAddress, IPConfig, IPInterface, Result, Route
 from cni.routes import MAIN_TABLE, add_route, routes
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 HOST_VETH_PREFIX = "knit"
 PORT_WAIT, PORT_POLL = 1.0, 0.0005

@@ -7,10 +7,13 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from typing import Any
 
 from cni.errors import CniError, Code
 from cni.record import Record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "VERSION", "GC")
 ATTACHMENT_COMMANDS = ("ADD", "DEL", "CHECK")

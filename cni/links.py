@@ -12,7 +12,6 @@ import socket
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from cni.errors import CniError, Code
 from cni.kernel.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, link_addresses
@@ -20,6 +19,10 @@ from cni.kernel.families import ADDRESS_FAMILIES
 from cni.kernel.rawnetlink import CREATE_NEW, U32, RawNetlinkError, attribute, attributes, request
 from cni.record import Record
 from cni.result import IPInterface
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK, RTM_SETLINK = 16, 17, 18, 19
 RTM_NEWADDR, RTM_DELADDR = 20, 21

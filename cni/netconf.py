@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from cni import shapes
 from cni.errors import CniError, Code
 from cni.invocation import valid_ifname
@@ -11,6 +9,10 @@ from cni.paths import check_network_name, check_plugin_name
 from cni.record import Record
 from cni.result import DNS
 from cni.version import require_supported
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 # Keys the runtime (libcni) inserts or that the spec defines for every plugin.
 RUNTIME_KEYS = frozenset(

@@ -9,7 +9,6 @@ import os
 import re
 import sys
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
 
 from cni import ipam as ipam_module
 from cni import netconf, version
@@ -18,6 +17,10 @@ from cni.invocation import Invocation, from_environ, parse_stdin
 from cni.kernel.errors import FirewallError, KernelError, NetnsError
 from cni.netconf import NetConf
 from cni.result import Result
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 MAC_PATTERN = re.compile(r"([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}")
 

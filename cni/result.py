@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from cni import ip_text
 from cni.errors import CniError, Code
 from cni.record import Record
 from cni.version import at_least
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 IPAddress = ip_text.Address
 IPInterface = ip_text.Interface

@@ -4,9 +4,12 @@ that a field of the wrong type is an invalid config (code 7) naming the field, n
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from cni.errors import CniError, Code
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 OBJECT, STRING, STRINGS, OBJECTS, OBJECT_LISTS = (
     "an object",
@@ -15,6 +18,7 @@ OBJECT, STRING, STRINGS, OBJECTS, OBJECT_LISTS = (
     "a list of objects",
     "a list of lists of objects",
 )
+
 """What a field must hold, as the error message says it."""
 
 RUNTIME_FIELDS: dict[str, str] = {

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 from cni.invocation import Invocation
 from cni.result import Result
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
 
-class Ipam(Protocol):
-    def add(self, container_id: str, ifname: str) -> Result: ...
+    class Ipam(Protocol):
+        """What an IPAM does for the verbs; the type checker's alone (no call needs it run)."""
 
-    def release(self, container_id: str, ifname: str) -> None: ...
+        def add(self, container_id: str, ifname: str) -> Result: ...
 
-    def check(self, container_id: str, ifname: str) -> None: ...
+        def release(self, container_id: str, ifname: str) -> None: ...
 
-    def gc(self, valid: set[tuple[str, str]]) -> None: ...
+        def check(self, container_id: str, ifname: str) -> None: ...
 
-    def status(self) -> None: ...
+        def gc(self, valid: set[tuple[str, str]]) -> None: ...
+
+        def status(self) -> None: ...
 
 
 class Layer2Only:

@@ -6,7 +6,6 @@ import ipaddress
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from cni import shapes
 from cni.errors import CniError, Code
@@ -29,6 +28,10 @@ IPAM_KEYS = frozenset(
         "resolvConf",
     }
 )
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class Range(Record):

@@ -17,7 +17,12 @@ import socket
 import struct
 from collections.abc import Callable, Iterator
 from itertools import count
-from typing import TypeVar
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 HEADER = struct.Struct("=IHHII")
 """nlmsghdr: length, type, flags, sequence, port."""
@@ -44,7 +49,6 @@ SOL_NETLINK, NETLINK_GET_STRICT_CHK = 270, 12
 NFGENMSG = struct.Struct(">BBH")
 """nfgenmsg, the header of every netfilter message: family, version, resource id (network
 byte order)."""
-T = TypeVar("T")
 
 
 class RawNetlinkError(OSError):
