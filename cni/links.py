@@ -6,9 +6,9 @@ into CNI ones. Each works in the calling thread's network namespace."""
 
 from __future__ import annotations
 
+import _socket  # not socket: see cni.kernel.rawnetlink
 import errno
 import ipaddress
-import socket
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -78,7 +78,7 @@ def ignoring(code: int, call: Callable[[], Any]) -> None:
 
 
 def _request(kind: int, body: bytes, flags: int = 0) -> list[tuple[int, memoryview]]:
-    return request(socket.NETLINK_ROUTE, kind, body, flags)
+    return request(_socket.NETLINK_ROUTE, kind, body, flags)
 
 
 def link_by_name(name: str) -> Link | None:
@@ -149,7 +149,7 @@ def set_link(
     """Turn flags on (up, promiscuous), attach to a master, change the MTU, set the MAC: one
     request."""
     flags = (IFF_UP if up else 0) | (IFF_PROMISC if promisc else 0)
-    body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, index, flags, flags)
+    body = IFINFOMSG.pack(_socket.AF_UNSPEC, 0, index, flags, flags)
     if master:
         body += attribute(IFLA_MASTER, U32.pack(master))
     if mtu:
@@ -162,14 +162,14 @@ def set_link(
 def set_hairpin(index: int) -> None:
     """Let the bridge send a port's frames back out of that port (a pod reaching itself
     through a service)."""
-    header = IFINFOMSG.pack(socket.AF_BRIDGE, 0, index, 0, 0)
+    header = IFINFOMSG.pack(_socket.AF_BRIDGE, 0, index, 0, 0)
     protinfo = attribute(IFLA_BRPORT_MODE, U8.pack(1))
     _request(RTM_SETLINK, header + attribute(IFLA_PROTINFO, protinfo, nested=True))
 
 
 def set_port_vlan(index: int, vlan: int) -> None:
     """The port's frames untagged on the bridge's `vlan` (its PVID), out of the default VLAN 1."""
-    header = IFINFOMSG.pack(socket.AF_BRIDGE, 0, index, 0, 0)
+    header = IFINFOMSG.pack(_socket.AF_BRIDGE, 0, index, 0, 0)
     for kind, flags, vid in ((RTM_SETLINK, BRIDGE_VLAN_INFO_PVID, vlan), (RTM_DELLINK, 0, 1)):
         info = attribute(IFLA_BRIDGE_VLAN_INFO, BRIDGE_VLAN_INFO.pack(flags, vid))
         _request(kind, header + attribute(IFLA_AF_SPEC, info, nested=True))
@@ -177,7 +177,7 @@ def set_port_vlan(index: int, vlan: int) -> None:
 
 def _named(name: str) -> bytes:
     """A link request's body naming the link (index 0: the kernel looks the name up)."""
-    header = IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+    header = IFINFOMSG.pack(_socket.AF_UNSPEC, 0, 0, 0, 0)
     return header + attribute(IFLA_IFNAME, name.encode() + b"\0")
 
 

@@ -4,8 +4,8 @@ thread's network namespace."""
 
 from __future__ import annotations
 
+import _socket  # not socket: see cni.kernel.rawnetlink
 import ipaddress
-import socket
 import struct
 
 from cni.kernel.families import ADDRESS_FAMILIES
@@ -52,7 +52,7 @@ def add_route(route: Route, oif: int) -> None:
     )
     if metrics:
         body += attribute(RTA_METRICS, metrics, nested=True)
-    request(socket.NETLINK_ROUTE, RTM_NEWROUTE, body, CREATE_NEW)
+    request(_socket.NETLINK_ROUTE, RTM_NEWROUTE, body, CREATE_NEW)
 
 
 def routes(oif: int, table: int) -> list[tuple[IPNetwork, str | None]]:
@@ -69,14 +69,14 @@ def routes(oif: int, table: int) -> list[tuple[IPNetwork, str | None]]:
         of_oif = U32.unpack(attrs[RTA_OIF])[0] if RTA_OIF in attrs else 0
         if family not in families or of_table != table or of_oif != oif:
             return None
-        any_address = bytes(16 if family == socket.AF_INET6 else 4)
-        dst = socket.inet_ntop(family, attrs.get(RTA_DST, any_address))
+        any_address = bytes(16 if family == _socket.AF_INET6 else 4)
+        dst = _socket.inet_ntop(family, attrs.get(RTA_DST, any_address))
         gateway = attrs.get(RTA_GATEWAY)
         return (
             ipaddress.ip_network(f"{dst}/{dst_len}"),
-            socket.inet_ntop(family, gateway) if gateway is not None else None,
+            _socket.inet_ntop(family, gateway) if gateway is not None else None,
         )
 
-    every_family = RTMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0, 0, 0)
-    with NetlinkSocket(socket.NETLINK_ROUTE) as sock:
+    every_family = RTMSG.pack(_socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0, 0, 0)
+    with NetlinkSocket(_socket.NETLINK_ROUTE) as sock:
         return sock.dump(RTM_GETROUTE, every_family, read)

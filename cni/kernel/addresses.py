@@ -5,7 +5,7 @@ addresses: on an IPVS node every service address is one)."""
 
 from __future__ import annotations
 
-import socket
+import _socket  # not socket: see cni.kernel.rawnetlink
 import struct
 
 from cni.kernel.families import ADDRESS_FAMILIES
@@ -60,7 +60,7 @@ def link_addresses(family: int | None = None, index: int | None = None) -> list[
     strictly (Linux 4.20 and later), elsewhere here: beside another link's thousands (an IPVS
     dummy link's), the kernel's pick spares reading them at all, and picking here still spares
     decoding them all as pyroute2 does (docs/benchmarks.md#on-a-crowded-node)."""
-    address_family = socket.AF_UNSPEC if family is None else ADDRESS_FAMILIES[family]
+    address_family = _socket.AF_UNSPEC if family is None else ADDRESS_FAMILIES[family]
     wanted = set(ADDRESS_FAMILIES.values()) if family is None else {address_family}
 
     def read(kind: int, payload: memoryview) -> LinkAddress | None:
@@ -74,11 +74,11 @@ def link_addresses(family: int | None = None, index: int | None = None) -> list[
         if address is None:
             return None
         try:
-            return LinkAddress(of_link, socket.inet_ntop(of_family, address), prefix_length, scope)
+            return LinkAddress(of_link, _socket.inet_ntop(of_family, address), prefix_length, scope)
         except ValueError:  # not an address of the family's length
             return None
 
-    with NetlinkSocket(socket.NETLINK_ROUTE) as sock:
+    with NetlinkSocket(_socket.NETLINK_ROUTE) as sock:
         if index is not None:
             sock.check_strictly()
         request = IFADDRMSG.pack(address_family, 0, 0, 0, index or 0)

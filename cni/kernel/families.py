@@ -3,7 +3,7 @@ and the node daemon."""
 
 from __future__ import annotations
 
-import socket
+import _socket  # not socket: see cni.kernel.rawnetlink
 
 IP_FAMILIES = (4, 6)
-ADDRESS_FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
+ADDRESS_FAMILIES = {4: _socket.AF_INET, 6: _socket.AF_INET6}

@@ -6,14 +6,18 @@ dumps, the table's size, its deletes), NetworkPolicy's NFLOG denials, and every 
 plugin's (cni.links, cni.routes). pyroute2 decodes every attribute of every message into
 objects, a request's answer too; what these callers need is two to six attributes of each,
 read here alone for a small part of that cost (docs/benchmarks.md#netlink-make-bench-netlink).
-The daemon's links, routes, neighbours, IPVS and ipsets stay with pyroute2."""
+The daemon's links, routes, neighbours, IPVS and ipsets stay with pyroute2.
+
+The socket and its constants come from `_socket`, the C module that `socket` wraps: importing
+`socket` (its enums and selectors) cost every in-process call of the plugin ~1.8 ms
+(docs/benchmarks.md#the-in-process-path), and the plugin's kernel modules take `_socket` too."""
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import errno
 import os
-import socket
 import struct
 from collections.abc import Callable, Iterator
 from itertools import count
@@ -85,12 +89,12 @@ def attributes(data: memoryview) -> dict[int, memoryview]:
 
 
 class NetlinkSocket:
-    """One netlink socket of a protocol (socket.NETLINK_ROUTE, NETLINK_NETFILTER), in the
+    """One netlink socket of a protocol (NETLINK_ROUTE, NETLINK_NETFILTER), in the
     network namespace of the thread that opens it."""
 
     def __init__(self, protocol: int) -> None:
-        self._socket = socket.socket(
-            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol
+        self._socket = _socket.socket(
+            _socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC, protocol
         )
         try:
             self._socket.bind((0, 0))
