@@ -34,6 +34,20 @@ CLUSTER_DNS = "10.96.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 
 
+# kubelet started again whenever it exits, as a node's service manager does (kubeadm's unit:
+# Restart=always, 10 s apart): a kubelet that finds containerd's CRI not serving yet exits at
+# once ("server is not initialized yet"), as it did after a lab node's reboot in a chaos run,
+# leaving the node NotReady for good. The pid spawned is this loop's; stopping its process
+# group stops the kubelet too.
+SUPERVISE = """
+while :; do
+    "$@"
+    echo "kubelet exited ($?); starting it again in 2 s" >&2
+    sleep 2
+done
+"""
+
+
 def kubelet_config(address: str, cgroup_root: str, pki: Path, resolv_conf: Path) -> dict[str, Any]:
     """KubeletConfiguration for a lab node (pure)."""
     return {
@@ -133,6 +147,7 @@ class KubeNode:
         )
         self.kubelet_pid = self.machine.spawn(
             [
+                "sh", "-c", SUPERVISE, "sh",
                 str(KUBELET),
                 f"--config={config}",
                 f"--kubeconfig={kubeconfig}",
@@ -140,7 +155,7 @@ class KubeNode:
                 f"--node-ip={','.join(self.addresses)}",
             ],
             self.folder / "kubelet.log",
-        )
+        )  # fmt: skip
 
     def restart(self, pki: Path, server: str) -> None:
         """kubelet and containerd stopped and started again, as a node's service manager
