@@ -317,7 +317,11 @@ def run(
         except RuntimeError as err:
             problems.append(str(err))
     kinds_report = report(faults, clients.clients, began, ended)
-    lab.kubectl("delete", "namespace", NAMESPACE, "--timeout=120s", timeout=130)
+    try:
+        lab.kubectl("delete", "namespace", NAMESPACE, "--timeout=120s", timeout=130)
+    except RuntimeError:
+        late = "the workload's namespace not deleted within 120 s"
+        problems += [f"{late}: {pod}" for pod in audit.unready(lab, NAMESPACE)] or [late]
     return Outcome(
         lab.mode,
         ended - began,
