@@ -23,7 +23,14 @@ each step it measures:
   allowing it to the client's open connection being cut (an echo going unanswered), against
   the time the same change takes to reach the peer set in the kernel; with the node's
   conntrack table holding only that connection, and holding CONNTRACK_LOAD more entries
-  (UDP flows to a pod no policy selects, which the cut reads and keeps).
+  (UDP flows to a pod no policy selects, which the cut reads and keeps);
+- at the last step: the cost of flow records, TCP connections per second from the client to
+  the selected server (which the policies isolate and whose ingress allows the client) with
+  the daemon restarted with records off (the anchor), at the recommended rate and at a rate
+  above any the client reaches (every connection recorded), taking turns over FLOW_CYCLES
+  cycles, each round beside one to the server no policy selects (the machine's other load
+  meanwhile); with each, the records written, the records lost over the limit and in the
+  daemon's socket buffer (its metrics) and the daemon's CPU (its /proc stat).
 
 Every figure goes, with its command, commit and machine, into docs/results/<date>-policy.json
 (or the file `--json` names).
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import re
 import shutil
 import statistics
@@ -40,12 +48,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import record
 from bench.proxy_connections import CLIENT_LOOP, SERVER
@@ -59,6 +70,7 @@ from deploy.lab.netns import Netns, unique_name
 from deploy.lab.paths import PLUGIN_DIR
 from deploy.lab.process import eventually, exit_on_termination, in_ns
 from proxyd.nftables.kernel import Nft
+from proxyd.policy.flowlog import FLUSH_TIMEOUT
 from proxyd.policy.render import TABLE
 
 NAMESPACES = 100
@@ -69,6 +81,7 @@ CONNECTION_PORT = 8080
 LATENCY_GOAL = 0.020
 FULL_SYNC_GOAL = 1.5
 CONNECTION_GOAL = 0.95
+CONNECTION_SECONDS = 2.0
 SELECTED_NAMESPACE = "bench-0"
 T = TypeVar("T")
 FIRST_SYNC = re.compile(
@@ -89,6 +102,19 @@ with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.sendto(b"x", (host, 1024 + index % 60000))
 """
 """UDP datagrams to `count` ports of a host: as many conntrack entries on the node."""
+METRICS = "http://127.0.0.1:10249/metrics"
+"""The lab daemon's metrics, from its node namespace."""
+FLOW_RATE = 1_000
+"""The recommended --flow-records-rate (docs/observability.md)."""
+EVERY_RECORD = 1_000_000
+"""A --flow-records-rate above any connection rate the client reaches: every one recorded."""
+FLOW_CYCLES = 7
+"""Cycles of one round per flow-record rate, each round after a restart of the daemon."""
+FLOW_GOAL = 0.90
+QUIET = 0.05
+"""A restarted daemon has settled once its CPU over half a second is under this share of a
+core (its start's listing and first syncs done), or after SETTLE_LIMIT seconds."""
+SETTLE_LIMIT = 15.0
 
 
 @dataclass
@@ -130,6 +156,31 @@ def policy_spec(index: int) -> dict[str, Any]:
     }
 
 
+@dataclass
+class FlowRound:
+    """One round of connections with the daemon recording flows at `rate` a second (0: off)."""
+
+    rate: int
+    connections: float
+    """Connections a second to the selected pod."""
+    unjudged: float
+    """Connections a second to the pod no policy selects, in a round beside it: what the
+    machine's other load let through meanwhile."""
+    cpu: float
+    """The daemon's CPU seconds over the round's wall seconds."""
+    records: int
+    lost_limit: int
+    lost_buffer: int
+
+    def line(self) -> str:
+        return (
+            f"flow records at {self.rate:,}/s: {self.connections:,.0f} connections/s "
+            f"({self.unjudged:,.0f}/s to the unjudged pod), "
+            f"{self.records:,} records, {self.lost_limit:,} lost over the limit, "
+            f"{self.lost_buffer:,} in the buffer, daemon CPU {self.cpu * 100:.0f}% of a core"
+        )
+
+
 class PolicyBench:
     def __init__(self, cluster: Cluster, node: LabNode) -> None:
         self.cluster = cluster
@@ -139,6 +190,7 @@ class PolicyBench:
         self.pods = 0
         self.open_address = ""
         """The pod no policy selects."""
+        self.flow_rounds: list[FlowRound] = []
 
     # ------------------------------------------------------------ objects
     def bulk(self, calls: list[Callable[[], Any]]) -> None:
@@ -261,8 +313,13 @@ class PolicyBench:
         part of it loading nft and its CPU time, in seconds."""
         self.cluster.stop_daemon(self.node)
         self.in_node(lambda: [Nft(family, TABLE).delete_table() for family in (4, 6)])
+        return self.start_synced()
+
+    def start_synced(self, *flags: str) -> tuple[float, float, float]:
+        """The daemon started with `flags`, once its first policy sync is logged: that sync's
+        wall time, the part of it loading nft and its CPU time, in seconds."""
         logged = self.node.log.stat().st_size
-        self.cluster.start_daemon(self.node)
+        self.cluster.start_daemon(self.node, *flags)
 
         def logged_sync() -> tuple[float, float, float] | None:
             with self.node.log.open() as log:
@@ -352,17 +409,13 @@ class PolicyBench:
         )
 
     def connection_rate(self, step: str, client: LabPod, selected: LabPod, open_: LabPod) -> None:
-        seconds, repeats = 2.0, 7
+        seconds, repeats = CONNECTION_SECONDS, 7
         rates: dict[str, list[float]] = {"selected": [], "open": []}
         targets = {"selected": selected.address(4), "open": open_.address(4)}
         for turn in range(repeats):
             order = ["selected", "open"] if turn % 2 == 0 else ["open", "selected"]
             for kind in order:
-                out = in_ns(
-                    client.ns, sys.executable, "-c", CLIENT_LOOP,
-                    targets[kind], str(CONNECTION_PORT), str(seconds),
-                )  # fmt: skip
-                rates[kind].append(float(out))
+                rates[kind].append(connections(client, targets[kind], seconds))
         share = statistics.median(
             a / b for a, b in zip(rates["selected"], rates["open"], strict=True)
         )
@@ -421,6 +474,135 @@ class PolicyBench:
             )
         )
 
+    # ------------------------------------------------------------ flow records
+    def daemon_cpu(self) -> float:
+        """The daemon's CPU seconds so far, user and system, all its threads."""
+        stat = Path(f"/proc/{self.node.daemon}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def record_counts(self) -> tuple[int, int, int]:
+        """The daemon's flow records so far, and the records lost over the limit and in its
+        socket's buffer (its metrics; zeros with records off)."""
+
+        def scrape() -> str:
+            with urllib.request.urlopen(METRICS, timeout=10) as reply:
+                text: str = reply.read().decode()
+            return text
+
+        records, lost = 0.0, {"limit": 0.0, "buffer": 0.0}
+        for family in text_string_to_metric_families(self.in_node(scrape)):
+            for sample in family.samples:
+                if sample.name == "knit_network_policy_connections_total":
+                    records += sample.value
+                elif sample.name == "knit_network_policy_flow_records_lost_total":
+                    lost[sample.labels["reason"]] = sample.value
+        return int(records), int(lost["limit"]), int(lost["buffer"])
+
+    def settle(self) -> None:
+        """Until the daemon is quiet (QUIET), at most SETTLE_LIMIT seconds."""
+        began = time.monotonic()
+        while time.monotonic() - began < SETTLE_LIMIT:
+            cpu = self.daemon_cpu()
+            time.sleep(0.5)
+            if self.daemon_cpu() - cpu < QUIET * 0.5:
+                return
+
+    def flow_round(
+        self, rate: int, client: LabPod, target: str, unjudged: str, unjudged_first: bool
+    ) -> FlowRound:
+        """The daemon restarted recording `rate` flows a second, then a round of connections
+        to `target` and one to the `unjudged` address, in that order or the other; the
+        daemon's CPU and records over the target's round and the flush of NFLOG's last
+        batch."""
+        self.cluster.stop_daemon(self.node)
+        self.start_synced(f"--flow-records-rate={rate}")
+        self.settle()
+        beside = connections(client, unjudged, CONNECTION_SECONDS) if unjudged_first else 0.0
+        cpu, counts = self.daemon_cpu(), self.record_counts()
+        began = time.monotonic()
+        rate_seen = connections(client, target, CONNECTION_SECONDS)
+        time.sleep(2 * FLUSH_TIMEOUT / 100)
+        wall = time.monotonic() - began
+        used = self.daemon_cpu() - cpu
+        records, limit, buffer = (
+            after - before for after, before in zip(self.record_counts(), counts, strict=True)
+        )
+        if not unjudged_first:
+            beside = connections(client, unjudged, CONNECTION_SECONDS)
+        return FlowRound(rate, rate_seen, beside, used / wall, records, limit, buffer)
+
+    def flow_record_cost(
+        self, step: str, client: LabPod, selected: LabPod, open_: LabPod, rates: tuple[int, ...]
+    ) -> None:
+        """Connections to the selected pod with records off, and at each of `rates`, a round
+        each per cycle in turns, each beside a round to the pod no policy selects.
+
+        A rate's ratio is the median of its cycles' own: the selected pod's connections/s as
+        a share of the unjudged pod's beside it, over the same share with records off. The
+        rounds of one cycle are a restart apart, and on a shared machine its other load
+        changes meanwhile, which the share takes out (the unjudged pod's connections are
+        never logged: records cost them nothing); the plain ratio of the selected pod's
+        rates is printed beside it."""
+        kinds = (0, *rates)
+        cycles: list[dict[int, FlowRound]] = []
+        for turn in range(FLOW_CYCLES):
+            cycle: dict[int, FlowRound] = {}
+            for rate in kinds[turn % len(kinds) :] + kinds[: turn % len(kinds)]:
+                cycle[rate] = self.flow_round(
+                    rate, client, selected.address(4), open_.address(4), turn % 2 == 1
+                )
+                self.flow_rounds.append(cycle[rate])
+                print(cycle[rate].line(), flush=True)
+            cycles.append(cycle)
+        off = [cycle[0] for cycle in cycles]
+        for rate in rates:
+            on = [cycle[rate] for cycle in cycles]
+            pairs = list(zip(on, off, strict=True))
+            shares = [(a.connections / a.unjudged) / (b.connections / b.unjudged) for a, b in pairs]
+            plain = [a.connections / b.connections for a, b in pairs]
+            share = statistics.median(shares)
+            written = statistics.median(r.records for r in on)
+            limit = statistics.median(r.lost_limit for r in on)
+            buffer = statistics.median(r.lost_buffer for r in on)
+            self.figures.append(
+                Figure(
+                    step,
+                    f"TCP connections/s to a pod a policy isolates and allows, flow records at "
+                    f"{rate:,}/s (min/median/max of {FLOW_CYCLES} x {CONNECTION_SECONDS:.0f} s, "
+                    f"each after a restart; ratio: the median and min-max of the cycles' "
+                    f"shares of the unjudged pod's rate beside them, on over off; then of the "
+                    f"plain ratios)",
+                    f"{spread(r.connections for r in on)}; a round's records (median) "
+                    f"{written:,.0f} written, {limit:,.0f} lost over the limit, {buffer:,.0f} "
+                    f"in the buffer; daemon CPU {cpu_share(on)}",
+                    f"records off {spread(r.connections for r in off)}; daemon CPU "
+                    f"{cpu_share(off)}",
+                    f"{share:.2f}x ({min(shares):.2f}-{max(shares):.2f}); plain "
+                    f"{statistics.median(plain):.2f}x ({min(plain):.2f}-{max(plain):.2f})",
+                    goal(f">= {FLOW_GOAL}x", share >= FLOW_GOAL),
+                )
+            )
+
+
+def connections(client: LabPod, address: str, seconds: float) -> float:
+    """TCP connections a second from the client to address, sequential connect + reset."""
+    out = in_ns(
+        client.ns, sys.executable, "-c", CLIENT_LOOP, address, str(CONNECTION_PORT), str(seconds)
+    )
+    return float(out)
+
+
+def spread(values: Iterable[float]) -> str:
+    listed = list(values)
+    return f"{min(listed):,.0f}/{statistics.median(listed):,.0f}/{max(listed):,.0f}/s"
+
+
+def cpu_share(rounds: list[FlowRound]) -> str:
+    """The daemon's CPU over the rounds, min/median/max, in percent of a core."""
+    shares = [r.cpu * 100 for r in rounds]
+    return f"{min(shares):.0f}/{statistics.median(shares):.0f}/{max(shares):.0f}% of a core"
+
 
 def in_set(nft: Nft, set_name: str, address: str) -> bool:
     """Whether the policy table's set holds the address (a libnftables `get element`)."""
@@ -456,7 +638,7 @@ def client_peer_set(bench: PolicyBench, client: LabPod) -> str:
     return found
 
 
-def run(options: argparse.Namespace, folder: Path) -> list[Figure]:
+def run(options: argparse.Namespace, folder: Path) -> PolicyBench:
     plane: ControlPlane = start(folder / "controlplane")
     bundle = folder / "cni-bundle"
     cni_client = PLUGIN_DIR / "knit"
@@ -498,7 +680,8 @@ def run(options: argparse.Namespace, folder: Path) -> list[Figure]:
             bench.connection_rate(step, client, selected, open_)
             for load in (0, CONNTRACK_LOAD):
                 bench.connection_cut(step, client, echo, load)
-            return bench.figures
+            bench.flow_record_cost(step, client, selected, open_, (FLOW_RATE, EVERY_RECORD))
+            return bench
     finally:
         plane.stop()
 
@@ -526,13 +709,15 @@ def main() -> None:
     exit_on_termination()
     folder = Path(tempfile.mkdtemp(prefix="policy-bench-"))
     try:
-        figures = run(options, folder)
+        bench = run(options, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    print(table(figures))
+    print(table(bench.figures))
     variant = "" if options.pods == list(SIZES) else "pods-" + "-".join(map(str, options.pods))
     path = record.result_path(options.json, "policy", variant)
-    record.write(path, [asdict(figure) for figure in figures], began_at)
+    figures = [asdict(figure) for figure in bench.figures]
+    rounds = [asdict(round_) for round_ in bench.flow_rounds]
+    record.write(path, figures, began_at, flow_record_rounds=rounds)
 
 
 if __name__ == "__main__":
