@@ -17,6 +17,7 @@ business changing that; NFLOG delivers to a socket of the namespace the rule liv
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import socket
@@ -52,6 +53,8 @@ WANT_SEQUENCE = 1
 """NFULNL_CFG_F_SEQ: each packet numbered, so that a gap shows what the buffer lost."""
 PAYLOAD, PREFIX, SEQUENCE = 9, 10, 12
 PORTED = {6: "tcp", 17: "udp", 132: "sctp"}
+ADDRESSES_KEPT = 4096
+"""Addresses whose text the reader remembers (and that PodIndex remembers the pod of)."""
 END = "end"
 """The prefix's rule index for a chain's own verdict, after its rules."""
 
@@ -120,12 +123,19 @@ def parse(text: str, packet: bytes, at: float) -> Logged | None:
         index,
         verdict,
         protocol,
-        str(ipaddress.ip_address(bytes(source))),
+        address_text(source),
         source_port,
-        str(ipaddress.ip_address(bytes(destination))),
+        address_text(destination),
         port,
         at,
     )
+
+
+@functools.lru_cache(maxsize=ADDRESSES_KEPT)
+def address_text(packed: bytes) -> str:
+    """An address as a record shows it, from its bytes in the packet: remembered, since a
+    node's records name the same few addresses over and over (ipaddress takes microseconds)."""
+    return str(ipaddress.ip_address(packed))
 
 
 class Sequence:

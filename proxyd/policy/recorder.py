@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
+from prometheus_client import Counter
+
 from proxyd.metrics import Metrics
 from proxyd.policy.compile import FamilyPolicy, PodKey
 from proxyd.policy.flowlog import FlowLog, Logged
@@ -37,6 +39,10 @@ class Recorder:
         self._denied_rate = denied_rate
         self._indexes = {4: PodIndex(), 6: PodIndex()}
         self._view_judges = {4: ViewJudge(), 6: ViewJudge()}
+        self._connections: dict[tuple[str, ...], Counter] = {}
+        """The connections counter of each label set counted so far (prometheus_client's
+        `labels` validates and locks at each call: a record's costliest step after the
+        address lookups)."""
         self._logged: dict[int, tuple[int, int]] = {}
         """Per family, the second of the last denial logged and how many that second."""
         self.flow_log = FlowLog(self.report)
@@ -51,7 +57,12 @@ class Recorder:
             self.ring.add(record.to_json())
             by = record.decided_by
             labels = (by.kind, by.namespace or "", by.name or "", record.verdict)
-            self._metrics.policy_connections.labels(*labels).inc()
+            counter = self._connections.get(labels)
+            if counter is None:
+                counter = self._connections[labels] = self._metrics.policy_connections.labels(
+                    *labels
+                )
+            counter.inc()
             if record.staged is not None:
                 by = record.staged.decided_by
                 labels = (by.kind, by.namespace or "", by.name or "", record.staged.verdict)

@@ -19,7 +19,7 @@ from proxyd.metrics import Metrics
 from proxyd.policy import flow_server
 from proxyd.policy.compile import ALLOW, DROP, Cluster, FamilyPolicy, compile_family
 from proxyd.policy.decided import decided_by
-from proxyd.policy.flowlog import Logged, Logging
+from proxyd.policy.flowlog import ADDRESSES_KEPT, Logged, Logging
 from proxyd.policy.flows import QUARANTINED, UNKNOWN, PodIndex, Ring, decided, resolve
 from proxyd.policy.model import EGRESS, INGRESS, NetworkPolicy, Pod, parse_policy
 from proxyd.policy.quarantine import quarantined
@@ -124,6 +124,20 @@ def test_a_record_names_both_pods_its_rule_and_a_default_deny() -> None:
         logged(f"{chain} end drop", OUTSIDE, WEB, 80), "n1", table, cluster.pods, PodIndex()
     )
     assert outside.source.pod is None and outside.destination.pod == ("x", "web")
+
+
+def test_the_pod_index_answers_by_the_snapshot_it_is_given() -> None:
+    index = PodIndex()
+    before = {(p.namespace, p.name): p for p in PODS}
+    assert index.at(before, WEB) == ("x", "web")
+    assert index.at(before, OUTSIDE) is None
+    moved = dataclasses.replace(PODS[0], addresses=(OUTSIDE,), numbers=(int(ip_address(OUTSIDE)),))
+    after = {**before, ("x", "web"): moved}
+    assert index.at(after, WEB) is None
+    assert index.at(after, OUTSIDE) == ("x", "web")
+    for number in range(ADDRESSES_KEPT + 1):  # more than it remembers: still right
+        assert index.at(after, str(ip_address("198.51.100.0") + number)) is None
+    assert index.at(after, OUTSIDE) == ("x", "web")
 
 
 def test_a_rule_that_no_longer_gives_the_logged_verdict_is_unknown_never_another() -> None:
