@@ -50,6 +50,8 @@ RECEIVE_BYTES = 1 << 16
 NETLINK_NETFILTER = 12
 """Not among the socket module's constants, nor are the two below."""
 SOL_NETLINK, NETLINK_GET_STRICT_CHK = 270, 12
+SO_RCVBUFFORCE = 33
+"""SO_RCVBUF past net.core.rmem_max, for a process with CAP_NET_ADMIN."""
 NFGENMSG = struct.Struct(">BBH")
 """nfgenmsg, the header of every netfilter message: family, version, resource id (network
 byte order)."""
@@ -115,6 +117,14 @@ class NetlinkSocket:
         and then send every object: a caller filters what it reads as well."""
         with contextlib.suppress(OSError):
             self._socket.setsockopt(SOL_NETLINK, NETLINK_GET_STRICT_CHK, 1)
+
+    def receive_buffer(self, size: int) -> None:
+        """A receive buffer of `size` bytes (the kernel doubles it for its bookkeeping), past
+        net.core.rmem_max where the process may, else as far as it allows."""
+        try:
+            self._socket.setsockopt(_socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
+        except PermissionError:
+            self._socket.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVBUF, size)
 
     def _send(self, kind: int, flags: int, body: bytes) -> int:
         sequence = next(self._sequence)

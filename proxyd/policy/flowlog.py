@@ -51,6 +51,11 @@ FLUSH_TIMEOUT = 10
 second, would make `kubectl knit flows -f` lag)."""
 WANT_SEQUENCE = 1
 """NFULNL_CFG_F_SEQ: each packet numbered, so that a gap shows what the buffer lost."""
+BUFFER_BYTES = 4 << 20
+"""The reader's socket buffer. The default (net.core.rmem_default, 208 KiB) holds about 1,150
+records unread, and the limit lets a burst of as many records as its rate through after a
+quiet second: at 1,000 a second, a daemon a little late lost 200-odd of one. This one holds
+more than 30,000 (docs/observability.md)."""
 PAYLOAD, PREFIX, SEQUENCE = 9, 10, 12
 PORTED = {6: "tcp", 17: "udp", 132: "sctp"}
 ADDRESSES_KEPT = 4096
@@ -179,6 +184,7 @@ class FlowLog:
 
     def run(self) -> None:
         with NetlinkSocket(NETLINK_NETFILTER) as sock:
+            sock.receive_buffer(BUFFER_BYTES)
             self._subscribe(sock)
             while True:
                 try:

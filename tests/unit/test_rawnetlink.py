@@ -6,6 +6,7 @@ scripted: the kernel tests read real dumps)."""
 from __future__ import annotations
 
 import errno
+import socket
 
 import pytest
 
@@ -15,6 +16,7 @@ from cni.kernel.rawnetlink import (
     DUMP_INTERRUPTED,
     ERROR_CODE,
     NESTED,
+    SO_RCVBUFFORCE,
     RawNetlinkError,
     attribute,
     attributes,
@@ -104,3 +106,20 @@ def test_a_message_longer_than_its_buffer_is_malformed() -> None:
     with pytest.raises(RawNetlinkError) as malformed:
         scripted(kernel).dump(22, b"", payloads)
     assert malformed.value.errno == errno.EPROTO
+
+
+class Unprivileged(ScriptedKernel):
+    """A kernel refusing SO_RCVBUFFORCE, as it does a process without CAP_NET_ADMIN."""
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        if option == SO_RCVBUFFORCE:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        super().setsockopt(level, option, value)
+
+
+def test_a_receive_buffer_is_forced_past_the_limit_where_the_process_may() -> None:
+    kernel, unprivileged = ScriptedKernel(), Unprivileged()
+    scripted(kernel).receive_buffer(1 << 22)
+    scripted(unprivileged).receive_buffer(1 << 22)
+    assert kernel.options == [(socket.SOL_SOCKET, SO_RCVBUFFORCE, 1 << 22)]
+    assert unprivileged.options == [(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)]
