@@ -287,18 +287,25 @@ def isolate_the_server(world: World, policies: list[str]) -> LabNode:
     return world.cluster.nodes["a"]
 
 
+@contextlib.contextmanager
+def restarted_with(world: World, node: LabNode, *flags: str) -> Iterator[None]:
+    """The node's daemon restarted with flags for the block, and as before after it."""
+    world.cluster.stop_daemon(node)
+    try:
+        world.cluster.start_daemon(node, *flags)
+        yield
+    finally:
+        world.cluster.stop_daemon(node)
+        world.cluster.start_daemon(node)
+
+
 def test_switched_off_the_daemon_removes_its_policy_tables(
     world: World, policies: list[str]
 ) -> None:
     node = isolate_the_server(world, policies)
-    world.cluster.stop_daemon(node)
-    try:
-        world.cluster.start_daemon(node, "--network-policy=false")
+    with restarted_with(world, node, "--network-policy=false"):
         eventually(lambda: TABLE not in in_ns(node.ns, "nft", "list", "tables"), 30)
         assert reaches(world.near, world.server.address(4), 80)
-    finally:
-        world.cluster.stop_daemon(node)
-        world.cluster.start_daemon(node)
     settles(world.near, world.server.address(4), 80, allowed=False)
 
 
@@ -328,9 +335,7 @@ def test_a_restarted_daemon_replaces_the_table_it_left_whole(
 
 def test_denied_connections_are_logged_with_their_pod(world: World, policies: list[str]) -> None:
     node = world.cluster.nodes["a"]
-    world.cluster.stop_daemon(node)
-    try:
-        world.cluster.start_daemon(node, "--network-policy-log-rate=5")
+    with restarted_with(world, node, "--network-policy-log-rate=5"):
         name = apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
         settles(world.far, world.server.address(4), 80, allowed=False)
         line = (
@@ -338,18 +343,13 @@ def test_denied_connections_are_logged_with_their_pod(world: World, policies: li
             f"tcp {world.far.address(4)} -> {world.server.address(4)}:80"
         )
         eventually(lambda: line in node.log.read_text(), 10, what="the denial logged")
-    finally:
-        world.cluster.stop_daemon(node)
-        world.cluster.start_daemon(node)
 
 
 def test_flow_records_name_the_deciding_rule_and_count_per_policy(
     world: World, policies: list[str]
 ) -> None:
     node = world.cluster.nodes["a"]
-    world.cluster.stop_daemon(node)
-    try:
-        world.cluster.start_daemon(node, "--flow-records-rate=100")
+    with restarted_with(world, node, "--flow-records-rate=100"):
         peer = {"podSelector": {"matchLabels": {"role": "near"}}}
         name = apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
         server = world.server.address(4)
@@ -389,18 +389,13 @@ def test_flow_records_name_the_deciding_rule_and_count_per_policy(
         lost = "knit_network_policy_flow_records_lost_total"
         assert series(node, lost, 'reason="limit"') == 0
         assert series(node, lost, 'reason="buffer"') == 0
-    finally:
-        world.cluster.stop_daemon(node)
-        world.cluster.start_daemon(node)
 
 
 def test_a_staged_default_deny_passes_every_probe_and_flows_say_would_deny(
     world: World, policies: list[str]
 ) -> None:
     node = world.cluster.nodes["a"]
-    world.cluster.stop_daemon(node)
-    try:
-        world.cluster.start_daemon(node, "--flow-records-rate=100")
+    with restarted_with(world, node, "--flow-records-rate=100"):
         name = unique_name("staged")
         path = POLICIES.format(world.x)
         annotations = {"knit.dev/staged": "true"}
@@ -441,9 +436,6 @@ def test_a_staged_default_deny_passes_every_probe_and_flows_say_would_deny(
         labels = f'kind="NetworkPolicy",name="{name}",namespace="{world.x}",verdict="deny"'
         counted = series(node, "knit_network_policy_staged_connections_total", labels)
         assert counted >= 2
-    finally:
-        world.cluster.stop_daemon(node)
-        world.cluster.start_daemon(node)
 
 
 def udp_from_a_fixed_port(client: LabPod, host: str) -> bool:
@@ -489,16 +481,13 @@ def test_kept_connections_stay_open_when_a_policy_denies_them(
     world: World, policies: list[str]
 ) -> None:
     node = world.cluster.nodes["a"]
-    world.cluster.stop_daemon(node)
-    try:
-        world.cluster.start_daemon(node, "--network-policy-existing-connections=keep")
-        with HeldConnection(world.far.ns, world.server.address(4), 80) as far:
-            apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
-            settles(world.far, world.server.address(4), 80, allowed=False)
-            assert far.exchange(), "opened before the policy, the connection stays open"
-    finally:
-        world.cluster.stop_daemon(node)
-        world.cluster.start_daemon(node)
+    with (
+        restarted_with(world, node, "--network-policy-existing-connections=keep"),
+        HeldConnection(world.far.ns, world.server.address(4), 80) as far,
+    ):
+        apply(world, policies, {"podSelector": SERVER, "policyTypes": ["Ingress"]})
+        settles(world.far, world.server.address(4), 80, allowed=False)
+        assert far.exchange(), "opened before the policy, the connection stays open"
 
 
 PROBE_PORT = 9999
