@@ -105,6 +105,7 @@ from bench.proxy_cluster import (
     api_client,
     create_services,
     service_name,
+    start_knit,
 )
 from bench.proxy_connections import BACKENDS, Connections
 from bench.proxy_daemon import (
@@ -112,7 +113,6 @@ from bench.proxy_daemon import (
     KNIT,
     KUBE_PROXY,
     LAST_SYNC,
-    METRICS_ADDRESS,
     PARTIAL,
     PENDING,
     Daemon,
@@ -141,7 +141,6 @@ from deploy.lab.controlplane import ControlPlane, start
 from deploy.lab.kube import SERVICES, Kube, node_object
 from deploy.lab.netns import Netns
 from deploy.lab.process import eventually, exit_on_termination
-from deploy.lab.proxyd_node import NodeFiles, proxyd_flags
 from deploy.lab.relay import NetnsForward
 from proxyd.model import ZONE_LABEL
 
@@ -181,18 +180,8 @@ class Bench:
         profile = self.work / f"proxyd-{tag}.prof" if self.options.profile else None
         with ExitStack() as stack:
             node, kubeconfig, folder = self.node(tag, mode, stack)
-            (folder / "networks").mkdir()
-            files = NodeFiles(folder / "net.d", folder / "bin", folder / "networks")
-            args = proxyd_flags(
-                kubeconfig,
-                NODE,
-                CLUSTER_CIDR,
-                files,
-                "--metrics-bind-address",
-                METRICS_ADDRESS,
-                mode=mode.name,
-            )
-            daemon = Daemon.knit(node, args, self.work / f"proxyd-{tag}.log", profile)
+            log = self.work / f"proxyd-{tag}.log"
+            daemon = start_knit(node, kubeconfig, folder, mode.name, log, profile)
             stack.callback(daemon.stop)
             self.measure(size, mode, largest, daemon, stack)
         if profile is not None:

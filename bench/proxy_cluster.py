@@ -6,13 +6,16 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config
 
-from bench.proxy_daemon import TRIGGER_TIME
+from bench.proxy_daemon import METRICS_ADDRESS, TRIGGER_TIME, Daemon
 from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
+from deploy.lab.netns import Netns
+from deploy.lab.proxyd_node import NodeFiles, proxyd_flags
 
 NODE = "bench-node"
 NODE_ADDRESS = "198.18.0.1"
@@ -79,3 +82,17 @@ class SliceChange:
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         patch = {"metadata": {"annotations": {TRIGGER_TIME: stamp}}, "endpoints": self.endpoints}
         self.kube.patch(f"{SLICES}/{self.name}-ipv4", patch)
+
+
+def start_knit(
+    node: Netns, kubeconfig: Path, folder: Path, mode: str, log: Path, profile: Path | None
+) -> Daemon:
+    """knit-proxyd on the bench's node in `mode`, its CNI files under folder, its metrics on
+    METRICS_ADDRESS."""
+    (folder / "networks").mkdir(parents=True, exist_ok=True)
+    files = NodeFiles(folder / "net.d", folder / "bin", folder / "networks")
+    flags = proxyd_flags(
+        kubeconfig, NODE, CLUSTER_CIDR, files, "--metrics-bind-address", METRICS_ADDRESS,
+        mode=mode,
+    )  # fmt: skip
+    return Daemon.knit(node, flags, log, profile)

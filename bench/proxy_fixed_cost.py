@@ -42,15 +42,14 @@ from pathlib import Path
 from kubernetes.client import ApiClient
 
 from bench import record
-from bench.proxy_cluster import CLUSTER_CIDR, NODE, NODE_ADDRESS, api_client, create_services
-from bench.proxy_daemon import FULL, LAST_SYNC, METRICS_ADDRESS, Daemon, spent
+from bench.proxy_cluster import NODE, NODE_ADDRESS, api_client, create_services, start_knit
+from bench.proxy_daemon import FULL, LAST_SYNC, spent
 from bench.proxy_modes import Iptables, Mode, Nftables
 from bench.proxy_netns import make_netns
 from deploy.lab.controlplane import ControlPlane, start
 from deploy.lab.kube import Kube, node_object
 from deploy.lab.paths import ROOT
 from deploy.lab.process import exit_on_termination
-from deploy.lab.proxyd_node import NodeFiles, proxyd_flags
 from deploy.lab.relay import NetnsForward
 from proxyd import watch
 from proxyd.tracker import ClusterState
@@ -206,18 +205,7 @@ def starts(
             stack.callback(forward.stop)
             kubeconfig = plane.write_kubeconfig(work / f"kubeconfig-{round_}", forward.listen_port)
             folder = work / f"start-{round_}"
-            (folder / "networks").mkdir(parents=True)
-            files = NodeFiles(folder / "net.d", folder / "bin", folder / "networks")
-            flags = proxyd_flags(
-                kubeconfig,
-                NODE,
-                CLUSTER_CIDR,
-                files,
-                "--metrics-bind-address",
-                METRICS_ADDRESS,
-                mode=mode.name,
-            )
-            daemon = Daemon.knit(node, flags, folder / "proxyd.log", None)
+            daemon = start_knit(node, kubeconfig, folder, mode.name, folder / "proxyd.log", None)
             stack.callback(daemon.stop)
             synced = daemon.wait_sync(FULL, 0, 120)
             rss.append(daemon.memory_mib()[0])
