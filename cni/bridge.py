@@ -130,6 +130,18 @@ def create_veth(conf: NetConf, host_name: str, ifname: str, netns_fd: int, mac: 
         links.create_veth(host_name, ifname, netns_fd, conf.mtu or 0, mac)
 
 
+def forget_neighbours(bridge: Link, ips: list[IPConfig]) -> None:
+    """Delete the node's neighbour entries for the pod's addresses on the bridge, once its
+    policies are in the kernel and before it can answer. Packets the node routes to an address
+    it cannot resolve wait in the entry, and passed the policy hook when they were queued:
+    before the pod existed, so unjudged by what isolates it. The pod's first ARP answer or
+    announcement would deliver them. Deleting the entry drops them (and an entry naming the
+    MAC of the address's last pod)."""
+    with netlink_errors(f"cannot forget neighbours on {bridge.name}"):
+        for ip in ips:
+            links.delete_neighbour(bridge.index, ip.address.ip)
+
+
 def attach_to_bridge(conf: NetConf, host: Link, bridge: Link) -> None:
     with netlink_errors(f"cannot attach {host.name} to {bridge.name}"):
         links.set_link(host.index, up=True, master=bridge.index)
@@ -194,6 +206,7 @@ def setup(
     admit = attaching.get()
     if admit is not None:
         admit(tuple(str(ip.address.ip) for ip in ipam.ips))
+    forget_neighbours(bridge, ipam.ips)
     attach_to_bridge(conf, host, bridge)
     bridge = link_by_name(conf.bridge) or bridge
     container = configure_container(netns_fd, conf, ifname, ipam.ips, route_list)

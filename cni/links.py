@@ -18,7 +18,7 @@ from cni.kernel.addresses import IFA_ADDRESS, IFA_LOCAL, IFADDRMSG, link_address
 from cni.kernel.families import ADDRESS_FAMILIES
 from cni.kernel.rawnetlink import CREATE_NEW, U32, RawNetlinkError, attribute, attributes, request
 from cni.record import Record
-from cni.result import IPInterface
+from cni.result import IPAddress, IPInterface
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK, RTM_SETLINK = 16, 17, 18, 19
 RTM_NEWADDR, RTM_DELADDR = 20, 21
+RTM_DELNEIGH = 29
+NDMSG = struct.Struct("=BxxxiHBB")
+"""ndmsg: family, interface index, state, flags, type."""
+NDA_DST = 1
 IFINFOMSG = struct.Struct("=BxHiII")
 """ifinfomsg: family, device type, index, flags, change mask."""
 IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_MASTER = 1, 3, 4, 10
@@ -205,6 +209,15 @@ def add_address(index: int, interface: IPInterface) -> None:
 
 def delete_address(index: int, interface: IPInterface) -> None:
     _address_request(RTM_DELADDR, index, interface)
+
+
+def delete_neighbour(index: int, address: IPAddress) -> None:
+    """Remove the link's neighbour entry for the address, and with it the packets queued for
+    its resolution; none there is no error."""
+    body = NDMSG.pack(ADDRESS_FAMILIES[address.version], index, 0, 0, 0) + attribute(
+        NDA_DST, address.packed
+    )
+    ignoring(errno.ENOENT, lambda: _request(RTM_DELNEIGH, body))
 
 
 def _address_request(kind: int, index: int, interface: IPInterface, flags: int = 0) -> None:
