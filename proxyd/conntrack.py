@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from cni import ip_text
 from cni.kernel.families import ADDRESS_FAMILIES
 from cni.kernel.rawnetlink import (
     NETLINK_NETFILTER,
@@ -63,8 +64,8 @@ CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_MARK, CTA_ID, CTA_ZONE, CTA_MARK_MASK, CTA_
 )
 CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
 CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
-CTA_FILTER_ORIG_FLAGS = 1
-FILTER_PROTO_NUM, FILTER_DST_PORT = 1 << 3, 1 << 5
+CTA_FILTER_ORIG_FLAGS, CTA_FILTER_REPLY_FLAGS = 1, 2
+FILTER_IP_SRC, FILTER_PROTO_NUM, FILTER_DST_PORT = 1 << 0, 1 << 3, 1 << 5
 CTA_STATS_GLOBAL_ENTRIES = 1
 SOURCE, DESTINATION = 0, 1
 """A tuple's ends, indexing IP_ENDS' pairs and PORT_ENDS."""
@@ -255,6 +256,37 @@ def flows(
     original or reply source is one of these packed addresses (the others are not decoded:
     in a crowded table, most entries are not looked at further)."""
 
+    request = NFGENMSG.pack(address_family, 0, 0)
+    if marked:
+        request += attribute(CTA_MARK, MARK.pack(marked)) + attribute(
+            CTA_MARK_MASK, MARK.pack(marked)
+        )
+    return _dump(sock, address_family, request, _flow_reader(address_family, keep, ends))
+
+
+def flows_of(sock: NetlinkSocket, address_family: int, address: bytes) -> list[Flow]:
+    """The family's TCP, UDP and SCTP entries from or to this packed address (its original or
+    reply source): two dumps the kernel filters on that source (Linux 5.8 and later; older
+    kernels return every entry, checked again as read)."""
+    found: dict[bytes, Flow] = {}
+    for direction, flags in (
+        (CTA_TUPLE_ORIG, CTA_FILTER_ORIG_FLAGS),
+        (CTA_TUPLE_REPLY, CTA_FILTER_REPLY_FLAGS),
+    ):
+        source = attribute(IP_ENDS[address_family][SOURCE], address)
+        request = (
+            NFGENMSG.pack(address_family, 0, 0)
+            + attribute(direction, attribute(CTA_TUPLE_IP, source, nested=True), nested=True)
+            + attribute(CTA_FILTER, attribute(flags, struct.pack("=I", FILTER_IP_SRC)), nested=True)
+        )
+        reader = _flow_reader(address_family, lambda _: True, {address})
+        found.update((flow.identity, flow) for flow in _dump(sock, address_family, request, reader))
+    return list(found.values())
+
+
+def _flow_reader(
+    address_family: int, keep: Callable[[Flow], bool], ends: Collection[bytes] | None
+) -> Callable[[dict[int, memoryview]], Flow | None]:
     def read(found: dict[int, memoryview]) -> Flow | None:
         if ends is not None and not (
             _source_address(found.get(CTA_TUPLE_ORIG), address_family) in ends
@@ -269,12 +301,7 @@ def flows(
         flow = Flow(PROTOCOLS[protocol], source, destination, mark, identity(found, address_family))
         return flow if keep(flow) else None
 
-    request = NFGENMSG.pack(address_family, 0, 0)
-    if marked:
-        request += attribute(CTA_MARK, MARK.pack(marked)) + attribute(
-            CTA_MARK_MASK, MARK.pack(marked)
-        )
-    return _dump(sock, address_family, request, read)
+    return read
 
 
 def mark(sock: NetlinkSocket, entries: Iterable[Flow], bits: int, on: bool) -> int:
@@ -314,6 +341,16 @@ def table_size(sock: NetlinkSocket) -> int:
             (count,) = struct.unpack(">I", entries)
             return count
     return 0
+
+
+def forget_address(address: str) -> int:
+    """Delete every TCP, UDP and SCTP entry from or to the address (a pod's new address: see
+    policy/admission.py); returns how many were deleted."""
+    packed = ip_text.address(address)
+    family = ADDRESS_FAMILIES[packed.version]
+    with NetlinkSocket(NETLINK_NETFILTER) as sock:
+        found = flows_of(sock, family, packed.packed)
+        return delete(sock, (flow.identity for flow in found), "new address's")
 
 
 def clear_stale(frontends: UdpFrontends) -> int:

@@ -1,6 +1,14 @@
 """A pod's NetworkPolicy isolation written while its sandbox's CNI ADD runs in this daemon,
 before the sandbox's interface is attached, so that no packet reaches or leaves the pod
-unjudged (the hooks of cni.server's calls)."""
+unjudged (the hooks of cni.server's calls).
+
+Once the isolation is in the kernel, the conntrack entries from and to the pod's addresses are
+deleted: they were made before the pod existed (a client trying the address early) or by the
+address's last pod, and their packets were judged without the pod's policies. An entry left
+would let the pod's packet that matches its reply direction pass as an established
+connection's, unjudged by the pod's egress policies, and the client's packets after it past
+its ingress ones. (The plugin drops, for the same reason, the packets the node queued for the
+address while resolving it: cni.bridge.forget_neighbours.)"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from collections.abc import Mapping
 
 from cni.errors import CniError
 from cni.invocation import parse_cni_args
+from proxyd import conntrack
 from proxyd.policy.enforcer import PolicyEnforcer
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,17 @@ class PolicyAdmission:
                 namespace,
                 name,
             )
+        for address in addresses:
+            try:
+                conntrack.forget_address(address)
+            except OSError as err:  # RawNetlinkError too
+                log.warning(
+                    "pod %s/%s: cannot delete the conntrack entries of %s: %s",
+                    namespace,
+                    name,
+                    address,
+                    err,
+                )
 
     def deleted(self, environ: Mapping[str, str]) -> None:
         pod = sandbox_pod(environ)

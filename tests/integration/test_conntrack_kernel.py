@@ -2,7 +2,7 @@
 family: entries made through pyroute2 (another reading of ctnetlink than the clean-up's), then
 cleared with a dump per frontend port (the kernel filters) and with one dump of every UDP entry
 (past FILTERED_DUMPS_UP_TO ports); both delete the same, stale, entries, one of them in another
-conntrack zone."""
+conntrack zone. And the deletion of a new pod's address's entries (policy admission)."""
 
 from __future__ import annotations
 
@@ -135,3 +135,30 @@ def test_the_kernel_returns_one_ports_udp_entries_of_the_family_and_deletes_one_
         with pytest.raises(RawNetlinkError) as refused:
             sock.request(conntrack.MSG_DELETE, entry.delete_request)
         assert refused.value.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize("version", [4, 6], ids=["IPv4", "IPv6"])
+def test_a_new_pod_address_loses_every_entry_from_or_to_it_and_no_other(
+    make_netns: Callable[[str], Netns], version: int
+) -> None:
+    at = ADDRESSES[version]
+    family = socket.AF_INET if version == 4 else socket.AF_INET6
+    other = socket.AF_INET6 if version == 4 else socket.AF_INET
+    client = [f"{at['client']}{i}" for i in range(1, 5)]
+    pod, tcp = at["endpoint"], socket.IPPROTO_TCP
+    node = make_netns("conntrack")
+    with node.entered(), Conntrack(nfgen_family=family) as ct:
+        add_entry(ct, family, client[0], (pod, 53), pod)  # to the pod
+        add_entry(ct, family, client[1], (at["cluster_ip"], 53), pod, proto=tcp)  # DNATed to it
+        add_entry(ct, family, pod, (client[2], 53), client[2])  # from the pod
+        add_entry(ct, family, client[3], (at["cluster_ip"], 53), at["gone"])  # elsewhere
+        with Conntrack(nfgen_family=other) as ct_other:
+            twin = ADDRESSES[6 if version == 4 else 4]
+            add_entry(
+                ct_other, other, f"{twin['client']}1", (twin["endpoint"], 53), twin["endpoint"]
+            )
+            assert conntrack.forget_address(pod) == 3
+            assert conntrack.forget_address(pod) == 0
+            assert len(list(ct_other.dump_entries())) == 1, "the other family's stays"
+        assert remaining(ct, family) == {(client[3], at["cluster_ip"], 53)}
+        assert not list(ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=tcp)))
