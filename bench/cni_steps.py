@@ -38,6 +38,7 @@ STEPS: list[tuple[Any, str, str]] = [
     (bridge, "link_by_name", "look links up by name"),
     (bridge, "attach_to_bridge", "veth: attach"),
     (bridge, "configure_container", "pod: addresses, link up, routes"),
+    (bridge, "announce", "pod: announce its addresses"),
     (bridge, "enable_forwarding", "forwarding sysctls"),
     (bridge, "check", "compare the kernel with prevResult"),
     (plugin, "_delete_attachment_links", "delete the veth"),

@@ -6,6 +6,7 @@ import errno
 import functools
 import hashlib
 import ipaddress
+import time
 
 from cni import links
 from cni.errors import CniError, Code
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
 HOST_VETH_PREFIX = "knit"
+PORT_WAIT, PORT_POLL = 1.0, 0.0005
+"""How long an ADD waits, polling, for the bridge to enable the new pod's port before it
+announces the pod's addresses (seconds)."""
 DEFAULT_ROUTES = {4: ipaddress.ip_network("0.0.0.0/0"), 6: ipaddress.ip_network("::/0")}
 
 
@@ -164,6 +168,9 @@ def configure_container(
             sysctl.write(
                 sysctl.interface_key("ipv6", ifname, "accept_dad"), "1" if conf.enable_dad else "0"
             )
+            sysctl.write(sysctl.interface_key("ipv6", ifname, "ndisc_notify"), "1")
+        if any(ip.address.version == 4 for ip in ips):
+            sysctl.write(sysctl.interface_key("ipv4", ifname, "arp_notify"), "1")
         with netlink_errors(f"cannot configure {ifname} in the container"):
             for ip in ips:
                 links.add_address(link.index, ip.address)
@@ -171,6 +178,32 @@ def configure_container(
             for route in route_list:
                 add_route(route, link.index)
         return link
+
+
+def announce(netns_fd: int, host: Link, container: Link) -> None:
+    """Tell the pod's neighbours on the bridge (the node and the other pods) its MAC, for each
+    of its addresses, so that an entry still naming an earlier holder of an address (a pod
+    deleted a moment ago) is overridden at once: left alone, a REACHABLE entry is trusted for
+    15-45 s, and a STALE one is probed only 5 s after its next use, the frames going to the
+    old MAC meanwhile.
+
+    The kernel does it: with arp_notify and ndisc_notify on (configure_container), a change of
+    the pod interface's MAC sends a gratuitous ARP request for each IPv4 address and an
+    unsolicited neighbour advertisement, override flag set, for each IPv6 address that is not
+    tentative; setting the MAC to itself is such a change. Those the kernel sends when the
+    link comes up are lost: the bridge drops the port's frames until its link watch sees the
+    carrier and enables the port, after the link's request has returned. So this waits for
+    that (DISABLED only: a port that STP holds back is STP's), then sets the MAC. An address
+    under DAD (enabledad) is announced by the kernel when DAD completes, the port long
+    enabled by then."""
+    deadline = time.monotonic() + PORT_WAIT
+    with netlink_errors(f"cannot announce {container.name}'s addresses"):
+        while (
+            links.port_state(host.name) == links.BR_STATE_DISABLED and time.monotonic() < deadline
+        ):
+            time.sleep(PORT_POLL)
+        with netns.entered(netns_fd):
+            links.set_link(container.index, mac=container.mac)
 
 
 def container_has_interface(netns_fd: int, ifname: str) -> bool:
@@ -210,6 +243,8 @@ def setup(
     attach_to_bridge(conf, host, bridge)
     bridge = link_by_name(conf.bridge) or bridge
     container = configure_container(netns_fd, conf, ifname, ipam.ips, route_list)
+    if ipam.ips:
+        announce(netns_fd, host, container)
     if conf.is_gateway:
         enable_forwarding(ipam.ips)
     interfaces = [

@@ -34,11 +34,13 @@ IFINFOMSG = struct.Struct("=BxHiII")
 """ifinfomsg: family, device type, index, flags, change mask."""
 IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_MASTER = 1, 3, 4, 10
 IFLA_PROTINFO, IFLA_LINKINFO, IFLA_AF_SPEC, IFLA_NET_NS_FD = 12, 18, 26, 28
-IFLA_INFO_KIND, IFLA_INFO_DATA = 1, 2
+IFLA_INFO_KIND, IFLA_INFO_DATA, IFLA_INFO_SLAVE_DATA = 1, 2, 5
 VETH_INFO_PEER = 1
 IFLA_BR_VLAN_FILTERING = 7
-IFLA_BRPORT_MODE = 4
-"""A bridge port's hairpin mode (IFLA_PROTINFO of an AF_BRIDGE request)."""
+IFLA_BRPORT_STATE, IFLA_BRPORT_MODE = 1, 4
+"""A bridge port's STP state (IFLA_INFO_SLAVE_DATA of its link) and hairpin mode (IFLA_PROTINFO
+of an AF_BRIDGE request)."""
+BR_STATE_DISABLED = 0
 IFLA_BRIDGE_VLAN_INFO = 2
 BRIDGE_VLAN_INFO = struct.Struct("=HH")
 """bridge_vlan_info: flags, VLAN id."""
@@ -94,6 +96,18 @@ def link_by_name(name: str) -> Link | None:
     for kind, payload in replies:
         if kind == RTM_NEWLINK and len(payload) >= IFINFOMSG.size:
             return _link(payload)
+    return None
+
+
+def port_state(name: str) -> int | None:
+    """The STP state (BR_STATE_*) of the bridge port of that name; None when it is no port."""
+    for kind, payload in _request(RTM_GETLINK, _named(name)):
+        if kind == RTM_NEWLINK and len(payload) >= IFINFOMSG.size:
+            found = attributes(payload[IFINFOMSG.size :])
+            info = attributes(found.get(IFLA_LINKINFO, memoryview(b"")))
+            port = attributes(info.get(IFLA_INFO_SLAVE_DATA, memoryview(b"")))
+            state = port.get(IFLA_BRPORT_STATE)
+            return U8.unpack(state)[0] if state is not None else None
     return None
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 from typing import ClassVar, TypeVar
 
 import pytest
@@ -17,7 +19,9 @@ from cni.kernel.rawnetlink import NetlinkSocket
 from cni.links import addresses
 from deploy.lab.netns import Netns
 from deploy.lab.paths import PLUGIN_DIR, REFERENCE_PLUGINS
+from deploy.lab.process import eventually
 from tests.support.cni_env import UPLINK_NODE, UPLINK_OUTSIDE, Node, bridge_conf
+from tests.support.fastpath_daemon import build_launcher, running_daemon
 
 
 def test_pods_reach_each_other_and_the_gateway(node):
@@ -64,6 +68,55 @@ def test_dual_stack_pods_talk_over_ipv6(node):
     assert {"dst": "::/0", "gw": "fd10:244:1::1"} in server.result["routes"]
     server.ns.serve("::", 8080)
     assert client.ns.request(server.address(6), 8080) == client.address(6)
+
+
+@contextmanager
+def plugin_path(node: Node, path: str, directory: Path) -> Iterator[Path]:
+    """The plugin executable working in-process, or handing its calls to a daemon."""
+    if path == "in-process":
+        yield PLUGIN_DIR / "knit"
+        return
+    with running_daemon(node, directory) as daemon:
+        yield build_launcher(directory / "fast", daemon.socket_path)
+        assert "ADD" in daemon.served(), "the daemon served the ADDs"
+
+
+def neighbour_macs(ns: Netns, device: str, addresses: list[str]) -> list[str | None]:
+    """The MAC each address's neighbour entry on device names (None: no entry)."""
+    entries = json.loads(ns.ip("-j", "neigh", "show", "dev", device) or "[]")
+    macs = {entry["dst"]: entry.get("lladdr") for entry in entries}
+    return [macs.get(address) for address in addresses]
+
+
+@pytest.mark.parametrize("nud", ["reachable", "stale"])
+@pytest.mark.parametrize("path", ["in-process", "fast"])
+def test_an_address_given_again_is_announced_to_the_bridge(node, tmp_path, path, nud):
+    """A pod given the addresses of one deleted a moment ago: the entries its neighbours on the
+    bridge hold for them, naming the old MAC, name the new pod's as ADD returns, and the first
+    packet to each gets an answer (with the old MAC it would go unanswered for seconds)."""
+    conf = bridge_conf(node.data_dir, dual_stack=True)
+    with plugin_path(node, path, tmp_path) as plugin:
+        neighbour, old = [node.add_pod(conf, name, plugin=plugin) for name in ("neighbour", "old")]
+        addresses = [old.address(4), old.address(6)]
+        old_mac = old.result["interfaces"][2]["mac"]
+        assert node.call("DEL", conf, old, plugin=plugin).code == 0
+        # the node reaches the pod from the bridge's gateway addresses, once IPv6's is out of DAD
+        eventually(lambda: not node.ns.ip("-6", "addr", "show", "dev", "kbr0", "tentative"), 10)
+        for address in addresses:
+            for ns, device in ((neighbour.ns, "eth0"), (node.ns, "kbr0")):
+                ns.ip("neigh", "replace", address, "lladdr", old_mac, "dev", device, "nud", nud)
+        assert neighbour_macs(neighbour.ns, "eth0", addresses) == [old_mac, old_mac]
+
+        given = {"ips": [f"{addresses[0]}/24", f"{addresses[1]}/64"]}
+        new = node.add_pod({**conf, "runtimeConfig": given}, "new", plugin=plugin)
+        new_mac = new.result["interfaces"][2]["mac"]
+        assert [new.address(4), new.address(6)] == addresses
+        assert neighbour_macs(neighbour.ns, "eth0", addresses) == [new_mac, new_mac]
+        # the node's own entries are gone: the ADD sets the bridge's MAC, which flushes them
+        assert old_mac not in neighbour_macs(node.ns, "kbr0", addresses)
+        for ns in (neighbour.ns, node.ns):
+            for address in addresses:
+                ns.run("ping", "-c", "1", "-W", "1", address)
 
 
 @pytest.mark.parametrize("version", ["0.3.0", "0.3.1", "0.4.0", "1.0.0"])

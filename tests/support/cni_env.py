@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.lab.netns import Netns
+from deploy.lab.paths import PLUGIN_DIR
 from tests.conftest import CniAnswer, call_plugin
 
 NETWORK = "knit-test"
@@ -55,10 +56,22 @@ class Node:
     data_dir: Path
     make_netns: Callable[[str], Netns]
 
-    def add_pod(self, conf: dict[str, Any], container_id: str, ifname: str = "eth0") -> Pod:
+    def add_pod(
+        self,
+        conf: dict[str, Any],
+        container_id: str,
+        ifname: str = "eth0",
+        plugin: Path = PLUGIN_DIR / "knit",
+    ) -> Pod:
         pod_ns = self.make_netns("pod")
         answer = call_plugin(
-            self.ns, "ADD", conf, container_id=container_id, netns=pod_ns.path, ifname=ifname
+            self.ns,
+            "ADD",
+            conf,
+            container_id=container_id,
+            netns=pod_ns.path,
+            ifname=ifname,
+            plugin=plugin,
         )
         assert answer.code == 0, answer
         return Pod(pod_ns, container_id, answer)
