@@ -70,12 +70,14 @@ def container_routes(conf: NetConf, ipam: Result) -> list[Route]:
 
 
 def ensure_bridge(conf: NetConf) -> Link:
+    created = False
     with netlink_errors(f"cannot create bridge {conf.bridge}"):
         if link_by_name(conf.bridge) is None:
             ignoring(
                 errno.EEXIST,
                 functools.partial(links.create_bridge, conf.bridge, vlan_filtering=bool(conf.vlan)),
             )
+            created = True
     bridge = link_by_name(conf.bridge)
     if bridge is None or bridge.kind != "bridge":
         raise CniError(Code.INVALID_NETWORK_CONFIG, f"{conf.bridge} exists and is not a bridge")
@@ -93,12 +95,21 @@ def ensure_bridge(conf: NetConf) -> Link:
                     "IPv6 addresses",
                 )
             mtu = conf.mtu
-        # A bridge whose MAC was never set takes the lowest MAC among its ports and changes it
-        # as pods come and go; the pods that cached the gateway's old MAC then have their
-        # frames bridged rather than routed until their neighbour entry expires (30-60 s).
-        # Setting it, even to itself, makes the kernel keep it, as the reference plugin does.
-        links.set_link(bridge.index, up=up, promisc=promisc, mtu=mtu, mac=bridge.mac)
+        if up or promisc or mtu:
+            links.set_link(bridge.index, up=up, promisc=promisc, mtu=mtu)
+        if created:
+            keep_mac(bridge)
     return bridge
+
+
+def keep_mac(bridge: Link) -> None:
+    """Make the kernel keep the bridge's MAC. A bridge whose MAC was never set takes the lowest
+    MAC among its ports and changes it as pods come and go; the pods that cached the gateway's
+    old MAC then have their frames bridged rather than routed until their neighbour entry
+    expires (30-60 s). Setting it, even to itself, fixes it. Only when the bridge is made or
+    given an address, as the reference plugin does: setting a MAC flushes every neighbour
+    entry on the device, the node's entries for every pod on the bridge."""
+    links.set_link(bridge.index, mac=bridge.mac)
 
 
 def ensure_gateway_addresses(bridge: Link, gateways: list[IPInterface], force: bool) -> None:
@@ -121,6 +132,7 @@ def ensure_gateway_addresses(bridge: Link, gateways: list[IPInterface], force: b
             for old in clashing:
                 links.delete_address(bridge.index, old)
             ignoring(errno.EEXIST, functools.partial(links.add_address, bridge.index, gateway))
+            keep_mac(bridge)
 
 
 def enable_forwarding(ips: list[IPConfig]) -> None:

@@ -61,6 +61,21 @@ def test_the_bridge_keeps_its_mac_as_ports_come_and_go(node, made_before):
     assert first == later == now, "pods keep the gateway's MAC they cached"
 
 
+def test_an_add_leaves_the_nodes_neighbour_entries_for_other_pods(node):
+    """Setting the bridge's MAC flushes every neighbour entry on it: an ADD must not, or each
+    pod start makes the node resolve every pod of the bridge again."""
+    conf = bridge_conf(node.data_dir)
+    first = node.add_pod(conf, "pod0")
+    node.ns.run("ping", "-c", "1", "-W", "2", first.address())
+
+    def entry() -> str:
+        return node.ns.run("ip", "neigh", "show", first.address(), "dev", "kbr0").stdout.strip()
+
+    assert "lladdr" in entry()
+    node.add_pod(conf, "pod1")
+    assert "lladdr" in entry(), "the node's entry for pod0 survives pod1's ADD"
+
+
 def test_dual_stack_pods_talk_over_ipv6(node):
     conf = bridge_conf(node.data_dir, dual_stack=True)
     server, client = node.add_pod(conf, "v6-a"), node.add_pod(conf, "v6-b")
@@ -112,7 +127,7 @@ def test_an_address_given_again_is_announced_to_the_bridge(node, tmp_path, path,
         new_mac = new.result["interfaces"][2]["mac"]
         assert [new.address(4), new.address(6)] == addresses
         assert neighbour_macs(neighbour.ns, "eth0", addresses) == [new_mac, new_mac]
-        # the node's own entries are gone: the ADD sets the bridge's MAC, which flushes them
+        # the node's own entries are gone: ADD deletes them before the pod can answer
         assert old_mac not in neighbour_macs(node.ns, "kbr0", addresses)
         for ns in (neighbour.ns, node.ns):
             for address in addresses:
