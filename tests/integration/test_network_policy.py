@@ -498,9 +498,11 @@ STATUS_LAG = 0.3
 does once the sandbox is up: the window in which policies keyed on the status alone would
 not judge the pod."""
 HEARD = """
-import select, socket, sys
+import ipaddress, select, socket, sys
 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 sock.bind(("0.0.0.0", int(sys.argv[1])))
+for host in (host for net in sys.argv[2:] for host in ipaddress.ip_network(net)):
+    sock.sendto(b"x", (str(host), int(sys.argv[1])))
 print("ready", flush=True)
 sources = set()
 while not select.select([sys.stdin], [], [], 0)[0]:
@@ -508,12 +510,14 @@ while not select.select([sys.stdin], [], [], 0)[0]:
         sources.add(sock.recvfrom(64)[1][0])
 print(" ".join(sorted(sources)) or "-", flush=True)
 """
-"""Listens for UDP datagrams until stdin has input, then prints the sources it heard."""
+"""Listens for UDP datagrams on a port until stdin has input, then prints the sources it heard;
+first sends one from that port to the same port of every address of the networks given."""
 SPRAY = """
 import ipaddress, select, socket, sys
-port = int(sys.argv[1])
-targets = [str(host) for net in sys.argv[2:] for host in ipaddress.ip_network(net)]
+port, source_port = int(sys.argv[1]), int(sys.argv[2])
+targets = [str(host) for net in sys.argv[3:] for host in ipaddress.ip_network(net)]
 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind(("0.0.0.0", source_port))
 print("ready", flush=True)
 while not select.select([sys.stdin], [], [], 0)[0]:
     for target in targets:
@@ -523,8 +527,8 @@ while not select.select([sys.stdin], [], [], 0)[0]:
             pass
 print("-", flush=True)
 """
-"""Sends a datagram to every address of the networks, round after round, until stdin has
-input."""
+"""Sends a datagram to a port of every address of the networks, from a source port (0: any),
+round after round, until stdin has input."""
 
 
 class Background:
@@ -555,20 +559,27 @@ class Background:
 
 
 def start_pod(
-    world: World, role: str, heard_in_pod: bool, target: str, lag: float = STATUS_LAG
+    world: World,
+    role: str,
+    heard_in_pod: bool,
+    target: str,
+    lag: float = STATUS_LAG,
+    source_port: int = 0,
 ) -> tuple[str, str]:
     """A pod of the server's namespace started on node a as kubelet would (its Pod object
     without an address, the sandbox's CNI ADD, its status some time later), with HEARD
-    listening in it from before the ADD (heard_in_pod) or SPRAY sending from it to `target`;
-    its address and what HEARD printed, when it listened."""
+    listening in it from before the ADD (heard_in_pod) or SPRAY sending from it (from
+    `source_port`) to `target`; its address and what HEARD printed, when it listened."""
     cluster, node = world.cluster, world.cluster.nodes["a"]
     name = unique_name(role)
     ns = cluster.add_namespace(f"{name}-ns")
     script, args = (
-        (HEARD, [str(PROBE_PORT)]) if heard_in_pod else (SPRAY, [str(PROBE_PORT), target])
+        (HEARD, [str(PROBE_PORT)])
+        if heard_in_pod
+        else (SPRAY, [str(PROBE_PORT), str(source_port), target])
     )
     pods = f"/api/v1/namespaces/{world.x}/pods"
-    with Background(ns, script, *args, *([] if heard_in_pod else [target])) as inside:
+    with Background(ns, script, *args) as inside:
         cluster.kube.create(pods, pod_object(name, node.name, {"role": role}))
         try:
             result = json.loads(cluster.cni(node, "add", ns, name, namespace=world.x))
@@ -592,7 +603,7 @@ def test_an_isolated_pod_is_judged_from_its_first_packet_in(
 ) -> None:
     apply(world, policies, {"podSelector": {"matchLabels": {"role": "fresh"}}})
     got_in = []
-    with Background(world.far.ns, SPRAY, str(PROBE_PORT), "10.244.1.0/24") as spray:
+    with Background(world.far.ns, SPRAY, str(PROBE_PORT), "0", "10.244.1.0/24") as spray:
         # the node resolves the control's address only once it answers: time for that
         address, heard = start_pod(world, "open", heard_in_pod=True, target="", lag=3)
         assert world.far.address(4) in heard.split(), "the control, isolated by nothing, hears"
@@ -619,6 +630,31 @@ def test_an_isolated_pod_is_judged_from_its_first_packet_out(
         heard = listener.finish().split()
     assert control in heard, "the control, isolated by nothing, was heard"
     assert set(started) & set(heard) == set(), "isolated pods' datagrams reached the far pod"
+
+
+def test_a_pod_sends_nothing_back_along_a_flow_tried_before_it_existed(
+    world: World, policies: list[str]
+) -> None:
+    """The far pod sends a datagram to every address of the node's pod range before each pod
+    starts, leaving a conntrack entry for each; the new pod, isolated both ways, then sends
+    along one in its reply direction, which would pass as established were the entry kept.
+    With existing connections kept, no cut marks such an entry either."""
+    node, far = world.cluster.nodes["a"], world.far.address(4)
+    both = {"podSelector": {"matchLabels": {"role": "fresh"}}, "policyTypes": ["Ingress", "Egress"]}
+    heard_from = []
+    with restarted_with(world, node, "--network-policy-existing-connections=keep"):
+        apply(world, policies, both)
+        for role, lag in [("open", 3.0)] + [("fresh", STATUS_LAG)] * (STARTS // 4):
+            with Background(world.far.ns, HEARD, str(PROBE_PORT), "10.244.1.0/24") as listener:
+                address, _ = start_pod(
+                    world, role, False, f"{far}/32", lag=lag, source_port=PROBE_PORT
+                )
+                heard = listener.finish().split()
+            if role == "open":
+                assert address in heard, "the control, isolated by nothing, was heard"
+            elif address in heard:
+                heard_from.append(address)
+    assert heard_from == [], "isolated pods' datagrams passed as replies"
 
 
 # ---------------------------------------------------------------- ClusterNetworkPolicy
