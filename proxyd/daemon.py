@@ -172,7 +172,7 @@ class Daemon:
         self.node_network = _node_network(config)
         self.policy = _policy_enforcer(config, self.metrics)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period)
-        self.policy.on_first_sync = self.runner.run
+        self.policy.on_first_sync = self._request_sync
         self.stop = threading.Event()
         self._first_synced = False
         self._first_sync_at: float | None = None
@@ -193,7 +193,15 @@ class Daemon:
             if family in families:
                 metrics.last_queued.set(now)
             metrics.endpoint_changes_pending.set(endpoints[family])
-        self.runner.run()
+        self._request_sync()
+
+    def _request_sync(self) -> None:
+        """Ask for a sync once the first lists of Services and EndpointSlices are in. One asked
+        for before would return at once yet spend a token of the runner's burst: two such (the
+        policy's first sync, the Node, a list of ServiceCIDRs) and the first real sync waits out
+        the minimum interval. kube-proxy, too, syncs as soon as both lists are in."""
+        if self.state.ready():
+            self.runner.run()
 
     def sync(self) -> None:
         if not self.state.ready():

@@ -1,6 +1,6 @@
 """What the daemon sets up on its node before syncing: kernel modules (unit level: a fake
 modprobe on PATH, since this kernel has br_netfilter built in and the daemon never needs
-to load it here); and how it retries a sync the kernel refused."""
+to load it here); when its first sync comes; and how it retries a sync the kernel refused."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from proxyd.config import load
 from proxyd.daemon import Daemon, _load_br_netfilter
 from proxyd.proxier import ProgramError
+from proxyd.runner import BoundedFrequencyRunner
 
 
 def fake_modprobe(directory: Path, exit_code: int) -> Path:
@@ -76,3 +77,23 @@ def test_a_failed_sync_waits_out_its_backoff_whatever_events_come(
     daemon._retry_at = 0.0  # the backoff ran out
     daemon.sync()
     assert len(tried) == 2 and delays == [1.0, 2.0]
+
+
+def test_the_first_sync_follows_the_first_lists_at_once() -> None:
+    """What the daemon hears before both first lists (the policy's first sync, a list of
+    ServiceCIDRs) asks for no sync: each would have spent a token of the runner's burst on a
+    sync with nothing to do, and the first real one would wait out the minimum interval."""
+    daemon = Daemon(load(["--hostname-override", "n1", "--proxy-mode", "nftables"]))
+    ready_at_runs: list[bool] = []
+    daemon.runner = BoundedFrequencyRunner(
+        lambda: ready_at_runs.append(daemon.state.ready()), 60.0, 600.0, clock=lambda: 0.0
+    )
+    daemon.policy.on_first_sync()
+    daemon.runner.poll()
+    daemon.state.replace_service_cidrs([])
+    daemon.runner.poll()
+    daemon.state.replace_services([])
+    daemon.runner.poll()
+    daemon.state.replace_slices([])
+    assert daemon.runner.poll()
+    assert ready_at_runs == [True]
