@@ -196,16 +196,17 @@ class Daemon:
         self._request_sync()
 
     def _request_sync(self) -> None:
-        """Ask for a sync once the first lists of Services and EndpointSlices are in. One asked
-        for before would return at once yet spend a token of the runner's burst: two such (the
-        policy's first sync, the Node, a list of ServiceCIDRs) and the first real sync waits out
-        the minimum interval. kube-proxy, too, syncs as soon as both lists are in."""
+        """Ask for a sync once the first lists of Services, EndpointSlices and Nodes are in.
+        One asked for before would return at once yet spend a token of the runner's burst: two
+        such (the policy's first sync, a list of ServiceCIDRs) and the first real sync waits
+        out the minimum interval. kube-proxy, too, syncs as soon as its lists are in, having
+        read its Node at start."""
         if self.state.ready():
             self.runner.run()
 
     def sync(self) -> None:
         if not self.state.ready():
-            log.debug("waiting for the first lists of Services and EndpointSlices")
+            log.debug("waiting for the first lists of Services, EndpointSlices and Nodes")
             return
         with gc_pause.paused():
             full = self._sync_changes()
@@ -413,8 +414,7 @@ class Daemon:
     def _replace_nodes(self, items: list[watch.Obj]) -> None:
         self.node_network.replace(items)
         own = [item for item in items if key_of(item)[1] == self.state.node.name]
-        if own:
-            self.state.node_event("ADDED", own[0])
+        self.state.replace_node(own[0] if own else None)
 
     def _node_event(self, kind: str, obj: watch.Obj) -> None:
         self.node_network.event(kind, obj)

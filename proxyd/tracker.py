@@ -83,6 +83,10 @@ class ClusterState:
         self._by_service: dict[ServiceKey, dict[str, EndpointSlice]] = {}
         """The slices of each service, by slice name."""
         self.node = NodeInfo(node_name)
+        self._nodes_listed = False
+        """Whether the first list of Nodes is in, so the node's own object if it has one: its
+        addresses (where NodePorts listen by default) and zone (topology hints). A first sync
+        without them wrote NodePort rules for no address until the Node came."""
         self._touched: set[int] = set()
         """The IP families the store changes under way touched."""
         self._pending_services: set[ServiceKey] = set()
@@ -96,7 +100,7 @@ class ClusterState:
     # ------------------------------------------------------------ feeding
     def ready(self) -> bool:
         with self._lock:
-            return self._services.listed and self._slices.listed
+            return self._services.listed and self._slices.listed and self._nodes_listed
 
     def pending(self) -> tuple[int, Counter[int]]:
         """Services with changes to program, and per family those with endpoint changes."""
@@ -175,6 +179,13 @@ class ClusterState:
 
     def replace_service_cidrs(self, objs: list[Obj]) -> None:
         self._replace(self._service_cidrs, objs)
+
+    def replace_node(self, obj: Obj | None) -> None:
+        """A list of Nodes came: this node's object in it, None when it has none."""
+        with self._lock:
+            self._nodes_listed = True
+        self.node_event("DELETED" if obj is None else "ADDED", obj or {})
+        self._on_change(frozenset())  # as after any fresh list, so the first sync follows
 
     def node_event(self, kind: str, obj: Obj) -> None:
         with self._lock:

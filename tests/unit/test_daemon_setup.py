@@ -80,9 +80,11 @@ def test_a_failed_sync_waits_out_its_backoff_whatever_events_come(
 
 
 def test_the_first_sync_follows_the_first_lists_at_once() -> None:
-    """What the daemon hears before both first lists (the policy's first sync, a list of
-    ServiceCIDRs) asks for no sync: each would have spent a token of the runner's burst on a
-    sync with nothing to do, and the first real one would wait out the minimum interval."""
+    """What the daemon hears before the first lists of Services, EndpointSlices and Nodes (the
+    policy's first sync, a list of ServiceCIDRs) asks for no sync: each would have spent a
+    token of the runner's burst on a sync with nothing to do, and the first real one would wait
+    out the minimum interval. Nor do the Services and slices alone: the node's addresses, where
+    NodePorts listen, come with its Node."""
     daemon = Daemon(load(["--hostname-override", "n1", "--proxy-mode", "nftables"]))
     ready_at_runs: list[bool] = []
     daemon.runner = BoundedFrequencyRunner(
@@ -95,5 +97,7 @@ def test_the_first_sync_follows_the_first_lists_at_once() -> None:
     daemon.state.replace_services([])
     daemon.runner.poll()
     daemon.state.replace_slices([])
+    daemon.runner.poll()
+    daemon.state.replace_node({"metadata": {"name": "n1"}})
     assert daemon.runner.poll()
     assert ready_at_runs == [True]

@@ -31,11 +31,13 @@ def eps(name: str, service: str, ip: str = "10.244.1.5") -> dict[str, Any]:
     }
 
 
-def test_nothing_is_ready_until_both_lists_arrived() -> None:
+def test_nothing_is_ready_until_the_three_lists_arrived() -> None:
     state = ClusterState("node-a")
     state.replace_services([svc("a")])
     assert not state.ready()
     state.replace_slices([])
+    assert not state.ready(), "the node's addresses come with its Node"
+    state.replace_node(None)  # a list without this node's: nothing more to wait for
     assert state.ready()
 
 
@@ -186,7 +188,7 @@ def test_an_object_not_in_the_api_shape_is_skipped_and_the_rest_kept(
     with caplog.at_level(logging.WARNING):
         state.replace_services([bad, svc("good")])
         state.replace_slices([{**eps("bad", "good"), "endpoints": "x"}, eps("e", "good")])
-        state.node_event("MODIFIED", {"metadata": {"name": "node-a"}, "status": 5})
+        state.replace_node({"metadata": {"name": "node-a"}, "status": 5})
     assert state.ready()
     views = state.take().services
     assert [str(port.name) for port in views[("ns", "good")].ports] == ["ns/good:p"]
