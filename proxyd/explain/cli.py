@@ -3,7 +3,8 @@ watch, parses them with the daemons' parsers, and prints what explain.py makes o
 `kubectl knit flows` prints the daemons' flow records (flows.py).
 
 Exit status: 0 when the connection is allowed, 1 when it is denied, 2 when the question
-cannot be answered (a bad argument, an object missing, the API server unreachable).
+cannot be answered (a bad argument, an object missing, the API server unreachable), 3 when
+--verify's probes or their flow records disagree with the answer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -189,7 +191,8 @@ def _arguments() -> argparse.ArgumentParser:
         "--verify",
         action="store_true",
         help="probe the connections from the source pod (an ephemeral container) and say "
-        "whether the kernel agrees; exit status 3 when it does not",
+        "whether the kernel agrees, and whether the daemons' flow records of the probes (where "
+        "they keep them) name the deciding rule explained; exit status 3 when either does not",
     )
     explain.add_argument(
         "--probe-image",
@@ -238,7 +241,8 @@ def _flows_arguments(commands: Any) -> None:
 
 
 def knit_pods(api: client.ApiClient, node: str | None) -> dict[str, str]:
-    """Node -> the knit pod running there."""
+    """Node -> the knit pod running there (not one going away, which a rollout leaves
+    running beside its successor for a moment)."""
     listed = client.CoreV1Api(api).list_namespaced_pod(
         flows.KNIT_NAMESPACE, label_selector=flows.KNIT_SELECTOR
     )
@@ -246,8 +250,9 @@ def knit_pods(api: client.ApiClient, node: str | None) -> dict[str, str]:
     for pod in listed.items:
         node_name = pod.spec.node_name if pod.spec else None
         running = pod.status is not None and pod.status.phase == "Running"
-        if node_name and running and pod.metadata and pod.metadata.name:
-            found[node_name] = pod.metadata.name
+        meta = pod.metadata
+        if node_name and running and meta and meta.name and not meta.deletion_timestamp:
+            found[node_name] = meta.name
     return {n: p for n, p in found.items() if node is None or n == node}
 
 
@@ -300,7 +305,9 @@ def _answer(arguments: argparse.Namespace) -> int:
         api = api_client(arguments.kubeconfig)
         explanation = Explainer(fetch_world(api, arguments.masquerade_all)).explain(question)
         verification = (
-            _verified(api, explanation, arguments.probe_image) if arguments.verify else None
+            _verified(api, explanation, arguments.probe_image, arguments.kubeconfig)
+            if arguments.verify
+            else None
         )
     except (ExplainError, ConnectionError, OSError, kubeconfig.ConfigException) as err:
         print(f"kubectl knit explain: {err}", file=sys.stderr)
@@ -317,8 +324,39 @@ def _answer(arguments: argparse.Namespace) -> int:
     return 0 if explanation.allowed else 1
 
 
-def _verified(api: client.ApiClient, explanation: Explanation, image: str) -> Verification:
+def _verified(
+    api: client.ApiClient, explanation: Explanation, image: str, kubeconfig: str | None
+) -> Verification:
     probes, skipped = verify.probes(explanation)
     namespace, pod = explanation.source
-    container, answers = probe.run(api, namespace, pod, probes, image) if probes else ("-", [])
-    return Verification(container, tuple(answers), tuple(skipped))
+    if not probes:
+        return Verification("-", (), tuple(skipped))
+    since = time.time()
+    container, answers = probe.run(api, namespace, pod, probes, image)
+    # the container is seen ended a status update after its last probe at the soonest, and
+    # NFLOG hands the daemons a record within 0.1 s: they hold the probes' records by now
+    records = read_records(api, explanation.source, verify.judging_nodes(probes), since, kubeconfig)
+    checked = tuple(verify.checked(explanation, answer, records) for answer in answers)
+    return Verification(container, checked, tuple(skipped))
+
+
+def read_records(
+    api: client.ApiClient, source: PodKey, nodes: set[str], since: float, kubeconfig: str | None
+) -> verify.Records:
+    """The source pod's flow records, from each node's daemon as `kubectl knit flows` reads
+    them; a node whose records cannot be read is left with why."""
+    try:
+        binary = flows.kubectl()
+        pods = knit_pods(api, None)
+    except (flows.FlowsError, client.ApiException) as err:
+        why = f"{err.status} {err.reason}" if isinstance(err, client.ApiException) else str(err)
+        return verify.Records(since, (), {node: why for node in nodes})
+    chosen = flows.Filter(pod="/".join(source))
+    commands = {
+        node: flows.exec_command(binary, pods[node], chosen, False, kubeconfig)
+        for node in sorted(nodes)
+        if node in pods
+    }
+    found, unread = flows.read_nodes(commands)
+    missing = {node: f"no running knit pod in {flows.KNIT_NAMESPACE}" for node in nodes - set(pods)}
+    return verify.Records(since, tuple(found), {**unread, **missing})

@@ -6,7 +6,8 @@ node, which runs this same command with `--local` against the daemon's socket (r
 proxyd/policy/flow_server.py) and prints the matching records as JSON lines. The kubectl
 binary rather than the Python client's exec stream: a kubectl plugin runs beside kubectl by
 construction, and kubectl's exec speaks every API server's streaming protocol and every
-credential plugin of the user's kubeconfig.
+credential plugin of the user's kubeconfig. `kubectl knit explain --verify` reads the source
+pod's records the same way, each node's reader run to its end (read_nodes).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -27,6 +29,10 @@ KNIT_NAMESPACE = "kube-system"
 KNIT_SELECTOR = "app.kubernetes.io/name=knit"
 KNIT_CONTAINER = "knit"
 """Where deploy/kubernetes runs the daemon."""
+READER = "kubectl knit flows: "
+"""How the local reader's messages begin."""
+READ_TIMEOUT = 60.0
+"""Seconds for one node's records read at once (`kubectl knit explain --verify`)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,39 @@ def run_lines(command: list[str]) -> Iterator[str]:
             raise FlowsError(f"{' '.join(command[:8])}... failed ({process.returncode})")
 
 
+def run_captured(command: list[str]) -> Iterator[str]:
+    """The command's output's lines once it has ended. If it fails, what the local reader
+    said (kubectl exec adds `command terminated with exit code N` after it), else its
+    error's last line."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=READ_TIMEOUT)
+    except subprocess.TimeoutExpired as err:
+        raise FlowsError(f"no answer within {READ_TIMEOUT:.0f} s") from err
+    if done.returncode:
+        said = done.stderr.strip().splitlines() or [f"{command[0]} failed ({done.returncode})"]
+        own = [line for line in said if line.startswith(READER)]
+        raise FlowsError((own or said)[-1].removeprefix(READER))
+    yield from done.stdout.splitlines()
+
+
+def read_nodes(
+    commands: Mapping[str, list[str]], run: Runner = run_captured
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Each node's records, its reader run at once with the others'; and the nodes whose
+    reader failed, with why."""
+
+    def read(command: list[str]) -> list[dict[str, Any]] | str:
+        try:
+            return [json.loads(line) for line in run(command)]
+        except (FlowsError, OSError, ValueError) as err:
+            return str(err)
+
+    with ThreadPoolExecutor(max(1, len(commands))) as pool:
+        answers = dict(zip(commands, pool.map(read, commands.values()), strict=True))
+    found = [r for answer in answers.values() if not isinstance(answer, str) for r in answer]
+    return found, {node: answer for node, answer in answers.items() if isinstance(answer, str)}
+
+
 def gather(
     commands: Sequence[list[str]], follow: bool, emit: Callable[[dict[str, Any]], None],
     run: Runner = run_lines,
@@ -166,7 +205,14 @@ def local(socket: str, chosen: Filter, follow: bool, output: str) -> int:
     """Inside the knit pod: the records of this node's daemon."""
     try:
         print_records(filter(chosen.matches, read(socket, follow)), output, sys.stdout)
+    except FileNotFoundError:
+        print(
+            f"{READER}no {socket}: this node's knit-proxyd keeps no flow records "
+            "(no --flow-records-rate) or is not running",
+            file=sys.stderr,
+        )
+        return 2
     except OSError as err:
-        print(f"kubectl knit flows: {socket}: {err}", file=sys.stderr)
+        print(f"{READER}{socket}: {err}", file=sys.stderr)
         return 2
     return 0

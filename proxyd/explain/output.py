@@ -6,7 +6,7 @@ from collections import Counter
 from typing import Any
 
 from proxyd.explain.explain import Explanation, Judgement, Leg, StagedLeg
-from proxyd.explain.verify import Verification
+from proxyd.explain.verify import AGREES, DISAGREES, Answer, RuleCheck, Verification
 from proxyd.model import family_of
 from proxyd.policy.compile import PodKey
 from proxyd.policy.decided import to_json as decided_json
@@ -221,9 +221,26 @@ def to_text(explanation: Explanation) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rule_check_json(check: RuleCheck) -> dict[str, Any]:
+    expected = check.expected
+    return {
+        "direction": expected.direction.lower(),
+        "node": expected.node,
+        "judgement": check.judgement,
+        "expected": {
+            "verdict": _verdict(expected.allowed),
+            "decidedBy": decided_json(expected.decided_by),
+        },
+        "records": check.records,
+        "recorded": check.recorded,
+        "reason": check.why or None,
+    }
+
+
 def verification_json(verification: Verification) -> dict[str, Any]:
     """`verify` of docs/observability.md's schema: whether every probe agrees with the
-    explanation, and each probe."""
+    explanation, and each probe with the deciding rule of each direction checked against the
+    flow records."""
     return {
         "agrees": verification.agrees,
         "container": verification.pod,
@@ -236,11 +253,35 @@ def verification_json(verification: Verification) -> dict[str, Any]:
                 "expected": _verdict(answer.probe.expected),
                 "outcome": answer.outcome,
                 "judgement": answer.judgement,
+                "rule": answer.rule,
+                "rules": [_rule_check_json(check) for check in answer.rules],
             }
             for answer in verification.answers
         ],
         "skipped": list(verification.skipped),
     }
+
+
+def _rule_lines(answer: Answer) -> list[str]:
+    """Each direction's deciding rule against the records, under the probe's line."""
+    if answer.probe.leg is None:
+        return ["           rule not checked: the proxy picks the endpoint, whose probe checks it"]
+    lines = []
+    for check in answer.rules:
+        expected = check.expected
+        head = f"           {expected.direction.lower():<7} on {expected.node or '-'}: rule "
+        if check.judgement == AGREES:
+            lines.append(f"{head}agrees ({check.records} recorded: {expected.decided_by.reason})")
+        elif check.judgement == DISAGREES and check.recorded is not None:
+            recorded = check.recorded
+            lines.append(
+                f"{head}DISAGREES: recorded {recorded['verdict']} "
+                f"({recorded['decidedBy']['reason']}), explained "
+                f"{_verdict(expected.allowed)} ({expected.decided_by.reason})"
+            )
+        else:
+            lines.append(f"{head}not checked: {check.why}")
+    return lines
 
 
 def verification_text(verification: Verification) -> str:
@@ -251,12 +292,16 @@ def verification_text(verification: Verification) -> str:
             f"         {_endpoint(probe.address, probe.port)} {probe.protocol} ({probe.target}): "
             f"expected {_verdict(probe.expected)}, {answer.outcome}: {answer.judgement}"
         )
+        lines += _rule_lines(answer)
     lines += [f"         not probed: {why}" for why in verification.skipped]
     total = len(verification.answers)
+    rules = Counter(answer.rule for answer in verification.answers)
+    ruled = ", ".join(f"{count} {judgement}" for judgement, count in sorted(rules.items()))
+    of = f"of {total} probes" + (f"; deciding rule: {ruled}" if ruled else "")
     if verification.agrees:
-        lines.append(f"verify   the kernel agrees ({total} of {total} probes)")
+        lines.append(f"verify   the kernel agrees ({total} {of})")
     else:
         counts = Counter(answer.judgement for answer in verification.answers)
         found = ", ".join(f"{count} {judgement}" for judgement, count in sorted(counts.items()))
-        lines.append(f"verify   NOT CONFIRMED ({found}, of {total} probes)")
+        lines.append(f"verify   NOT CONFIRMED ({found}, {of})")
     return "\n".join(lines) + "\n"

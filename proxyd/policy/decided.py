@@ -1,6 +1,7 @@
 """Pure: what decided a pod chain's verdict, in the API's terms (`decidedBy`), from a step of
 the compiled table with provenance (verdict.Step): the one model `kubectl knit explain` and
-the daemon's flow records (flows.py) both name rules with, and its stable JSON."""
+the daemon's flow records (flows.py) both name rules with, its stable JSON (and back), and
+what of it names the rule (rule_of: how staged.py and `explain --verify` compare two)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,33 @@ def decided_by(step: Step, policy: FamilyPolicy, direction: str) -> DecidedBy:
     return DecidedBy(
         DEFAULT,
         "not isolated by a NetworkPolicy, and no ClusterNetworkPolicy rule denies: allowed",
+    )
+
+
+RuleKey = tuple[str, str | None, str | None, str | None, int | None]
+
+
+def rule_of(decided: DecidedBy) -> RuleKey:
+    """What names the deciding rule, apart from the words that say it: kind, namespace, name,
+    tier and rule index. A pod's isolation that no rule allows is one decision whichever
+    NetworkPolicies isolate it, so its name is left out."""
+    if decided.kind == NETWORK_POLICY and decided.rule is None:
+        return decided.kind, decided.namespace, None, decided.tier, None
+    return decided.kind, decided.namespace, decided.name, decided.tier, decided.rule
+
+
+def from_json(shown: dict[str, Any]) -> DecidedBy:
+    """A `decidedBy` as to_json wrote it (a field missing, as from an older daemon: None)."""
+    return DecidedBy(
+        str(shown["kind"]),
+        str(shown.get("reason") or ""),
+        shown.get("namespace"),
+        shown.get("name"),
+        shown.get("tier"),
+        shown.get("priority"),
+        shown.get("rule"),
+        shown.get("ruleName"),
+        shown.get("action"),
     )
 
 

@@ -17,23 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from proxyd.policy.compile import ALLOW, NETWORK_POLICY, FamilyPolicy, PodChain
-from proxyd.policy.decided import DecidedBy
+from proxyd.policy.compile import ALLOW, FamilyPolicy, PodChain
+from proxyd.policy.decided import DecidedBy, rule_of
 
 
 def changes(enforced: tuple[bool, DecidedBy], staged: tuple[bool, DecidedBy]) -> bool:
     """Whether the staged view's decision (allowed, what decided) differs from the enforced
-    one: another verdict, or another policy rule (or isolation) deciding."""
-    return enforced[0] != staged[0] or _rule(enforced[1]) != _rule(staged[1])
-
-
-def _rule(decided: DecidedBy) -> tuple[str, str | None, str | None, str | None, int | None]:
-    """What names the deciding rule, apart from the words that say it. A pod's isolation
-    that no rule allows is one decision whichever NetworkPolicies isolate it: a staged one
-    isolating a pod isolated already changes nothing."""
-    if decided.kind == NETWORK_POLICY and decided.rule is None:
-        return decided.kind, decided.namespace, None, decided.tier, None
-    return decided.kind, decided.namespace, decided.name, decided.tier, decided.rule
+    one: another verdict, or another policy rule (or isolation) deciding (a staged policy
+    isolating a pod isolated already changes nothing)."""
+    return enforced[0] != staged[0] or rule_of(enforced[1]) != rule_of(staged[1])
 
 
 def observed(enforced: FamilyPolicy, view: FamilyPolicy) -> FamilyPolicy:

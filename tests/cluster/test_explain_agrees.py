@@ -13,18 +13,20 @@ has it; what still disagrees then is listed per scenario.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
 
 from deploy.lab.churn import AGNHOST
-from deploy.lab.lab import Lab
+from deploy.lab.lab import KUBECTL, Lab
 from deploy.lab.netns import unique_name
 from deploy.lab.process import eventually
 from proxyd.explain import cli
@@ -37,6 +39,9 @@ PROTOCOLS = ("TCP", "UDP")
 AGREE_WITHIN = 30.0
 CLUSTER_POLICIES = "clusternetworkpolicies.policy.networking.k8s.io"
 STAGED = "NetworkPolicy, staged: deny all ingress"
+FLOW_RECORDS = "--flow-records-rate=1000"
+"""What --verify's test runs the daemons with, to check the deciding rule too (the
+recommended rate: docs/observability.md)."""
 # every target given as ADDRESS PORT PROTOCOL probed at once from the pod it runs in: a TCP
 # connection or a UDP exchange with netexec's `hostname` command, one second each
 PROBE = r"""
@@ -505,14 +510,55 @@ def test_explain_agrees_with_the_packets_in_every_scenario(lab: Lab, matrix: Mat
     assert compared[STAGED].would_deny == denied["NetworkPolicy: deny all ingress"]
 
 
+def _knit_args(lab: Lab) -> tuple[int, list[str]]:
+    """The index of the DaemonSet's knit container, and its args."""
+    daemonset = json.loads(
+        lab.kubectl("-n", "kube-system", "get", "daemonset", "knit", "-o", "json")
+    )
+    containers = daemonset["spec"]["template"]["spec"]["containers"]
+    index = next(i for i, c in enumerate(containers) if c["name"] == "knit")
+    return index, list(containers[index]["args"])
+
+
+def _set_knit_args(lab: Lab, index: int, args: list[str]) -> None:
+    """knit-proxyd's flags replaced on the DaemonSet, rolled out node by node."""
+    path = f"/spec/template/spec/containers/{index}/args"
+    patch = json.dumps([{"op": "replace", "path": path, "value": args}])
+    lab.kubectl("-n", "kube-system", "patch", "daemonset", "knit", "--type=json", "-p", patch)
+    lab.kubectl(
+        "-n", "kube-system", "rollout", "status", "daemonset/knit", "--timeout=300s", timeout=320
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _flow_records(lab: Lab) -> Iterator[None]:
+    """knit-proxyd keeping flow records, and as it was after. The lab's DaemonSet runs without
+    them, and the rate is a flag only (no field of the ConfigMap's KubeProxyConfiguration)."""
+    index, original = _knit_args(lab)
+    wanted = [a for a in original if not a.startswith("--flow-records-rate")] + [FLOW_RECORDS]
+    if wanted == original:
+        yield
+        return
+    _set_knit_args(lab, index, wanted)
+    try:
+        yield
+    finally:
+        _set_knit_args(lab, index, original)
+
+
 def test_verify_probes_from_the_source_pod_and_finds_the_kernel_agreeing(
-    lab: Lab, matrix: Matrix, capsys: pytest.CaptureFixture[str]
+    lab: Lab, matrix: Matrix, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """explain --verify's probes run in an ephemeral container of the source pod: a TCP
-    connection a policy drops times out, a UDP exchange no policy judges is answered."""
+    """explain --verify's probes run in an ephemeral container of the source pod, and the
+    daemons' flow records of them name the rule explain names: a TCP connection the policy
+    isolating the pod drops times out, a UDP exchange its rule allows is answered, and a UDP
+    exchange no policy judges is answered and leaves no record."""
     n = matrix.names
-    deny = netpol(n.x, "verify-deny", policyTypes=["Ingress"])
-    _apply(lab, [deny])
+    # the records are read through kubectl exec into each node's knit pod
+    monkeypatch.setenv("KUBECTL", str(KUBECTL))
+    from_y = {"from": [{"namespaceSelector": _by_name(n.y)}],
+              "ports": [{"port": 81, "protocol": "UDP"}]}  # fmt: skip
+    only_udp_81 = netpol(n.x, "verify-only-udp-81", policyTypes=["Ingress"], ingress=[from_y])
 
     def verified(target: str, protocol: str) -> tuple[int, dict[str, Any]]:
         argv = ["explain", "--from", f"{n.y}/a", "--to", target, "--protocol", protocol,
@@ -520,23 +566,54 @@ def test_verify_probes_from_the_source_pod_and_finds_the_kernel_agreeing(
         status = cli.main(argv)
         return status, json.loads(capsys.readouterr().out)
 
-    answer: tuple[int, dict[str, Any]] = (2, {})
+    def confirmed(target: str, protocol: str) -> tuple[int, dict[str, Any]] | None:
+        """The answer once the probes agree and their records name the rule explained (the
+        daemons program the policy a moment after the API has it)."""
+        answer = verified(target, protocol)
+        checked = answer[1]["verify"]
+        agreeing = checked["agrees"] and all(p["rule"] == "agrees" for p in checked["probes"])
+        return answer if agreeing else None
 
-    def agreeing() -> bool:
-        nonlocal answer
-        answer = verified(f"pod/{n.x}/b:80", "TCP")
-        return bool(answer[1]["verify"]["agrees"])
-
-    try:
-        # the daemons program the policy a moment after the API has it
-        eventually(agreeing, AGREE_WITHIN, "explain --verify agreeing", interval=1)
-    finally:
-        _delete(lab, deny)
-    status, denied = answer
+    with _flow_records(lab):
+        _apply(lab, [only_udp_81])
+        try:
+            status, denied = eventually(
+                partial(confirmed, f"pod/{n.x}/b:80", "TCP"), AGREE_WITHIN,
+                "explain --verify agreeing on a denial", interval=1,
+            )  # fmt: skip
+            allowed_by_rule = eventually(
+                partial(confirmed, f"pod/{n.x}/b:81", "UDP"), AGREE_WITHIN,
+                "explain --verify agreeing on a rule's allow", interval=1,
+            )  # fmt: skip
+        finally:
+            _delete(lab, only_udp_81)
+        unjudged_status, unjudged = verified(f"pod/{n.z}/b:81", "UDP")
     assert status == 1 and denied["verdict"] == "deny"
-    assert [p["outcome"] for p in denied["verify"]["probes"]] == ["timed out"]
+    (probe,) = denied["verify"]["probes"]
+    assert probe["outcome"] == "timed out"
     assert denied["verify"]["container"].startswith("knit-verify-")
-    status, allowed = verified(f"pod/{n.z}/b:81", "UDP")
+    egress, ingress = probe["rules"]
+    assert egress["judgement"] == "not checked" and egress["reason"].startswith(
+        "no pod chain judges it"
+    ), "no policy selects the source for egress: nothing records it"
+    assert (ingress["node"], ingress["judgement"]) == (denied["connections"][0]["node"], "agrees")
+    recorded = ingress["recorded"]
+    assert (recorded["verdict"], recorded["direction"]) == ("deny", "ingress")
+    assert recorded["decidedBy"] | {"reason": None} == {
+        "kind": "NetworkPolicy", "namespace": n.x, "name": "verify-only-udp-81",
+        "tier": "NetworkPolicy", "priority": None, "rule": None, "ruleName": None,
+        "action": None, "reason": None,
+    }  # fmt: skip
+    status, allowed = allowed_by_rule
     assert status == 0 and allowed["verdict"] == "allow"
-    assert allowed["verify"]["agrees"], allowed["verify"]
-    assert [p["outcome"] for p in allowed["verify"]["probes"]] == ["connected"]
+    (probe,) = allowed["verify"]["probes"]
+    assert probe["outcome"] == "connected" and probe["rules"][1]["judgement"] == "agrees"
+    decided = probe["rules"][1]["recorded"]["decidedBy"]
+    assert (decided["name"], decided["rule"], probe["rules"][1]["recorded"]["verdict"]) == (
+        "verify-only-udp-81", 0, "allow",
+    )  # fmt: skip
+    assert unjudged_status == 0 and unjudged["verdict"] == "allow"
+    assert unjudged["verify"]["agrees"], unjudged["verify"]
+    (probe,) = unjudged["verify"]["probes"]
+    assert probe["outcome"] == "connected" and probe["rule"] == "not checked"
+    assert [r["reason"].startswith("no pod chain judges it") for r in probe["rules"]] == [True] * 2

@@ -1,17 +1,20 @@
 """`kubectl knit explain` on fixed clusters: the destination resolved as the proxy resolves it,
 and each direction's deciding rule. The objects are API-shaped and go through the daemon's
 parsers; the two nodes' tables come from its compiler. Then `--verify`'s pure half: what is
-probed, how an outcome judges the explanation, its output."""
+probed, how an outcome judges the explanation, how the flow records of the probes judge each
+direction's deciding rule, its output."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from proxyd.explain import probe
+from proxyd.explain import cli, flows, probe
 from proxyd.explain.cli import parse_target
 from proxyd.explain.explain import (
     AddressTarget,
@@ -31,9 +34,13 @@ from proxyd.explain.verify import (
     AGREES,
     DISAGREES,
     INCONCLUSIVE,
+    NOT_CHECKED,
     Answer,
     Probe,
+    Records,
     Verification,
+    checked,
+    judging_nodes,
     probes,
 )
 from proxyd.model import NodeInfo, parse_endpoint_slice, parse_service
@@ -518,7 +525,9 @@ ISOLATE_WEB = {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["
 
 def test_a_pod_is_probed_once_at_its_address_and_port() -> None:
     explanation = explain(world((policy("x", "deny", ISOLATE_WEB),)), PodTarget("x", "web-0"), 8080)
-    assert probes(explanation) == ([Probe("10.0.1.10", 8080, "TCP", "x/web-0", False)], [])
+    found, skipped = probes(explanation)
+    assert found == [Probe("10.0.1.10", 8080, "TCP", "x/web-0", False, explanation.legs[0])]
+    assert skipped == []
 
 
 def test_a_service_is_probed_at_each_endpoint_and_at_its_frontend_when_they_agree() -> None:
@@ -529,6 +538,8 @@ def test_a_service_is_probed_at_each_endpoint_and_at_its_frontend_when_they_agre
         ("10.0.1.10", 8080, True), ("10.0.2.11", 8080, True), ("10.96.0.10", 80, True),
     ]  # fmt: skip
     assert found[-1].target == "Service x/web" and skipped == []
+    assert [p.leg for p in found] == [*allowed.legs, None], "the proxy picks the frontend's"
+    assert judging_nodes(found) == {"n1", "n2"}
 
 
 def test_a_service_whose_endpoints_differ_is_not_probed_at_its_frontend() -> None:
@@ -592,7 +603,9 @@ def test_the_container_probes_each_address_in_its_family_form() -> None:
 def test_the_output_says_whether_the_kernel_agrees() -> None:
     agreeing = Verification("knit-verify-1", (Answer(ALLOWED, "connected"),), ())
     assert agreeing.agrees
-    assert "verify   the kernel agrees (1 of 1 probes)" in verification_text(agreeing)
+    assert "verify   the kernel agrees (1 of 1 probes; deciding rule: 1 not checked)" in (
+        verification_text(agreeing)
+    )
     mixed = Verification(
         "knit-verify-2",
         (Answer(ALLOWED, "timed out"), Answer(DENIED, "timed out")),
@@ -602,11 +615,266 @@ def test_the_output_says_whether_the_kernel_agrees() -> None:
     text = verification_text(mixed)
     assert "[fd00::10]:8080 UDP (x/web-0): expected deny, timed out: agrees" in text
     assert "not probed: 10.96.0.10:80" in text
-    assert "NOT CONFIRMED (1 agrees, 1 disagrees, of 2 probes)" in text
+    assert (
+        "NOT CONFIRMED (1 agrees, 1 disagrees, of 2 probes; deciding rule: 2 not checked)" in text
+    )
     shown = json.loads(json.dumps(verification_json(mixed)))
     assert shown["agrees"] is False and shown["container"] == "knit-verify-2"
     assert shown["probes"][0] == {
         "address": "10.0.1.10", "port": 8080, "protocol": "TCP", "target": "x/web-0",
         "expected": "allow", "outcome": "timed out", "judgement": "disagrees",
+        "rule": "not checked", "rules": [],
     }  # fmt: skip
     assert len(shown["skipped"]) == 1
+
+
+# ------------------------------------------------------------ --verify: the deciding rule
+# against the flow records the probes left (the records read as the daemons serve them)
+
+SINCE = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()
+LATER = "2026-01-02T03:04:06.250Z"
+OUT_TO_X = {
+    "podSelector": {"matchLabels": {"app": "client"}},
+    "policyTypes": ["Egress"],
+    "egress": [
+        {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "x"}}}]}
+    ],
+}
+ALLOWED_BOTH_WAYS = (
+    policy("x", "deny", ISOLATE_WEB), policy("x", "from-y", FROM_Y_HTTP),
+    policy("y", "out-to-x", OUT_TO_X),
+)  # fmt: skip
+
+
+def decided(kind: str, reason: str, **fields: Any) -> dict[str, Any]:
+    """A record's `decidedBy`, as the daemon writes it."""
+    empty = dict.fromkeys(("namespace", "name", "tier", "priority", "rule", "ruleName", "action"))
+    return {"kind": kind, **empty, **fields, "reason": reason}
+
+
+def accepted(namespace: str, name: str, direction: str) -> dict[str, Any]:
+    return decided(
+        "NetworkPolicy", f"NetworkPolicy {namespace}/{name} (NetworkPolicy tier) {direction} "
+        "rule 0: Accept", namespace=namespace, name=name, tier="NetworkPolicy", rule=0,
+        action="Accept",
+    )  # fmt: skip
+
+
+def isolated(name: str) -> dict[str, Any]:
+    return decided("NetworkPolicy", f"isolated by NetworkPolicy {name}; no rule allows",
+                   namespace="x", name=name, tier="NetworkPolicy")  # fmt: skip
+
+
+WEB_0_KEY = ("x", "web-0")
+NOT_ISOLATED = decided(
+    "Default", "not isolated by a NetworkPolicy, and no ClusterNetworkPolicy rule denies: allowed"
+)
+
+
+def flow(
+    direction: str,
+    node: str,
+    verdict: str,
+    decided_by: dict[str, Any],
+    staged: dict[str, Any] | None = None,
+    at: str = LATER,
+    port: int = 8080,
+    source: tuple[str, str] = CLIENT,
+) -> dict[str, Any]:
+    """A record of a connection from `source` (10.0.2.20) to web-0 (10.0.1.10)."""
+
+    def end(address: str, port: int | None, pod: tuple[str, str]) -> dict[str, Any]:
+        return {"address": address, "port": port, "pod": {"namespace": pod[0], "name": pod[1]}}
+
+    return {
+        "time": at, "node": node, "direction": direction, "verdict": verdict, "protocol": "TCP",
+        "source": end("10.0.2.20", 40000, source), "destination": end("10.0.1.10", port, WEB_0_KEY),
+        "chain": f"{direction}-X", "rule": decided_by["rule"], "decidedBy": decided_by,
+        "staged": staged,
+    }  # fmt: skip
+
+
+def checked_answer(
+    explanation: Explanation, outcome: str, *found: dict[str, Any], **unread: str
+) -> Answer:
+    (probe,) = probes(explanation)[0]
+    return checked(explanation, Answer(probe, outcome), Records(SINCE, found, unread))
+
+
+def test_records_of_the_rule_explained_agree_in_both_directions() -> None:
+    explanation = explain(world(ALLOWED_BOTH_WAYS), WEB_0, 8080)
+    egress = flow("egress", "n2", "allow", accepted("y", "out-to-x", "egress"))
+    ingress = flow("ingress", "n1", "allow", accepted("x", "from-y", "ingress"))
+    answer = checked_answer(explanation, "connected", egress, ingress, ingress)
+    assert [(c.expected.direction, c.judgement, c.records) for c in answer.rules] == [
+        (EGRESS, AGREES, 1), (INGRESS, AGREES, 2),
+    ]  # fmt: skip
+    assert answer.rule == AGREES and answer.rules[1].recorded == ingress
+    verification = Verification("knit-verify-1", (answer,), ())
+    assert verification.agrees
+    text = verification_text(verification)
+    assert "           egress  on n2: rule agrees (1 recorded: NetworkPolicy y/out-to-x " \
+        "(NetworkPolicy tier) egress rule 0: Accept)\n" in text  # fmt: skip
+    assert "(1 of 1 probes; deciding rule: 1 agrees)" in text
+    rules = json.loads(json.dumps(verification_json(verification)))["probes"][0]["rules"]
+    assert rules[0] | {"expected": None, "recorded": None} == {
+        "direction": "egress", "node": "n2", "judgement": "agrees", "expected": None,
+        "records": 1, "recorded": None, "reason": None,
+    }  # fmt: skip
+    assert rules[0]["expected"]["decidedBy"]["name"] == "out-to-x"
+    assert rules[1]["recorded"] == ingress
+
+
+def test_only_the_probes_own_records_are_compared() -> None:
+    explanation = explain(world(ALLOWED_BOTH_WAYS), WEB_0, 8080)
+    other = accepted("x", "other", "ingress")
+    from_y = accepted("x", "from-y", "ingress")
+    answer = checked_answer(
+        explanation, "connected",
+        flow("ingress", "n1", "allow", other, at="2026-01-02T03:04:04.999Z"),  # before
+        flow("ingress", "n1", "allow", other, port=9000),  # another port
+        flow("ingress", "n1", "allow", other, source=("y", "other")),  # another pod
+        flow("ingress", "n2", "allow", other),  # another node
+        flow("egress", "n1", "allow", other),  # the other direction
+        flow("ingress", "n1", "allow", from_y, at="2026-01-02T03:04:05.000Z"),  # the first ms
+    )  # fmt: skip
+    assert [(c.judgement, c.records) for c in answer.rules] == [(NOT_CHECKED, 0), (AGREES, 1)]
+    assert answer.rules[0].why == "no record on n2 (over --flow-records-rate then, or gone " \
+        "from its ring)"  # fmt: skip
+    assert answer.rule == NOT_CHECKED, "egress was judged, and left no record"
+
+
+def test_a_recorded_rule_that_is_not_the_explanations_disagrees() -> None:
+    explanation = explain(world(ALLOWED_BOTH_WAYS), WEB_0, 8080)
+    egress = flow("egress", "n2", "allow", accepted("y", "out-to-x", "egress"))
+    ingress = flow("ingress", "n1", "allow", accepted("x", "from-y", "ingress"))
+    other = flow("ingress", "n1", "allow", accepted("x", "from-anywhere", "ingress"))
+    answer = checked_answer(explanation, "connected", egress, ingress, other)
+    assert answer.judgement == AGREES, "the verdict is the explanation's"
+    assert [c.judgement for c in answer.rules] == [AGREES, DISAGREES]
+    assert answer.rule == DISAGREES and answer.rules[1].recorded == other
+    verification = Verification("knit-verify-2", (answer,), ())
+    assert not verification.agrees
+    text = verification_text(verification)
+    assert (
+        "           ingress on n1: rule DISAGREES: recorded allow (NetworkPolicy "
+        "x/from-anywhere (NetworkPolicy tier) ingress rule 0: Accept), explained allow "
+        "(NetworkPolicy x/from-y (NetworkPolicy tier) ingress rule 0: Accept)\n" in text
+    )
+    assert "NOT CONFIRMED (1 agrees, of 1 probes; deciding rule: 1 disagrees)" in text
+    shown = json.loads(json.dumps(verification_json(verification)))
+    assert shown["agrees"] is False and shown["probes"][0]["rule"] == "disagrees"
+    # the same rule giving another verdict, and the rule of another tier, disagree too
+    for decided_by, verdict in (
+        (accepted("x", "from-y", "ingress"), "deny"),
+        (accepted("x", "from-y", "ingress") | {"tier": "Admin"}, "allow"),
+    ):
+        wrong = flow("ingress", "n1", verdict, decided_by)
+        assert checked_answer(explanation, "connected", wrong).rules[1].judgement == DISAGREES
+
+
+def test_a_probe_without_records_is_not_checked_and_the_verification_stands() -> None:
+    explanation = explain(world((policy("x", "deny", ISOLATE_WEB),)), WEB_0, 8080)
+    answer = checked_answer(explanation, "timed out")
+    egress, ingress = answer.rules
+    assert (egress.judgement, egress.unrecorded) == (NOT_CHECKED, True)
+    assert egress.why == "no pod chain judges it, so nothing is recorded (no policy selects " \
+        "y/client for egress: not isolated)"  # fmt: skip
+    assert (ingress.judgement, ingress.unrecorded) == (NOT_CHECKED, False)
+    assert answer.rule == NOT_CHECKED
+    verification = Verification("knit-verify-3", (answer,), ())
+    assert verification.agrees, "what could not be checked does not fail it"
+    text = verification_text(verification)
+    assert "           ingress on n1: rule not checked: no record on n1" in text
+    assert "the kernel agrees (1 of 1 probes; deciding rule: 1 not checked)" in text
+    shown = verification_json(verification)["probes"][0]
+    assert shown["rule"] == "not checked" and shown["rules"][1]["reason"].startswith("no record")
+    # a node whose records cannot be read, and records whose rule changed before their reading
+    unread = checked_answer(explanation, "timed out", n1="no /run/knit/flows.sock")
+    assert unread.rules[1].why == "n1's records: no /run/knit/flows.sock"
+    changed = flow(
+        "ingress", "n1", "deny", decided("Unknown", "the pod's rules have changed since")
+    )
+    assert checked_answer(explanation, "timed out", changed).rules[1].why == (
+        "its records' rule changed before the daemon read them"
+    )
+    # the recorded isolation agrees; the egress no chain judges is rightly absent
+    recorded = checked_answer(
+        explanation, "timed out", flow("ingress", "n1", "deny", isolated("deny"))
+    )
+    assert recorded.rule == AGREES
+
+
+def test_nothing_is_recorded_where_no_policy_judges_and_an_unreached_ingress() -> None:
+    nothing = checked_answer(explain(world(), WEB_0, 8080), "connected")
+    assert [(c.judgement, c.unrecorded) for c in nothing.rules] == [(NOT_CHECKED, True)] * 2
+    assert nothing.rule == NOT_CHECKED, "no record says nothing either way"
+    only_dns = {"podSelector": {}, "policyTypes": ["Egress"],
+                "egress": [{"ports": [{"port": 53, "protocol": "UDP"}]}]}  # fmt: skip
+    explanation = explain(world((policy("y", "only-dns", only_dns),)), WEB_0, 8080)
+    denied = flow("egress", "n2", "deny", decided(
+        "NetworkPolicy", "isolated by NetworkPolicy only-dns; no rule allows", namespace="y",
+        name="only-dns", tier="NetworkPolicy"))  # fmt: skip
+    answer = checked_answer(explanation, "timed out", denied, denied)
+    assert [c.judgement for c in answer.rules] == [AGREES, NOT_CHECKED]
+    assert answer.rules[1].why == "egress drops it first, so nothing is recorded"
+    assert answer.rule == AGREES
+
+
+def test_a_staged_decision_in_a_record_is_not_taken_for_the_enforced_one() -> None:
+    would_deny = {"verdict": "deny", "decidedBy": isolated("deny-all")}
+    # a staged default-deny: the pod's chain only logs, and its records allow by default
+    staged_world = world((staged(policy("x", "deny-all", DENY_ALL)),))
+    allowed = explain(staged_world, WEB_0, 8080)
+    record = flow("ingress", "n1", "allow", NOT_ISOLATED, staged=would_deny)
+    answer = checked_answer(allowed, "connected", record)
+    assert [c.judgement for c in answer.rules] == [NOT_CHECKED, AGREES]
+    assert answer.rule == AGREES, "the Default's words differ; the rule is the same"
+    # enforced, the default-deny denies: a record that only a staged policy would deny
+    # disagrees with it
+    denied = explain(world((policy("x", "deny-all", DENY_ALL),)), WEB_0, 8080)
+    assert checked_answer(denied, "timed out", record).rule == DISAGREES
+    # a staged allow of what is denied: the record's enforced deny agrees
+    would_allow = {"verdict": "allow", "decidedBy": accepted("x", "from-y", "ingress")}
+    record = flow("ingress", "n1", "deny", isolated("deny-all"), staged=would_allow)
+    assert checked_answer(denied, "timed out", record).rule == AGREES
+
+
+def test_a_service_frontends_records_are_left_to_its_endpoints_probes() -> None:
+    the_world = world(ALLOWED_BOTH_WAYS, services=(service({}),), endpoints=READY[:1])
+    explanation = explain(the_world, ServiceTarget("x", "web"), 80)
+    records = Records(SINCE, (flow("ingress", "n1", "allow", accepted("x", "from-y", "ingress")),))
+    endpoint, frontend = (
+        checked(explanation, Answer(p, "connected"), records) for p in probes(explanation)[0]
+    )
+    assert endpoint.rules[1].judgement == AGREES
+    assert frontend.rules == () and frontend.rule == NOT_CHECKED
+    text = verification_text(Verification("knit-verify-4", (endpoint, frontend), ()))
+    assert "rule not checked: the proxy picks the endpoint, whose probe checks it" in text
+
+
+def test_verify_reads_the_source_pods_records_from_the_judging_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    explanation = explain(world(ALLOWED_BOTH_WAYS), WEB_0, 8080)
+    asked: dict[str, list[str]] = {}
+
+    def read_nodes(commands: dict[str, list[str]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        asked.update(commands)
+        return [flow("ingress", "n1", "allow", accepted("x", "from-y", "ingress"))], {}
+
+    def run(*_: object) -> tuple[str, list[Answer]]:
+        return "knit-verify-5", [Answer(p, "connected") for p in probes(explanation)[0]]
+
+    monkeypatch.setattr(probe, "run", run)
+    monkeypatch.setattr(flows, "kubectl", lambda: "/bin/kubectl")
+    monkeypatch.setattr(cli, "knit_pods", lambda *_: {"n1": "knit-a", "n3": "knit-c"})
+    monkeypatch.setattr(flows, "read_nodes", read_nodes)
+    monkeypatch.setattr(time, "time", lambda: SINCE)
+    verification = cli._verified(None, explanation, probe.IMAGE, "/k.yaml")  # type: ignore[arg-type]
+    assert list(asked) == ["n1"], "n3 judges nothing here; n2 has no knit pod"
+    assert asked["n1"][-4:] == ["-o", "json", "--pod", "y/client"]
+    (answer,) = verification.answers
+    assert [c.judgement for c in answer.rules] == [NOT_CHECKED, AGREES]
+    assert answer.rules[0].why == "n2's records: no running knit pod in kube-system"
+    assert verification.agrees and verification.pod == "knit-verify-5"

@@ -7,10 +7,12 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes.client import V1ObjectMeta, V1Pod, V1PodList, V1PodSpec, V1PodStatus
 
 from proxyd.explain import cli, flows
 from proxyd.policy import flow_server
@@ -131,6 +133,34 @@ def test_the_local_reader_prints_the_daemons_matching_records(
         server.close()
     assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [record()]
     assert cli.main(["flows", "--local", "--socket", str(tmp_path / "none.sock")]) == 2
+    assert "keeps no flow records (no --flow-records-rate)" in capsys.readouterr().err
+
+
+def test_verify_reads_each_nodes_records_and_says_which_could_not_be_read() -> None:
+    outputs = {"n1": [json.dumps(record())], "n2": [json.dumps(record(node="n2"))] * 2}
+
+    def run(command: list[str]) -> Iterator[str]:
+        if command[0] == "n3":
+            raise flows.FlowsError("no such socket")
+        yield from outputs[command[0]]
+
+    found, unread = flows.read_nodes({node: [node] for node in ("n1", "n2", "n3")}, run)
+    assert sorted(r["node"] for r in found) == ["n1", "n2", "n2"]
+    assert unread == {"n3": "no such socket"}
+
+
+def test_a_nodes_reader_run_at_once_says_why_it_failed() -> None:
+    def failing(*said: str) -> list[str]:
+        return [sys.executable, "-c", f"import sys; sys.exit({chr(10).join(said)!r})"]
+
+    lines = list(flows.run_captured([sys.executable, "-c", "print('{}'); print('{}')"]))
+    assert lines == ["{}", "{}"]
+    # what the reader in the knit pod said, before kubectl exec's own last line
+    said = failing("kubectl knit flows: no socket", "command terminated with exit code 2")
+    with pytest.raises(flows.FlowsError, match=r"^no socket$"):
+        list(flows.run_captured(said))
+    with pytest.raises(flows.FlowsError, match=r"^not found$"):
+        list(flows.run_captured(failing("Error from server", "not found")))
 
 
 def test_without_kubectl_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,3 +184,32 @@ def test_a_reader_that_goes_away_ends_flows_quietly(
         assert cli.main(["flows", "--local"]) == 1
         assert pointed == [stdout.fileno()]
     assert capsys.readouterr().err == ""
+
+
+def test_the_knit_pod_of_a_node_is_its_running_one_not_one_going_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def knit(name: str, node: str, phase: str = "Running", leaving: bool = False) -> V1Pod:
+        gone = datetime(2026, 1, 2, tzinfo=UTC) if leaving else None
+        return V1Pod(
+            metadata=V1ObjectMeta(name=name, deletion_timestamp=gone),
+            spec=V1PodSpec(node_name=node, containers=[]),
+            status=V1PodStatus(phase=phase),
+        )
+
+    listed = V1PodList(items=[
+        knit("knit-new", "n1"), knit("knit-old", "n1", leaving=True),
+        knit("knit-pending", "n2", "Pending"), knit("knit-c", "n3"),
+    ])  # fmt: skip
+
+    class Core:
+        def __init__(self, _: object) -> None:
+            pass
+
+        def list_namespaced_pod(self, namespace: str, label_selector: str) -> V1PodList:
+            assert (namespace, label_selector) == (flows.KNIT_NAMESPACE, flows.KNIT_SELECTOR)
+            return listed
+
+    monkeypatch.setattr(cli.client, "CoreV1Api", Core)
+    assert cli.knit_pods(None, None) == {"n1": "knit-new", "n3": "knit-c"}  # type: ignore[arg-type]
+    assert cli.knit_pods(None, "n3") == {"n3": "knit-c"}  # type: ignore[arg-type]
