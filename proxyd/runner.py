@@ -44,8 +44,12 @@ class BoundedFrequencyRunner:
     def run(self) -> None:
         """Ask for a sync as soon as the rate limit allows."""
         with self._cond:
-            self._requested = True
-            self._cond.notify()
+            # a request already pending is in the loop's deadline, or will be read when the
+            # sync under way returns: waking the loop at every event of a burst would cost a
+            # thread switch each, for nothing
+            if not self._requested:
+                self._requested = True
+                self._cond.notify()
 
     def retry_after(self, delay: float) -> None:
         """Ask for a sync after `delay` seconds (after a failure)."""
