@@ -36,6 +36,7 @@ STEPS: list[tuple[Any, str, str]] = [
     (bridge, "ensure_gateway_addresses", "bridge: gateway addresses"),
     (bridge, "create_veth", "veth: create"),
     (bridge, "link_by_name", "look links up by name"),
+    (bridge, "forget_neighbours", "bridge: forget the pod's neighbour entries"),
     (bridge, "attach_to_bridge", "veth: attach"),
     (bridge, "configure_container", "pod: addresses, link up, routes"),
     (bridge, "announce", "pod: announce its addresses"),
