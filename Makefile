@@ -13,7 +13,7 @@ APT_PACKAGES := iproute2 iptables nftables libnftables1 conntrack ipset iputils-
 	python3 python3-venv curl ca-certificates unzip git openssl \
 	shellcheck debootstrap containerd runc patch gcc libc6-dev
 
-.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test vm-test lint unit fuzz bench-cni bench-proxy bench-netlink bench-policy chaos soak lab lab-down \
+.PHONY: setup system-deps venv cni go-tools e2e-tools e2e test vm-test lint unit fuzz bench-cni bench-proxy bench-netlink bench-policy bench-watch chaos soak lab lab-down \
 	controlplane controlplane-down clean image kind-up kind-down
 
 setup: system-deps venv
@@ -128,6 +128,11 @@ bench-policy: setup cni go-tools
 # the daemon's address and UDP conntrack reads and VXLAN peers, against the old ways (~2 min)
 bench-netlink: setup
 	cd $(ROOT) && $(PY) -m bench.netlink_bench $(ARGS)
+
+# the API server's cost of knit-proxyd's watches beside kube-proxy's, 1/10/50 watchers of 10,000
+# pods, and each watcher's memory (~15 min); e.g. ARGS="--pods 1000 --watchers 1,2 --changes 100"
+bench-watch: setup go-tools
+	cd $(ROOT) && $(PY) -m bench.api_watch_cost $(ARGS)
 
 # knit-proxyd at 1,000 and 10,000 services (~25-30 min); e.g. ARGS="--sizes 1000 --quick"
 bench-proxy: setup cni go-tools
