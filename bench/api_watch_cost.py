@@ -16,11 +16,13 @@ etcd + kube-apiserver on host loopback (no node, no namespace of its own):
   starts its watchers, waits for their first lists, and measures;
 - the kube-apiserver process (from /proc/PID/stat and status): its CPU seconds and peak
   memory (VmHWM, reset before) over the watchers' first lists; its CPU over --idle seconds
-  with them connected, per minute; its VmRSS and Go heap in use (its /metrics) before and
-  after; its CPU over --changes pod changes (a label PATCH each, at --rate a second) until
+  with them connected, per minute; its VmRSS before and after; its CPU over --changes pod
+  changes (a label PATCH each, at --rate a second) until
   every watcher heard them, and over as many EndpointSlice changes; each minus its idle CPU
   over the same time; and the API server's watch-event bytes (apiserver_watch_events_sizes)
-  and the watchers' received bytes (rchar of /proc/PID/io: the TLS stream) per change;
+  and the watchers' received bytes (rchar of /proc/PID/io: the TLS stream) per change; and
+  at the phase's end, its live Go heap (go_gc_heap_live_bytes: as its last collection
+  found it, the churns having made it collect) and its goroutines;
 - the watchers themselves: VmRSS after start (imports, client), after their first lists
   and the peak (VmHWM); and, in this process, the bytes the policy state holds per pod
   (tracemalloc, as bench.proxy_fixed_cost measures the proxy's caches).
@@ -81,7 +83,7 @@ SETTLE = 2.0
 """Seconds after the first lists, and after each churn is heard, before the next window."""
 DELIVERY_TIMEOUT = 180.0
 WATCH_METRICS = ("apiserver_watch_events_total", "apiserver_watch_events_sizes")
-HEAP = "go_memstats_heap_inuse_bytes"
+LIVE_HEAP, GOROUTINES = "go_gc_heap_live_bytes", "go_goroutines"
 SAMPLE = re.compile(r"^([a-z_:]+)(?:\{(.*)\})? (\S+)$")
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 POD_RESOURCE, SLICE_RESOURCE = "pods", "endpointslices"
@@ -145,7 +147,7 @@ def scrape(api: ApiClient) -> dict[str, float]:
         auth_settings=["BearerToken"],
     )
     response = api.call_api(method, url, header_params=headers)
-    return parse_metrics(response.read().decode(), (*WATCH_METRICS, HEAP))
+    return parse_metrics(response.read().decode(), (*WATCH_METRICS, LIVE_HEAP, GOROUTINES))
 
 
 def watch_bytes(before: dict[str, float], after: dict[str, float], resource: str) -> float:
@@ -381,8 +383,9 @@ class Phase:
     """The API server's VmHWM over the first lists."""
     rss_before_mib: float = 0.0
     rss_after_mib: float = 0.0
-    heap_before_mib: float = 0.0
-    heap_after_mib: float = 0.0
+    live_heap_mib: float = 0.0
+    """The API server's live Go heap at the phase's end, its watchers connected."""
+    goroutines: int = 0
     idle_seconds: float = 0.0
     idle_cpu: float = 0.0
     churns: dict[str, Churn] = field(default_factory=dict)
@@ -412,13 +415,10 @@ class Bench:
     def rss_mib(self) -> float:
         return mib(memory_kib(self.apiserver)["VmRSS"])
 
-    def heap_mib(self) -> float:
-        return scrape(self.api).get(HEAP, 0.0) / 2**20
-
     def run(self, kind: str, count: int) -> Phase:
         phase = Phase(kind, count)
         print(f"\n{count} watcher(s) of {kind}'s kind:" if count else "\nno watcher:", flush=True)
-        phase.heap_before_mib, phase.rss_before_mib = self.heap_mib(), self.rss_mib()
+        phase.rss_before_mib = self.rss_mib()
         watchers = None
         try:
             if count:
@@ -426,9 +426,11 @@ class Bench:
             time.sleep(SETTLE)
             self.idle(phase)
             phase.rss_after_mib = self.rss_mib()
-            phase.heap_after_mib = self.heap_mib()
             for churn in CHURNS:
                 self.churn(phase, churn, watchers)
+            found = scrape(self.api)
+            phase.live_heap_mib = found.get(LIVE_HEAP, 0.0) / 2**20
+            phase.goroutines = int(found.get(GOROUTINES, 0))
         finally:
             if watchers is not None:
                 watchers.stop()
@@ -542,10 +544,10 @@ class Figures(list[dict[str, object]]):
         self, key: str, figure: str, unit: str, watchers: int, proxy: float, knit: float
     ) -> None:
         """A figure of knit's kind beside kube-proxy's at the same N (0: over every N)."""
-        ratio = ratio_of(knit, proxy)
+        ratio, suffix = ratio_of(knit, proxy), f" {unit}" if unit else ""
         self.add(
             f"{figure}, {watchers} watcher(s)" if watchers else figure,
-            f"knit {knit:,.2f} {unit}, kube-proxy {proxy:,.2f} {unit} ({ratio})",
+            f"knit {knit:,.2f}{suffix}, kube-proxy {proxy:,.2f}{suffix} ({ratio})",
             key=key,
             watchers=watchers,
             unit=unit,
@@ -600,7 +602,8 @@ MEASURES: list[Measure] = [
         lambda phase: phase.idle_rate * 60_000,
     ),
     ("rss_mib", "API server VmRSS", "MiB", lambda phase: phase.rss_after_mib),
-    ("heap_mib", "API server Go heap in use", "MiB", lambda phase: phase.heap_after_mib),
+    ("live_heap_mib", "API server live Go heap", "MiB", lambda phase: phase.live_heap_mib),
+    ("goroutines", "API server goroutines", "", lambda phase: phase.goroutines),
     *(
         measure
         for churn in CHURNS
@@ -725,10 +728,11 @@ def base_figures(base: Phase, figures: Figures) -> None:
         mib=round(base.rss_after_mib),
     )
     figures.add(
-        "API server Go heap in use, no watcher",
-        f"{base.heap_after_mib:.0f} MiB",
-        key="base_heap_mib",
-        mib=round(base.heap_after_mib),
+        "API server live Go heap, no watcher",
+        f"{base.live_heap_mib:.0f} MiB ({base.goroutines:,} goroutines)",
+        key="base_live_heap_mib",
+        mib=round(base.live_heap_mib),
+        goroutines=base.goroutines,
     )
     for churn, found in base.churns.items():
         figures.add(
