@@ -24,8 +24,8 @@ etcd + kube-apiserver on host loopback (no node, no namespace of its own):
   at the phase's end, its live Go heap (go_gc_heap_live_bytes: as its last collection
   found it, the churns having made it collect) and its goroutines;
 - the watchers themselves: VmRSS after start (imports, client), after their first lists
-  and the peak (VmHWM); and, in this process, the bytes the policy state holds per pod
-  (tracemalloc, as bench.proxy_fixed_cost measures the proxy's caches).
+  and the peak (VmHWM), and their sockets; and, in this process, the bytes the policy state
+  holds per pod (tracemalloc, as bench.proxy_fixed_cost measures the proxy's caches).
 
 A phase of no watchers first gives the API server's own cost of the same idle time and
 changes; per watcher figures are a phase's minus that, divided by N. Each figure of knit's
@@ -392,6 +392,7 @@ class Phase:
     watcher_start_mib: list[float] = field(default_factory=list)
     watcher_listed_mib: list[float] = field(default_factory=list)
     watcher_peak_mib: list[float] = field(default_factory=list)
+    watcher_sockets: list[int] = field(default_factory=list)
 
     @property
     def idle_rate(self) -> float:
@@ -452,6 +453,7 @@ class Bench:
         phase.watcher_start_mib = [mib(r["VmRSS"]) for r in watchers.started]
         phase.watcher_listed_mib = [mib(r["VmRSS"]) for r in reports]
         phase.watcher_peak_mib = [mib(r["VmHWM"]) for r in reports]
+        phase.watcher_sockets = [r["sockets"] for r in reports]
         print(
             f"  first lists: {phase.list_seconds:.1f} s, API server CPU {phase.list_cpu:.2f} s, "
             f"its peak {phase.list_peak_mib:.0f} MiB; watcher VmRSS "
@@ -657,6 +659,12 @@ WATCHER_MEASURES: list[Measure] = [
         "watcher peak VmRSS (VmHWM)",
         "MiB",
         lambda phase: statistics.median(phase.watcher_peak_mib),
+    ),
+    (
+        "watcher_sockets",
+        "watcher sockets (a connection per watch)",
+        "",
+        lambda phase: statistics.median(phase.watcher_sockets),
     ),
 ]
 """The watchers' own figures: the median watcher of a phase."""

@@ -44,14 +44,13 @@ class Assumptions:
 class Watcher:
     """What one watcher of a kind costs, measured by bench.api_watch_cost."""
 
-    pod_event_us: float
-    """The API server's CPU per pod event it sends this watcher."""
-    slice_event_us: float
     pod_event_bytes: float
     """The bytes of one pod event on the wire (TLS) to this watcher."""
     slice_event_bytes: float
-    heap_mib: float
-    """The API server's live Go heap per watcher connected."""
+    rss_mib: float
+    """The API server's VmRSS per watcher connected."""
+    goroutines: float
+    """The API server's goroutines per watcher connected."""
     list_ms: float
     """The API server's CPU for this watcher's first lists, at the bench's cluster."""
     listed_mib: float
@@ -63,6 +62,9 @@ class Measured:
     pods: int
     """The pods of the bench's cluster."""
     pod_json_bytes: float
+    event_us: float
+    """The API server's CPU per event it sends one watcher: the mean of the fits where a
+    watcher receives the changes (pods to knit's kind, slices to both kinds)."""
     mib_per_10k_pods: float
     """A knit watcher's memory per 10,000 pods held."""
     knit: Watcher
@@ -79,8 +81,10 @@ class Cost:
     """The API server's egress to all the daemons, MB per second."""
     cpu_cores: float
     """The API server's CPU for sending them, cores."""
-    watch_heap_gib: float
+    watch_rss_gib: float
     """The API server's memory for the daemons' watches, GiB."""
+    goroutines: float
+    """The API server's goroutines for the daemons' watches."""
     relist_core_seconds: float
     """The API server's CPU for every daemon's first lists at once (an API server restart)."""
     daemon_mib: float
@@ -103,12 +107,12 @@ def cost(kind: str, nodes: int, measured: Measured, assumptions: Assumptions) ->
     rates = event_rates(nodes, assumptions)
     pods = nodes * assumptions.pods_per_node
     # a Node event costs the API server what a pod event costs, per byte
-    node_us = watcher.pod_event_us * assumptions.node_event_bytes / measured.pod_json_bytes
+    node_us = measured.event_us * assumptions.node_event_bytes / measured.pod_json_bytes
     # per kind of object: the events each daemon receives a second, the API server's CPU (µs)
     # and the bytes of each
-    received = {"slice": (rates["slice"], watcher.slice_event_us, watcher.slice_event_bytes)}
+    received = {"slice": (rates["slice"], measured.event_us, watcher.slice_event_bytes)}
     if kind == "knit":
-        received["pod"] = (rates["pod"], watcher.pod_event_us, watcher.pod_event_bytes)
+        received["pod"] = (rates["pod"], measured.event_us, watcher.pod_event_bytes)
         received["node"] = (rates["node"], node_us, assumptions.node_event_bytes)
         relist_ms = watcher.list_ms * pods / measured.pods
         daemon = watcher.listed_mib + (pods - measured.pods) / 10_000 * measured.mib_per_10k_pods
@@ -121,7 +125,8 @@ def cost(kind: str, nodes: int, measured: Measured, assumptions: Assumptions) ->
         events_per_node=sum(rate for rate, _, _ in received.values()),
         egress_mb=nodes * sum(rate * size for rate, _, size in received.values()) / 1e6,
         cpu_cores=nodes * sum(rate * us for rate, us, _ in received.values()) / 1e6,
-        watch_heap_gib=nodes * watcher.heap_mib / 1024,
+        watch_rss_gib=nodes * watcher.rss_mib / 1024,
+        goroutines=nodes * watcher.goroutines,
         relist_core_seconds=nodes * relist_ms / 1000,
         daemon_mib=daemon,
     )
@@ -143,26 +148,31 @@ def measured_from(results: dict[str, Any]) -> Measured:
     figures = results["figures"]
     largest = max(f["watchers"] for f in figures if f.get("key") == "watcher_listed_mib")
 
-    def watcher(kind: str) -> Watcher:
-        def fit(key: str) -> float:
-            return float(figure(figures, f"fit_{key}")[kind])
+    def fit(key: str, kind: str) -> float:
+        return float(figure(figures, f"fit_{key}")[kind])
 
+    def watcher(kind: str) -> Watcher:
         def at_largest(key: str) -> float:
             return float(figure(figures, key, largest)[kind])
 
         return Watcher(
-            pod_event_us=fit("pod_change_cpu_us"),
-            slice_event_us=fit("slice_change_cpu_us"),
             pod_event_bytes=at_largest("pod_change_received_bytes"),
             slice_event_bytes=at_largest("slice_change_received_bytes"),
-            heap_mib=fit("live_heap_mib"),
-            list_ms=fit("list_cpu_ms"),
+            rss_mib=fit("rss_mib", kind),
+            goroutines=fit("goroutines", kind),
+            list_ms=fit("list_cpu_ms", kind),
             listed_mib=at_largest("watcher_listed_mib"),
         )
 
+    received = (
+        fit("pod_change_cpu_us", "knit"),
+        fit("slice_change_cpu_us", "knit"),
+        fit("slice_change_cpu_us", "kube_proxy"),
+    )
     return Measured(
         pods=int(figure(figures, "cluster")["pods"]),
         pod_json_bytes=float(figure(figures, "pod_json_bytes")["bytes"]),
+        event_us=sum(received) / len(received),
         mib_per_10k_pods=float(figure(figures, "watcher_per_10k_pods_mib", largest)["mib"]),
         knit=watcher("knit"),
         kube_proxy=watcher("kube_proxy"),
@@ -173,7 +183,8 @@ ROWS = (
     ("watch events each daemon receives", "/s", "events_per_node", "{:,.0f}"),
     ("API server egress to the daemons", "MB/s", "egress_mb", "{:,.1f}"),
     ("API server CPU to send them", "cores", "cpu_cores", "{:,.2f}"),
-    ("API server memory for the watches", "GiB", "watch_heap_gib", "{:,.1f}"),
+    ("API server VmRSS for the watches", "GiB", "watch_rss_gib", "{:,.1f}"),
+    ("API server goroutines for the watches", "", "goroutines", "{:,.0f}"),
     ("API server CPU for every daemon's relist", "core-s", "relist_core_seconds", "{:,.0f}"),
     ("each daemon's watch caches (VmRSS)", "MiB", "daemon_mib", "{:,.0f}"),
 )
@@ -189,7 +200,7 @@ def table(measured: Measured, assumptions: Assumptions, sizes: list[int]) -> str
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     costs = {(kind, n): cost(kind, n, measured, assumptions) for kind in KINDS for n in sizes}
     for text, unit, attribute, form in ROWS:
-        cells = [f"{text} ({unit})"]
+        cells = [f"{text} ({unit})" if unit else text]
         for n in sizes:
             knit = getattr(costs["knit", n], attribute)
             proxy = getattr(costs["kube_proxy", n], attribute)

@@ -11,14 +11,17 @@ list+watch code (proxyd.watch.Reflector) into the state it feeds, with no datapa
   EndpointSlices and its own Node (a fieldSelector), into the same ClusterState.
 
 It answers on stdout, one JSON line for each line read on stdin: the resources listed so far,
-the watch events heard per kind, and its VmRSS and VmHWM (KiB). Run by bench.api_watch_cost:
+the watch events heard per kind, the sockets it holds, and its VmRSS and VmHWM (KiB). Run by
+bench.api_watch_cost:
   python -m bench.watch_only --kind knit --kubeconfig FILE --node NAME
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -36,6 +39,16 @@ from proxyd.tracker import ClusterState
 
 KINDS = ("knit", "kube-proxy")
 CLUSTER_CIDR = "10.244.0.0/16"
+
+
+def sockets(pid: int | str = "self") -> int:
+    """The sockets a process holds open: a watch is a connection of its own (HTTP/1.1)."""
+    found = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        # one closed meanwhile (the listing's own, say) is no socket
+        with contextlib.suppress(FileNotFoundError):
+            found += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return found
 
 
 def memory_kib(pid: int | str = "self") -> dict[str, int]:
@@ -145,6 +158,7 @@ class Watcher:
             "listed": sorted(self.listed),
             "resources": len(self.reflectors),
             "events": dict(self.events),
+            "sockets": sockets(),
             **memory_kib(),
         }
 
