@@ -17,23 +17,26 @@ etcd + kube-apiserver on host loopback (no node, no namespace of its own):
 - the kube-apiserver process (from /proc/PID/stat and status): its CPU seconds and peak
   memory (VmHWM, reset before) over the watchers' first lists; its CPU over --idle seconds
   with them connected, per minute; its VmRSS before and after; its CPU over --changes pod
-  changes (a label PATCH each, at --rate a second) until
-  every watcher heard them, and over as many EndpointSlice changes; each minus its idle CPU
-  over the same time; and the API server's watch-event bytes (apiserver_watch_events_sizes)
-  and the watchers' received bytes (rchar of /proc/PID/io: the TLS stream) per change; and
-  at the phase's end, its live Go heap (go_gc_heap_live_bytes: as its last collection
-  found it, the churns having made it collect) and its goroutines;
+  changes (a label PATCH each, at --rate a second) until every watcher heard them, and over
+  as many EndpointSlice changes, each less its idle CPU over the same time; the watch-event
+  bytes it encoded (apiserver_watch_events_sizes) and the watchers' received bytes (rchar of
+  /proc/PID/io: the TLS stream) per change; and at the phase's end, its live Go heap
+  (go_gc_heap_live_bytes: as its last collection found it, the churns having made it
+  collect) and its goroutines;
 - the watchers themselves: VmRSS after start (imports, client), after their first lists
   and the peak (VmHWM), and their sockets; and, in this process, the bytes the policy state
   holds per pod (tracemalloc, as bench.proxy_fixed_cost measures the proxy's caches).
 
 A phase of no watchers first gives the API server's own cost of the same idle time and
-changes; per watcher figures are a phase's minus that, divided by N. Each figure of knit's
-kind is printed beside kube-proxy's kind at the same N, with the ratio; every figure goes,
-with its command, commit and machine, to docs/results/<date>-api-watch-cost[-variant].json.
+changes; per watcher figures are a phase's minus that, divided by N, and the least-squares
+slope over every N (that of no watchers included), which the largest weighs most. Each
+figure of knit's kind is printed beside kube-proxy's kind at the same N, with the ratio; every
+figure goes, with its command, commit and machine, to
+docs/results/<date>-api-watch-cost[-variant].json.
 
-Run as root from the repository root (~12 minutes with the defaults; ~2 minutes with
-`--pods 1000 --watchers 1,2 --changes 100`):
+Run as root from the repository root (~10 minutes with the defaults, its 50 watcher
+processes of knit's kind taking ~5 GiB; ~3 minutes with `--pods 1000 --watchers 1,2
+--changes 100`):
   .venv/bin/python -m bench.api_watch_cost [--pods 10000] [--watchers 1,10,50] [--changes 1000]
 """
 
