@@ -66,9 +66,9 @@ from typing import Any
 from kubernetes.client import ApiClient
 
 from bench import record
-from bench.proxy_cluster import SliceChange, api_client, create_services, service_name
+from bench.proxy_cluster import SliceChange, bench_api, create_services, service_name
 from bench.watch_only import memory_kib
-from deploy.lab.controlplane import ControlPlane, start
+from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import Kube, node_object, pod_object
 from deploy.lab.paths import ROOT
 from deploy.lab.process import exit_on_termination
@@ -794,11 +794,7 @@ def main() -> None:
     print(f"at {began_at}", flush=True)
     figures = Figures()
     with tempfile.TemporaryDirectory(prefix="knit-watch-cost-") as tmp, ExitStack() as stack:
-        plane = start(Path(tmp) / "controlplane")
-        stack.callback(plane.stop)
-        api = api_client(plane)
-        stack.callback(api.close)
-        kube = Kube(api)
+        plane, api, kube = bench_api(stack, Path(tmp))
         make_cluster(kube, options, figures)
         held_per_pod(api, options.pods, figures)
         bench = Bench(options, plane, kube)

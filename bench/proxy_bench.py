@@ -102,7 +102,7 @@ from bench.proxy_cluster import (
     PORT,
     TARGET_PORT,
     SliceChange,
-    api_client,
+    bench_api,
     create_services,
     service_name,
     start_knit,
@@ -137,7 +137,7 @@ from bench.proxy_report import (
     ratio,
     secs,
 )
-from deploy.lab.controlplane import ControlPlane, start
+from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import SERVICES, Kube, node_object
 from deploy.lab.netns import Netns
 from deploy.lab.process import eventually, exit_on_termination
@@ -399,11 +399,7 @@ def main() -> None:
     print(f"at {began_at}", flush=True)
     with tempfile.TemporaryDirectory(prefix="knit-proxy-bench-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        plane = start(work / "controlplane")
-        stack.callback(plane.stop)
-        api = api_client(plane)
-        stack.callback(api.close)
-        kube = Kube(api)
+        plane, _, kube = bench_api(stack, work)
         kube.call("POST", "/api/v1/nodes", node_object(NODE, [NODE_ADDRESS], zone="zone-a"))
         bench = Bench(options, plane, kube, work)
         created = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from kubernetes import client, config
 
 from bench.proxy_daemon import METRICS_ADDRESS, TRIGGER_TIME, Daemon
-from deploy.lab.controlplane import ControlPlane
+from deploy.lab.controlplane import ControlPlane, start
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from deploy.lab.netns import Netns
 from deploy.lab.proxyd_node import NodeFiles, proxyd_flags
@@ -38,6 +39,16 @@ def fake_endpoints(index: int) -> list[dict[str, Any]]:
     """Pod IPs in 10.244.0.0-10.244.99.255, away from the client and the backend."""
     hosts = ((index * ENDPOINTS + j) % 25000 for j in range(ENDPOINTS))
     return [endpoint(f"10.244.{h // 250}.{h % 250 + 1}", REMOTE_NODE) for h in hosts]
+
+
+def bench_api(stack: ExitStack, work: Path) -> tuple[ControlPlane, client.ApiClient, Kube]:
+    """The real control plane in `work`, an API client of it and a Kube over that client,
+    all stopped and closed by `stack`."""
+    plane = start(work / "controlplane")
+    stack.callback(plane.stop)
+    api = api_client(plane)
+    stack.callback(api.close)
+    return plane, api, Kube(api)
 
 
 def api_client(plane: ControlPlane) -> client.ApiClient:

@@ -42,12 +42,12 @@ from pathlib import Path
 from kubernetes.client import ApiClient
 
 from bench import record
-from bench.proxy_cluster import NODE, NODE_ADDRESS, api_client, create_services, start_knit
+from bench.proxy_cluster import NODE, NODE_ADDRESS, bench_api, create_services, start_knit
 from bench.proxy_daemon import FULL, LAST_SYNC, spent
 from bench.proxy_modes import Iptables, Mode, Nftables
 from bench.proxy_netns import make_netns
-from deploy.lab.controlplane import ControlPlane, start
-from deploy.lab.kube import Kube, node_object
+from deploy.lab.controlplane import ControlPlane
+from deploy.lab.kube import node_object
 from deploy.lab.paths import ROOT
 from deploy.lab.process import exit_on_termination
 from deploy.lab.relay import NetnsForward
@@ -232,11 +232,7 @@ def main() -> None:
     mode: Mode = Nftables() if options.mode == "nftables" else Iptables("nft")
     with tempfile.TemporaryDirectory(prefix="knit-fixed-cost-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        plane = start(work / "controlplane")
-        stack.callback(plane.stop)
-        api = api_client(plane)
-        stack.callback(api.close)
-        kube = Kube(api)
+        plane, api, kube = bench_api(stack, work)
         kube.call("POST", "/api/v1/nodes", node_object(NODE, [NODE_ADDRESS], zone="zone-a"))
         create_services(kube, range(options.services))
         watch_caches(api, options.services, figures)
