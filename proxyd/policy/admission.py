@@ -55,17 +55,16 @@ class PolicyAdmission:
                 namespace,
                 name,
             )
-        for address in addresses:
-            try:
-                conntrack.forget_address(address)
-            except OSError as err:  # RawNetlinkError too
-                log.warning(
-                    "pod %s/%s: cannot delete the conntrack entries of %s: %s",
-                    namespace,
-                    name,
-                    address,
-                    err,
-                )
+        try:
+            conntrack.forget_addresses(addresses)
+        except OSError as err:  # RawNetlinkError too
+            log.warning(
+                "pod %s/%s: cannot delete the conntrack entries of %s: %s",
+                namespace,
+                name,
+                ", ".join(addresses),
+                err,
+            )
 
     def deleted(self, environ: Mapping[str, str]) -> None:
         pod = sandbox_pod(environ)

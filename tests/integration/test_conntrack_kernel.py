@@ -157,8 +157,9 @@ def test_a_new_pod_address_loses_every_entry_from_or_to_it_and_no_other(
             add_entry(
                 ct_other, other, f"{twin['client']}1", (twin["endpoint"], 53), twin["endpoint"]
             )
-            assert conntrack.forget_address(pod) == 3
-            assert conntrack.forget_address(pod) == 0
+            assert conntrack.forget_addresses([pod]) == 3
+            assert conntrack.forget_addresses([pod]) == 0
             assert len(list(ct_other.dump_entries())) == 1, "the other family's stays"
+            assert conntrack.forget_addresses([pod, twin["endpoint"]]) == 1, "both families"
         assert remaining(ct, family) == {(client[3], at["cluster_ip"], 53)}
         assert not list(ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=tcp)))
