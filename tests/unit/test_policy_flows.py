@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 import socket
 import threading
 from ipaddress import ip_address
@@ -17,15 +16,16 @@ import pytest
 
 from proxyd.metrics import Metrics
 from proxyd.policy import flow_server
-from proxyd.policy.compile import ALLOW, DROP, Cluster, FamilyPolicy, compile_family
+from proxyd.policy.compile import Cluster, FamilyPolicy, compile_family
 from proxyd.policy.decided import decided_by
-from proxyd.policy.flowlog import ADDRESSES_KEPT, Logged, Logging
+from proxyd.policy.flowlog import ADDRESSES_KEPT
 from proxyd.policy.flows import QUARANTINED, UNKNOWN, PodIndex, Ring, decided, resolve
 from proxyd.policy.model import EGRESS, INGRESS, NetworkPolicy, Pod, parse_policy
 from proxyd.policy.quarantine import quarantined
 from proxyd.policy.recorder import Recorder
 from proxyd.policy.render import Renderer
 from proxyd.policy.verdict import Connection, Judge
+from tests.support.logged_packets import EVERY_VERDICT, PREFIX, logged
 from tests.support.nft_fake import applied
 from tests.support.nft_trace import FORWARDED, Packet, trace
 from tests.support.random_policies import NAMESPACES, from_namespace, random_objects
@@ -41,16 +41,6 @@ PODS = [
 
 def policy(namespace: str, spec: dict[str, Any]) -> NetworkPolicy:
     return parse_policy({"metadata": {"namespace": namespace, "name": "p"}, "spec": spec})
-
-
-EVERY_VERDICT = Logging(1000, frozenset({ALLOW, DROP}))
-PREFIX = re.compile(r'log prefix "([^"]*)"')
-
-
-def logged(text: str, source: str, destination: str, port: int, protocol: str = "tcp") -> Logged:
-    chain, index, verdict = text.split(" ")
-    at = None if index == "end" else int(index)
-    return Logged(chain, at, verdict, protocol, source, 40000, destination, port, 0.0)
 
 
 @pytest.mark.parametrize("seed", range(25))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 from ipaddress import ip_address
 from typing import Any
 
@@ -19,7 +18,6 @@ from proxyd.policy.cluster_model import parse_cluster_policy
 from proxyd.policy.compile import ALLOW, DROP, Cluster, compile_family
 from proxyd.policy.decided import DEFAULT, decided_by
 from proxyd.policy.enforcer import PolicyEnforcer
-from proxyd.policy.flowlog import Logged, Logging
 from proxyd.policy.flows import UNKNOWN, PodIndex, ViewJudge, resolve
 from proxyd.policy.model import EGRESS, INGRESS, Pod, parse_policy
 from proxyd.policy.recorder import Recorder
@@ -27,6 +25,7 @@ from proxyd.policy.render import Renderer
 from proxyd.policy.staged import changes, observed
 from proxyd.policy.state import PolicyState
 from proxyd.policy.verdict import Connection, Judge
+from tests.support.logged_packets import EVERY_VERDICT, PREFIX, logged
 from tests.support.nft_fake import applied
 from tests.support.nft_trace import FORWARDED, Packet, trace
 from tests.support.random_policies import NAMESPACES, from_namespace, random_objects
@@ -177,15 +176,6 @@ def test_the_state_counts_staged_policies_as_they_change() -> None:
 
 
 # ------------------------------------------------------------ the chains that only log
-
-EVERY_VERDICT = Logging(1000, frozenset({ALLOW, DROP}))
-PREFIX = re.compile(r'log prefix "([^"]*)"')
-
-
-def logged(text: str, source: str, destination: str, port: int, protocol: str = "tcp") -> Logged:
-    chain, index, verdict = text.split(" ")
-    at = None if index == "end" else int(index)
-    return Logged(chain, at, verdict, protocol, source, 40000, destination, port, 0.0)
 
 
 @pytest.mark.parametrize("seed", range(40))
