@@ -35,8 +35,8 @@ $(VENV)/.installed: pyproject.toml
 
 # build/cni is a CNI_PATH directory holding the plugin executable `knit`: the compiled client
 # (cni/client.c, static so that it runs on any node), its knit.d/launch settings and the Python
-# plugin it execs for in-process calls. That one skips site processing (-S) and names its
-# import paths itself (measured: ~3-6 ms per call). CNI_SOCKET=PATH sends calls to a daemon.
+# plugin it execs for in-process calls (deploy/lab/plugin_dir.py). CNI_SOCKET=PATH sends calls
+# to a daemon.
 CLIENT_CFLAGS := -O2 -static -s -Wall -Wextra -Werror
 cni: $(BUILD)/cni/knit $(BUILD)/cni/knit.d/launch
 
@@ -45,14 +45,8 @@ $(BUILD)/cni/knit: cni/client.c
 	$(CC) $(CLIENT_CFLAGS) -o $@.tmp cni/client.c
 	mv $@.tmp $@
 
-$(BUILD)/cni/knit.d/launch: venv Makefile
-	mkdir -p $(@D)
-	purelib=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	printf '#!%s -IS\nimport sys\nsys.path[:0] = ["%s", "%s"]\nfrom cni.in_process import main\nmain()\n' \
-		"$(PY)" "$(ROOT)" "$$purelib" > $(@D)/knit-in-process
-	chmod 755 $(@D)/knit-in-process
-	printf 'plugin=knit.d/knit-in-process\nsocket=%s\n' "$(CNI_SOCKET)" > $@.tmp
-	mv $@.tmp $@
+$(BUILD)/cni/knit.d/launch: venv Makefile deploy/lab/plugin_dir.py
+	cd $(ROOT) && $(PY) -m deploy.lab.plugin_dir --output $(BUILD)/cni --socket "$(CNI_SOCKET)"
 
 # libcni driver, the reference plugins (bridge, host-local, portmap, loopback), the control
 # plane (etcd, kube-apiserver) and kubectl, and the linters for the deployment files

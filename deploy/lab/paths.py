@@ -4,6 +4,7 @@ them)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,8 +15,9 @@ NODE_BIN = BUILD / "node"
 """containerd 2.x, its shim and ctr, CoreDNS."""
 REFERENCE_PLUGINS = BUILD / "refcni"
 """containernetworking/plugins: bridge, host-local, loopback, portmap..."""
-PLUGIN_DIR = BUILD / "cni"
-"""knit's own plugin, as `make setup` builds it."""
+PLUGIN_DIR = Path(os.environ.get("KNIT_PLUGIN_DIR", BUILD / "cni"))
+"""knit's own plugin, as `make cni` builds it; KNIT_PLUGIN_DIR names another build of it (a
+VM node's, deploy/lab/plugin_dir.py)."""
 CNIDRIVER = BUILD / "tools" / "cnidriver"
 """A runtime's half of CNI: libcni loading a conflist and calling its plugins."""
 IMAGES = BUILD / "images"
