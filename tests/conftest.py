@@ -15,7 +15,7 @@ import pytest
 from kubernetes.client import ApiClient
 from kubernetes.config import new_client_from_config
 
-from deploy.lab.controlplane import ControlPlane, ControlPlaneError, start
+from deploy.lab.controlplane import ControlPlane, ControlPlaneError, attached, start
 from deploy.lab.netns import Netns, namespaces
 from deploy.lab.paths import CONTROLPLANE_BIN, PLUGIN_DIR, REFERENCE_PLUGINS
 
@@ -35,7 +35,12 @@ def make_netns() -> Iterator[Callable[[str], Netns]]:
 
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    """etcd + kube-apiserver from build/controlplane: started once, removed at the end."""
+    """etcd + kube-apiserver from build/controlplane: started once, removed at the end; or,
+    with KNIT_CONTROL_PLANE=STATE_DIR, one already running (`make controlplane`'s, or the
+    host's for tests run inside a VM node), left running."""
+    if existing := os.environ.get("KNIT_CONTROL_PLANE"):
+        yield attached(Path(existing))
+        return
     state_dir = tmp_path_factory.mktemp("controlplane")
     try:
         plane = start(state_dir, bin_dir=CONTROLPLANE_BIN)

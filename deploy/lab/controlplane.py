@@ -25,6 +25,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,10 +220,13 @@ class ControlPlane:
     processes: list[subprocess.Popen[bytes]]
     etcd_seconds: float = 0.0
     apiserver_seconds: float = 0.0
+    host: str = "127.0.0.1"
+    """Where this process reaches the apiserver: host loopback, unless attached() names
+    another address."""
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.host}:{self.port}"
 
     @property
     def kubeconfig(self) -> Path:
@@ -239,6 +243,17 @@ class ControlPlane:
     def stop(self) -> None:
         for proc in reversed(self.processes):
             _stop(proc)
+
+
+def attached(state_dir: Path) -> ControlPlane:
+    """A control plane started elsewhere (`make controlplane`, or the host of a VM node), known
+    by its state dir: pki/ and admin.kubeconfig, whose server gives its address and port.
+    stop() leaves it running."""
+    config = json.loads((state_dir / "admin.kubeconfig").read_text())
+    server = urllib.parse.urlsplit(config["clusters"][0]["cluster"]["server"])
+    if server.hostname is None or server.port is None:
+        raise ControlPlaneError(f"{state_dir / 'admin.kubeconfig'}: no address and port")
+    return ControlPlane(state_dir, server.port, 0, [], host=server.hostname)
 
 
 def write_kubeconfig(path: Path, config: dict[str, object]) -> Path:

@@ -65,7 +65,7 @@ def pump(source: socket.socket, sink: socket.socket) -> None:
 
 class NetnsForward:
     """Listen on address:listen_port inside network namespace NETNS (/run/netns/NETNS) and
-    relay every connection to 127.0.0.1:target_port in this process's own namespace."""
+    relay every connection to target_host:target_port in this process's own namespace."""
 
     def __init__(
         self,
@@ -73,8 +73,10 @@ class NetnsForward:
         target_port: int,
         listen_port: int = NETNS_PORT,
         address: str = "127.0.0.1",
+        target_host: str = "127.0.0.1",
     ) -> None:
         self.netns = netns
+        self.target_host = target_host
         self.target_port = target_port
         self.listen_port = listen_port
         self._listener = _listen_in(netns, address, listen_port)
@@ -91,7 +93,7 @@ class NetnsForward:
             except OSError:
                 return  # stop() shut the listener down
             try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+                upstream = socket.create_connection((self.target_host, self.target_port), timeout=5)
             except OSError:
                 client.close()
                 continue
