@@ -46,10 +46,22 @@ def detach(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            env={**os.environ, **checkout_path(), **(env or {})},
             preexec_fn=preexec,
         )
     return proc.pid
+
+
+def checkout_path() -> dict[str, str]:
+    """PYTHONPATH for a child Python that imports from this checkout: the checkout, then what
+    this environment's PYTHONPATH already names (a VM node's dependencies)."""
+    inherited = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), *([inherited] if inherited else [])])}
+
+
+SLOWNESS = float(os.environ.get("KNIT_SLOWNESS", "1"))
+"""How many times slower than the development machine this one runs: eventually()'s timeouts
+are multiplied by it. The VM node's tests, under qemu's TCG, run the namespace tests with 5."""
 
 
 def eventually(
@@ -59,7 +71,8 @@ def eventually(
     interval: float = 0.2,
 ) -> T:
     """The first truthy result of check(), tried every `interval` seconds; TimeoutError naming
-    the last error after timeout."""
+    the last error after timeout (times SLOWNESS)."""
+    timeout *= SLOWNESS
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while True:

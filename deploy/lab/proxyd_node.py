@@ -13,6 +13,7 @@ from pathlib import Path
 from deploy.lab.controlplane import die_with_parent
 from deploy.lab.netns import Netns
 from deploy.lab.paths import ROOT
+from deploy.lab.process import checkout_path
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,6 @@ def launch_proxyd(ns: Netns, flags: list[str], log: Path, *python: str) -> subpr
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, **checkout_path()},
             preexec_fn=die_with_parent,
         )

@@ -15,8 +15,7 @@ from deploy.lab.controlplane import ControlPlane
 from deploy.lab.held import HeldConnection
 from deploy.lab.kube import SERVICES, SLICES, Kube, endpoint, service_object, slice_object
 from deploy.lab.netns import Netns
-from deploy.lab.paths import ROOT
-from deploy.lab.process import eventually
+from deploy.lab.process import checkout_path, eventually
 from deploy.lab.relay import NetnsForward
 from proxyd.iptables.chains import owned_by_knit
 from tests.support.cni_env import UPLINK_NODE
@@ -123,7 +122,7 @@ def test_cleanup_removes_what_the_proxy_installed_and_nothing_else(
     try:
         proxy_node.stop()
         proxy_node.ns.run(
-            sys.executable, "-m", "proxyd", "--cleanup", env={**os.environ, "PYTHONPATH": str(ROOT)}
+            sys.executable, "-m", "proxyd", "--cleanup", env={**os.environ, **checkout_path()}
         )
         for table in ("nat", "filter"):
             for family in (4, 6):
