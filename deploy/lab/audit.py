@@ -73,16 +73,16 @@ class ApiView:
         ]
 
 
-def _items(lab: Lab, *argv: str) -> list[dict[str, Any]]:
+def items(lab: Lab, *argv: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = json.loads(lab.kubectl("get", *argv, "-o", "json"))["items"]
     return items
 
 
 def api_view(lab: Lab) -> ApiView:
-    services = _items(lab, "services", "-A")
-    nodes = _items(lab, "nodes")
+    services = items(lab, "services", "-A")
+    nodes = items(lab, "nodes")
     return ApiView(
-        pods=_items(lab, "pods", "-A"),
+        pods=items(lab, "pods", "-A"),
         service_addresses=frozenset(
             ipaddress.ip_address(ip)
             for service in services
@@ -205,7 +205,7 @@ UNANSWERED = 'for u; do curl -sf -m 2 -g -o /dev/null "$u" || echo "$u"; done'
 def unreachable(lab: Lab, namespace: str, port: int) -> list[str]:
     """The addresses of NAMESPACE's Running pods that do not answer HTTP on port from one node
     or another (the pods must all serve it)."""
-    pods = _items(lab, "pods", "-n", namespace, "--field-selector", "status.phase=Running")
+    pods = items(lab, "pods", "-n", namespace, "--field-selector", "status.phase=Running")
     urls = [
         f"http://[{ip['ip']}]:{port}/" if ":" in ip["ip"] else f"http://{ip['ip']}:{port}/"
         for pod in pods
@@ -223,12 +223,12 @@ def unready(lab: Lab, namespace: str) -> list[str]:
     """NAMESPACE's pods that are not Ready or still going away, each with what says why: its
     node, phase, conditions that are not true, and the last event about it."""
     events: dict[str, str] = {}
-    for event in _items(lab, "events", "-n", namespace, "--sort-by=.lastTimestamp"):
+    for event in items(lab, "events", "-n", namespace, "--sort-by=.lastTimestamp"):
         events[event["involvedObject"].get("name", "")] = (
             f"{event.get('reason')}: {event.get('message', '').strip()[:160]}"
         )
     found = []
-    for pod in _items(lab, "pods", "-n", namespace):
+    for pod in items(lab, "pods", "-n", namespace):
         name, status = pod["metadata"]["name"], pod["status"]
         false = [
             f"{cond['type']}={cond['status']}"

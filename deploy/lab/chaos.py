@@ -31,6 +31,7 @@ import json
 import random
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -42,7 +43,7 @@ from deploy.lab import audit
 from deploy.lab.churn import HTTP_PORT, NAMESPACE, Churn, policies, setup
 from deploy.lab.cluster import PYTHON
 from deploy.lab.faults import FAULT_KINDS, Fault, Footprint, footprint, footprint_growth, inject
-from deploy.lab.lab import PROXY_MODES, Lab
+from deploy.lab.lab import PROXY_MODES, Lab, is_ready
 from deploy.lab.netns import unique_name
 from deploy.lab.paths import ROOT
 from deploy.lab.process import eventually, terminate
@@ -72,11 +73,23 @@ class Client:
     def lines(self) -> list[tuple[float, str]]:
         """(time, outcome) of every attempt logged, in order; a line cut short by the client's
         end is passed over."""
+        return [(stamp, outcome) for stamp, outcome, _ in self._attempts()]
+
+    def errors(self, start: float, end: float) -> Counter[str]:
+        """How the attempts between start and end failed (deploy/lab/steady.py's ERROR)."""
+        return Counter(
+            error
+            for stamp, outcome, error in self._attempts()
+            if outcome == "failed" and start <= stamp < end
+        )
+
+    def _attempts(self) -> list[tuple[float, str, str]]:
         found = []
         for line in self.log.read_text().splitlines():
-            stamp, _, outcome = line.partition(" ")
+            stamp, _, said = line.partition(" ")
+            outcome, _, error = said.partition(" ")
             if outcome in ("ok", "failed", "broken"):
-                found.append((float(stamp), outcome))
+                found.append((float(stamp), outcome, error))
         return found
 
 
@@ -121,6 +134,24 @@ class SteadyClients:
         for pid in self._pids.pop(node, []):
             terminate(pid)
 
+    def served_from(self, node: str) -> bool:
+        """The stable Service's endpoint on node is its pod there, Ready: after a reboot, the
+        endpoint of the pod's old address, gone with the node's network, is replaced."""
+        stable = ("-n", NAMESPACE, "-l", "app=stable")
+        pods = audit.items(self.lab, "pods", *stable, "--field-selector", f"spec.nodeName={node}")
+        ready = [pod["status"].get("podIP") for pod in pods if is_ready(pod)]
+        service = ("-n", NAMESPACE, "-l", "kubernetes.io/service-name=stable")
+        slices = audit.items(self.lab, "endpointslices", *service)
+        endpoints = {
+            (address, bool(endpoint.get("conditions", {}).get("ready")))
+            for found in slices
+            if found["addressType"] == "IPv4"
+            for endpoint in found.get("endpoints") or []
+            if endpoint.get("nodeName") == node
+            for address in endpoint["addresses"]
+        }
+        return len(ready) == 1 and endpoints == {(ready[0], True)}
+
     def stop_all(self) -> None:
         for node in list(self._pids):
             self.stop(node)
@@ -138,6 +169,8 @@ class KindReport:
     held_connections: int = 0
     held_kept: int = 0
     recovery_seconds: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    """The failed requests by how they failed (TimeoutError, ConnectionRefusedError, ...)."""
 
 
 def _windows(faults: list[Fault], began: float, ended: float) -> Iterator[tuple[str, float, float]]:
@@ -184,6 +217,8 @@ def report(
                 continue
             entry.requests += len(inside)
             entry.failed_requests += inside.count("failed")
+            for error, count in client.errors(start, end).items():
+                entry.errors[error] = entry.errors.get(error, 0) + count
             longest = _longest_without_answer(lines, start, end)
             entry.longest_without_answer = max(entry.longest_without_answer, round(longest, 2))
     return kinds
@@ -192,13 +227,15 @@ def report(
 def show(kinds: dict[str, KindReport]) -> str:
     rows = [
         f"{'window':26} {'n':>3} {'failed/requests':>16} {'longest gap':>12} {'held kept':>10}"
-        f"  recovery s"
+        f"  recovery s, failures by error"
     ]
     for kind, entry in kinds.items():
+        errors = ", ".join(f"{error or '?'} {count}" for error, count in entry.errors.items())
         rows.append(
             f"{kind:26} {entry.injected:3} {entry.failed_requests:>7}/{entry.requests:<8} "
             f"{entry.longest_without_answer:11.2f}s "
             f"{entry.held_kept:>4}/{entry.held_connections:<5}  {entry.recovery_seconds}"
+            + (f"; {errors}" if errors else "")
         )
     return "\n".join(rows)
 

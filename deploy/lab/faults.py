@@ -1,8 +1,9 @@
 """Faults injected into a lab node (deploy/lab/chaos.py), and knit-proxyd's process there.
 
 Each fault waits for the node to recover: Ready again, and after knit's own faults (and a
-reboot) a new knit-proxyd Ready; after a kubelet restart, the new kubelet healthy (the Node
-stays Ready over a short restart).
+reboot) a new knit-proxyd Ready; after a reboot, the steady clients' Service served from the
+node's new pod; after a kubelet restart, the new kubelet healthy (the Node stays Ready over a
+short restart).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from deploy.lab import controlplane
-from deploy.lab.lab import Lab
+from deploy.lab.lab import Lab, is_ready
 from deploy.lab.process import eventually, terminate
 from deploy.lab.reboot import reboot
 
@@ -44,6 +45,10 @@ class NodeClients(Protocol):
 
     def start(self, node: str) -> None: ...
 
+    def served_from(self, node: str) -> bool:
+        """Whether the clients' Service has its endpoint on node back (after a reboot)."""
+        ...
+
 
 def _knit_pod(lab: Lab, node: str) -> dict[str, Any] | None:
     listed = lab.kubectl(
@@ -66,10 +71,8 @@ def _knit_ready_since(lab: Lab, node: str, since: datetime) -> bool:
     pod = _knit_pod(lab, node)
     if pod is None or pod["metadata"].get("deletionTimestamp"):
         return False
-    conditions = pod["status"].get("conditions", [])
-    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
     started = _knit_started(lab, node)
-    return ready and bool(started) and datetime.fromisoformat(started) >= since
+    return is_ready(pod) and bool(started) and datetime.fromisoformat(started) >= since
 
 
 def proxyd_pid(lab: Lab, node: str) -> int | None:
@@ -129,7 +132,7 @@ class Fault:
     """Wall-clock time of the injection."""
     recovered_after: float
     """Seconds until the node was Ready again with knit running (and, after knit's own faults,
-    a new knit-proxyd Ready)."""
+    a new knit-proxyd Ready; after a reboot, the clients' Service served from it again)."""
 
 
 def inject(lab: Lab, kind: str, node: str, clients: NodeClients) -> Fault:
@@ -146,6 +149,11 @@ def inject(lab: Lab, kind: str, node: str, clients: NodeClients) -> Fault:
         what = f"a new knit-proxyd Ready on {node}"
         eventually(partial(_knit_ready_since, lab, node, since), RECOVERY, what, interval=0.5)
     eventually(partial(lab._node_ready, node), RECOVERY, f"{node} Ready", interval=0.5)
+    if kind == "node rebooted":
+        # the node's pods come back with new addresses: until the Service's endpoints say so,
+        # clients still reach for the old ones, and their failures belong to the reboot
+        served = partial(clients.served_from, node)
+        eventually(served, RECOVERY, f"the Service's endpoint on {node} back", interval=0.5)
     if kind == "kubelet restarted":
         # the Node stays Ready over a short restart: wait for the new kubelet itself
         healthz = partial(lab.nodes[node].machine.run, "curl", "-sf", KUBELET_HEALTHZ)

@@ -102,6 +102,12 @@ class Check:
     detail: str
 
 
+def is_ready(api_object: dict[str, Any]) -> bool:
+    """A Node's or a Pod's Ready condition is True."""
+    conditions = api_object.get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
 class Lab:
     def __init__(
         self, prefix: str, folder: Path, mode: str = "iptables", e2e_images: bool = False
@@ -214,9 +220,7 @@ class Lab:
         )  # fmt: skip
 
     def _node_ready(self, name: str) -> bool:
-        node: dict[str, Any] = json.loads(self.kubectl("get", "node", name, "-o", "json"))
-        conditions = node.get("status", {}).get("conditions", [])
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+        return is_ready(json.loads(self.kubectl("get", "node", name, "-o", "json")))
 
     def deploy_demo(self) -> None:
         """A web Deployment spread over the nodes, a NodePort Service over it and a client pod

@@ -2,12 +2,15 @@
 namespace. Each writes one line per attempt, `TIME OUTCOME` (TIME in wall-clock seconds), so
 its failures can be placed beside faults injected at known times:
 
-- `http URL`: a new connection per request, 2 s to answer; `ok` or `failed`;
+- `http URL`: a new connection per request, 2 s to answer; `ok` or `failed ERROR`;
 - `udp HOST PORT`: a datagram to agnhost netexec's UDP server from one source port held for the
-  whole run, 1 s to answer; `ok` or `failed`. One source port keeps one conntrack entry, so an
-  entry left pointing at a deleted endpoint shows as failures that never end;
+  whole run, 1 s to answer; `ok` or `failed ERROR`. One source port keeps one conntrack entry,
+  so an entry left pointing at a deleted endpoint shows as failures that never end;
 - `hold HOST PORT`: one HTTP/1.1 connection kept open, a request on it every half second; `ok`,
   or `broken` when it stops answering, after which a new connection is opened.
+
+ERROR names how an attempt failed (TimeoutError: no answer, ConnectionRefusedError: a reject
+or a reset at once, ...), which tells a rule that drops from one that rejects.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import http.client
 import socket
 import sys
 import time
+import urllib.error
 import urllib.request
 
 INTERVAL = 0.1
@@ -28,14 +32,20 @@ def _say(outcome: str) -> None:
     sys.stdout.flush()
 
 
+def _failed(err: OSError) -> None:
+    # urllib wraps a connection's error in a URLError, whose reason is the error itself
+    cause = err.reason if isinstance(err, urllib.error.URLError) else err
+    _say(f"failed {type(cause).__name__}")
+
+
 def http_loop(url: str) -> None:
     while True:
         try:
             with urllib.request.urlopen(url, timeout=2) as answer:
                 answer.read()
             _say("ok")
-        except OSError:
-            _say("failed")
+        except OSError as err:
+            _failed(err)
         time.sleep(INTERVAL)
 
 
@@ -49,8 +59,8 @@ def udp_loop(host: str, port: int) -> None:
                 sock.send(b"hostname")
                 sock.recv(512)
                 _say("ok")
-            except OSError:
-                _say("failed")
+            except OSError as err:
+                _failed(err)
             time.sleep(INTERVAL)
 
 

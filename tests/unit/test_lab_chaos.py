@@ -76,8 +76,8 @@ def test_failures_count_in_the_window_of_the_fault_before_them(tmp_path: Path) -
     steady = _client(
         tmp_path,
         "http",
-        [(1.0, "ok"), (2.0, "failed"), (3.0, "ok"), (11.0, "ok"), (12.0, "failed"),
-         (13.0, "failed"), (14.5, "ok")],
+        [(1.0, "ok"), (2.0, "failed TimeoutError"), (3.0, "ok"), (11.0, "ok"),
+         (12.0, "failed ConnectionRefusedError"), (13.0, "failed TimeoutError"), (14.5, "ok")],
     )  # fmt: skip
     held = _client(tmp_path, "hold", [(1.0, "ok"), (11.5, "broken"), (12.0, "ok")])
     faults = [Fault("knit-proxyd killed", "node1", 10.0, 1.0)]
@@ -86,6 +86,7 @@ def test_failures_count_in_the_window_of_the_fault_before_them(tmp_path: Path) -
     assert (churn.requests, churn.failed_requests, churn.held_kept) == (3, 1, 1)
     assert (killed.injected, killed.requests, killed.failed_requests) == (1, 4, 2)
     assert (killed.held_connections, killed.held_kept) == (1, 0)
+    assert killed.errors == {"ConnectionRefusedError": 1, "TimeoutError": 1}
     # the line cut short at the client's end is not read
     assert killed.longest_without_answer == 3.5
 
