@@ -24,6 +24,9 @@ from deploy.lab.lab import Lab
 from deploy.lab.netns import remove_namespace
 from deploy.lab.process import eventually, in_ns
 
+LEG_TEARDOWN = 120.0
+"""Seconds the kernel has to remove a powered-off node's leg from the router."""
+
 
 def reboot(lab: Lab, name: str) -> KubeNode:
     """Node NAME powered off and booted again; returns it as booted (its kubelet started, not
@@ -32,11 +35,14 @@ def reboot(lab: Lab, name: str) -> KubeNode:
     node.machine.power_off()
     remove_namespace(node.machine.netns)
     # the kernel tears a deleted namespace's devices down after `ip netns del` returns, the
-    # router's end of the node's leg among them, and the new leg takes the same name
+    # router's end of the node's leg among them, and the new leg takes the same name. It
+    # tears namespaces down one batch at a time, each pod's too: after a chaos run's churn
+    # left a node some twenty pods, the leg went about 33 s after the deletion (a 30 s wait
+    # failed the run once)
     leg = lab.node_leg(name)
     eventually(
         lambda: not in_ns(lab.network.router, "ip", "-o", "link", "show", leg, check=False),
-        30,
+        LEG_TEARDOWN,
         what=f"{leg} gone from the router",
     )
     return lab.boot_node(name)
