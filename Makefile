@@ -74,15 +74,17 @@ fuzz: venv
 	KNIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/unit/test_cni_fuzz.py \
 		tests/integration/test_cni_fuzz_kernel.py tests/integration/test_hostile_fuzz_kernel.py
 
+# the VM node's tests (tests/vm) run here too, but for the long ones (KNIT_VM=1)
 test: setup cni go-tools e2e-tools lint
-	$(PY) -m pytest -q -p no:cacheprovider tests
-
-# the VM node's tests (tests/vm): Debian's kernel under qemu (TCG), with IPVS and SCTP; not part
-# of `make test` yet. The first run builds build/vm/ (the kernel package and an initramfs).
-VM_APT_PACKAGES := qemu-system-x86
-vm-test: setup go-tools
 	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(VM_APT_PACKAGES)"
-	KNIT_VM=1 $(PY) -m pytest -v -p no:cacheprovider tests/vm
+	KNIT_VM=1 $(PY) -m pytest -q -p no:cacheprovider tests
+
+# the VM node's tests (tests/vm), all of them: Debian's kernel under qemu (TCG), with IPVS and
+# SCTP. The first run builds build/vm/ (the kernel package and an initramfs).
+VM_APT_PACKAGES := qemu-system-x86
+vm-test: setup cni go-tools
+	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(VM_APT_PACKAGES)"
+	KNIT_VM=all $(PY) -m pytest -v -p no:cacheprovider tests/vm
 
 # a real cluster in namespaces (docs/lab.md); e.g. ARGS="--mode nftables"
 lab: setup cni go-tools

@@ -73,7 +73,7 @@ class ProxyNode:
                 minSyncPeriod="100ms",
             )
             self.process = launch_kube_proxy(self.ns, config, folder, self.log_path)
-            eventually(lambda: self.synced_after(0.0))
+            self._until_synced()
             return
         self.args = proxyd_flags(
             self.kubeconfig,
@@ -86,7 +86,14 @@ class ProxyNode:
             mode=self.mode,
         )  # fmt: skip
         self.process = launch_proxyd(self.ns, self.args, self.log_path)
-        eventually(lambda: self.synced_after(0.0))
+        self._until_synced()
+
+    def _until_synced(self) -> None:
+        try:
+            eventually(lambda: self.synced_after(0.0), what="the daemon's first sync")
+        except TimeoutError as err:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
+            raise AssertionError("\n".join([str(err), *tail])) from None
 
     def stop(self) -> None:
         if self.process is not None:
@@ -184,7 +191,7 @@ def running_proxy_node(
     """knit-proxyd (or kube-proxy) started in node_ns as a Node of the API server (reached
     through a NetnsForward), with an outside host; stopped, with its forward, even when
     start-up fails. Without a name, a new Node is created; with one, it is that Node's."""
-    forward = NetnsForward(node_ns.name, control_plane.port)
+    forward = NetnsForward(node_ns.name, control_plane.port, target_host=control_plane.host)
     proxy: ProxyNode | None = None
     try:
         if not name:

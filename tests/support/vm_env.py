@@ -3,12 +3,11 @@ network namespaces on a bridge inside it, servers there, and knit-proxyd running
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import yaml
 
 from deploy.lab.controlplane import ControlPlane, kubeconfig_for
 from deploy.lab.netns import ECHO
@@ -18,8 +17,10 @@ from deploy.lab.relay import NetnsForward
 from deploy.lab.vm import GATEWAY, PYTHON, VmNode, VmProcess
 
 API_PORT = 6443
-PKI = "/etc/knit/pki"
-KUBECONFIG = "/etc/knit/kubeconfig"
+CONTROL_PLANE = "/etc/knit/controlplane"
+"""The host's control plane as the VM sees it: pki/ and admin.kubeconfig, the state dir
+deploy.lab.controlplane.attached() reads (KNIT_CONTROL_PLANE for tests run in the VM)."""
+KUBECONFIG = f"{CONTROL_PLANE}/admin.kubeconfig"
 BRIDGE = "knit0"
 BRIDGE_ADDRESS = "10.244.0.1"
 CLUSTER_CIDR = "10.244.0.0/16"
@@ -27,19 +28,19 @@ CLUSTER_CIDR = "10.244.0.0/16"
 
 @contextmanager
 def api_access(node: VmNode, control_plane: ControlPlane) -> Iterator[str]:
-    """The API server relayed to GATEWAY:6443 of the VM's uplink, and a kubeconfig for it in
-    the VM (its path); the serving certificate names localhost, not the gateway, hence the
-    kubeconfig's tls-server-name."""
+    """The API server relayed to GATEWAY:6443 of the VM's uplink, and its state dir in the VM
+    (CONTROL_PLANE; it yields the kubeconfig's path); the serving certificate names localhost,
+    not the gateway, hence the kubeconfig's tls-server-name."""
     forward = NetnsForward(node.uplink.name, control_plane.port, API_PORT, GATEWAY)
     try:
         pki = control_plane.state_dir / "pki"
         for name in ("ca.crt", "admin.crt", "admin.key"):
-            node.write(f"{PKI}/{name}", (pki / name).read_bytes(), 0o600)
-        config = kubeconfig_for(pki, f"https://{GATEWAY}:{API_PORT}")
-        text = yaml.safe_dump(config).replace(str(pki.resolve()), PKI)
-        config = yaml.safe_load(text)
-        config["clusters"][0]["cluster"]["tls-server-name"] = "localhost"
-        node.write(KUBECONFIG, yaml.safe_dump(config).encode(), 0o600)
+            node.write(f"{CONTROL_PLANE}/pki/{name}", (pki / name).read_bytes(), 0o600)
+        config = kubeconfig_for(Path(CONTROL_PLANE, "pki"), f"https://{GATEWAY}:{API_PORT}")
+        clusters = config["clusters"]
+        assert isinstance(clusters, list)
+        clusters[0]["cluster"]["tls-server-name"] = "localhost"
+        node.write(KUBECONFIG, json.dumps(config).encode(), 0o600)
         yield KUBECONFIG
     finally:
         forward.stop()

@@ -1,5 +1,6 @@
-"""The VM node's fixtures. Its tests run only with KNIT_VM=1 (`make vm-test`): booting Debian's
-kernel under TCG costs tens of seconds, so `make test` skips them until their cost is weighed."""
+"""The VM node's fixtures. Its tests run only with KNIT_VM set, as root: with KNIT_VM=1
+(`make test`) all but those marked `vm_long`, with KNIT_VM=all (`make vm-test`) every one.
+Python runs 10-20x slower under TCG: a namespace suite run inside the VM takes minutes."""
 
 from __future__ import annotations
 
@@ -16,13 +17,21 @@ BOOTS: list[str] = []
 """Each VM's boot-to-ready time, printed at the end of the run."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vm_long: a VM test that runs only with KNIT_VM=all")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if os.environ.get("KNIT_VM") == "1":
-        return
-    skip = pytest.mark.skip(reason="VM tests run with KNIT_VM=1 (make vm-test)")
+    chosen = os.environ.get("KNIT_VM", "")
+    skip_all = pytest.mark.skip(reason="VM tests run with KNIT_VM=1 (make test) or all")
+    skip_long = pytest.mark.skip(reason="long VM tests run with KNIT_VM=all (make vm-test)")
     for item in items:
-        if item.path.is_relative_to(HERE):
-            item.add_marker(skip)
+        if not item.path.is_relative_to(HERE) or chosen == "all":
+            continue
+        if chosen != "1":
+            item.add_marker(skip_all)
+        elif item.get_closest_marker("vm_long"):
+            item.add_marker(skip_long)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
