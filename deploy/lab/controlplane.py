@@ -226,7 +226,8 @@ class ControlPlane:
 
     @property
     def server(self) -> str:
-        return f"https://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"https://{host}:{self.port}"
 
     @property
     def kubeconfig(self) -> Path:

@@ -8,7 +8,15 @@ import subprocess
 
 import pytest
 
-from deploy.lab.controlplane import SERVICE_CIDRS, ControlPlaneError, make_pki, start
+from deploy.lab.controlplane import (
+    SERVICE_CIDRS,
+    ControlPlaneError,
+    attached,
+    kubeconfig_for,
+    make_pki,
+    start,
+    write_kubeconfig,
+)
 from deploy.lab.relay import NetnsForward, RelayError
 
 
@@ -62,3 +70,21 @@ def test_a_dying_process_is_reported_with_its_log(tmp_path):
 def test_forward_into_a_missing_namespace_is_a_clear_error():
     with pytest.raises(RelayError, match="knit-no-such-netns"):
         NetnsForward("knit-no-such-netns", 1)
+
+
+@pytest.mark.parametrize(
+    ("server", "host"),
+    [("https://127.0.0.1:6443", "127.0.0.1"), ("https://[fd00::1]:16443", "fd00::1")],
+)
+def test_an_attached_control_plane_is_found_by_its_kubeconfig(tmp_path, server, host):
+    write_kubeconfig(tmp_path / "admin.kubeconfig", kubeconfig_for(tmp_path / "pki", server))
+    plane = attached(tmp_path)
+    assert (plane.host, plane.server, plane.processes) == (host, server, [])
+    plane.stop()  # leaves it running: nothing of its own to stop
+
+
+def test_an_attached_control_plane_needs_an_address_and_a_port(tmp_path):
+    config = kubeconfig_for(tmp_path / "pki", "https://localhost")
+    write_kubeconfig(tmp_path / "admin.kubeconfig", config)
+    with pytest.raises(ControlPlaneError, match="no address and port"):
+        attached(tmp_path)
