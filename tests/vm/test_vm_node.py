@@ -55,7 +55,7 @@ PORTS = [
 ]
 TCG_SLOWNESS = 5
 """The namespace tests' timeouts stretched for the VM (deploy/lab/process.py's SLOWNESS):
-Python runs 10-20x slower under TCG, but most of a wait is the kernel's or the API's."""
+the daemon's imports take 6.7 s under TCG, but most of a wait is the kernel's or the API's."""
 VM_PLUGIN_DIR = "/run/knit-cni"
 """The plugin for the VM's interpreter (deploy/lab/plugin_dir.py)."""
 SLICE_PORTS = [
