@@ -5,7 +5,14 @@ UDP has no connection end, so a client keeps sending to an endpoint that is gone
 as its conntrack entry lives. After a sync, entries whose original destination is a service
 frontend and whose reply source is not one of that frontend's endpoints are deleted; that
 covers both an endpoint going away and a service gaining endpoints after having none (the
-entry then points at the frontend itself). The proxy never touches TCP and SCTP entries.
+entry then points at the frontend itself).
+
+TCP and SCTP entries are left alone but for one kind: a connection opened to a frontend before
+the proxy wrote its rules went out not DNATed (routed away, where nothing answers), and its
+entry, never answered, lives on (TCP's SYN_SENT for 120 s). A later connection from the same
+client reusing that source port to that frontend matches the entry and goes the same way. So,
+once a frontend's rules are written for the first time, its entries that saw no reply and were
+not DNATed are deleted: no working connection is one of them.
 
 The kernel picks the entries to look at: one dump per frontend port, filtered on it
 (CTA_FILTER, Linux 5.8 and later), costs a walk of the whole table in the kernel, far less
@@ -53,15 +60,9 @@ CTNETLINK = 1 << 8
 MSG_NEW, MSG_GET, MSG_DELETE = CTNETLINK, CTNETLINK | 1, CTNETLINK | 2
 """A dump returns its entries as MSG_NEW messages."""
 MSG_GET_STATS = CTNETLINK | 5
-CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_MARK, CTA_ID, CTA_ZONE, CTA_MARK_MASK, CTA_FILTER = (
-    1,
-    2,
-    8,
-    12,
-    18,
-    21,
-    25,
-)
+CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS, CTA_MARK, CTA_ID, CTA_ZONE = 1, 2, 3, 8, 12, 18
+CTA_MARK_MASK, CTA_FILTER, CTA_STATUS_MASK = 21, 25, 26
+IPS_SEEN_REPLY = 1 << 1
 CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
 CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
 CTA_FILTER_ORIG_FLAGS, CTA_FILTER_REPLY_FLAGS = 1, 2
@@ -76,7 +77,8 @@ IDENTITY = (CTA_TUPLE_ORIG, CTA_ID, CTA_ZONE)
 """What names an entry to delete or change: its original tuple, id (so a newer entry that took
 the tuple stays) and zone."""
 PORT = struct.Struct(">H")
-MARK = struct.Struct(">I")
+U32 = struct.Struct(">I")
+"""A mark or status, as ctnetlink packs them."""
 T = TypeVar("T")
 
 
@@ -134,11 +136,13 @@ class UdpFrontends:
         return ports
 
 
-def dump_request(address_family: int, port: int | None) -> bytes:
-    """A dump request for the family's UDP entries (to `port`), filtered by the kernel (Linux
-    5.8 and later; older ones skip the attribute they do not know, and entries are checked again
-    as read)."""
-    proto = attribute(CTA_PROTO_NUM, bytes([socket.IPPROTO_UDP]))
+def dump_request(
+    address_family: int, port: int | None, protocol: int = socket.IPPROTO_UDP
+) -> bytes:
+    """A dump request for the family's entries of `protocol` (to `port`), filtered by the
+    kernel (Linux 5.8 and later; older ones skip the attribute they do not know, and entries are
+    checked again as read)."""
+    proto = attribute(CTA_PROTO_NUM, bytes([protocol]))
     flags = FILTER_PROTO_NUM
     if port is not None:
         proto += attribute(CTA_PROTO_DST_PORT, PORT.pack(port))
@@ -150,6 +154,15 @@ def dump_request(address_family: int, port: int | None) -> bytes:
         + attribute(CTA_TUPLE_ORIG, tuple_orig, nested=True)
         + attribute(CTA_FILTER, filter_flags, nested=True)
     )
+
+
+def unanswered_request(address_family: int, protocol: int) -> bytes:
+    """A dump request for the family's entries of `protocol` that saw no reply: the kernel picks
+    them by status too (Linux 5.19 and later; older ones return them all, checked as read)."""
+    unanswered = attribute(CTA_STATUS, U32.pack(0)) + attribute(
+        CTA_STATUS_MASK, U32.pack(IPS_SEEN_REPLY)
+    )
+    return dump_request(address_family, None, protocol) + unanswered
 
 
 PROTOCOLS = {socket.IPPROTO_TCP: "tcp", socket.IPPROTO_UDP: "udp", socket.IPPROTO_SCTP: "sctp"}
@@ -230,6 +243,28 @@ def udp_entries(
     return _dump(sock, address_family, dump_request(address_family, port), read)
 
 
+def unanswered_entries(
+    sock: NetlinkSocket, address_family: int, protocol: int, frontends: Collection[Address]
+) -> list[Entry]:
+    """The family's entries of `protocol` to one of `frontends` that saw no reply and were not
+    DNATed (their reply comes from the frontend itself)."""
+
+    def read(found: dict[int, memoryview]) -> Entry | None:
+        number, destination = tuple_end(found.get(CTA_TUPLE_ORIG), address_family, DESTINATION)
+        _, reply_source = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
+        status = U32.unpack(found[CTA_STATUS])[0] if CTA_STATUS in found else IPS_SEEN_REPLY
+        if (
+            number != protocol
+            or status & IPS_SEEN_REPLY
+            or reply_source != destination
+            or destination not in frontends
+        ):
+            return None
+        return Entry(destination, reply_source, identity(found, address_family))
+
+    return _dump(sock, address_family, unanswered_request(address_family, protocol), read)
+
+
 @dataclass(frozen=True)
 class Flow:
     """A TCP, UDP or SCTP entry as the forward hook saw its first packet: from its original
@@ -258,8 +293,8 @@ def flows(
 
     request = NFGENMSG.pack(address_family, 0, 0)
     if marked:
-        request += attribute(CTA_MARK, MARK.pack(marked)) + attribute(
-            CTA_MARK_MASK, MARK.pack(marked)
+        request += attribute(CTA_MARK, U32.pack(marked)) + attribute(
+            CTA_MARK_MASK, U32.pack(marked)
         )
     return _dump(sock, address_family, request, _flow_reader(address_family, keep, ends))
 
@@ -297,7 +332,7 @@ def _flow_reader(
         _, destination = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
         if protocol not in PROTOCOLS:
             return None
-        mark = MARK.unpack(found[CTA_MARK])[0] if CTA_MARK in found else 0
+        mark = U32.unpack(found[CTA_MARK])[0] if CTA_MARK in found else 0
         flow = Flow(PROTOCOLS[protocol], source, destination, mark, identity(found, address_family))
         return flow if keep(flow) else None
 
@@ -307,8 +342,8 @@ def _flow_reader(
 def mark(sock: NetlinkSocket, entries: Iterable[Flow], bits: int, on: bool) -> int:
     """Set (`on`) or clear these bits of the entries' marks, leaving the other bits as they
     are; returns how many entries were changed."""
-    change = attribute(CTA_MARK, MARK.pack(bits if on else 0)) + attribute(
-        CTA_MARK_MASK, MARK.pack(bits)
+    change = attribute(CTA_MARK, U32.pack(bits if on else 0)) + attribute(
+        CTA_MARK_MASK, U32.pack(bits)
     )
     return _each(sock, MSG_NEW, (entry.identity + change for entry in entries), "marking a")
 
@@ -338,7 +373,7 @@ def table_size(sock: NetlinkSocket) -> int:
         entries = attributes(payload[NFGENMSG.size :]).get(CTA_STATS_GLOBAL_ENTRIES)
         if entries is not None and len(entries) == 4:
             count: int
-            (count,) = struct.unpack(">I", entries)
+            (count,) = U32.unpack(entries)
             return count
     return 0
 
@@ -365,3 +400,17 @@ def clear_stale(frontends: UdpFrontends) -> int:
             for entry in udp_entries(sock, frontends.address_family, port, frontends.stale)
         ]
         return delete(sock, stale, "stale UDP")
+
+
+def clear_unanswered(family: int, frontends: dict[int, set[Address]]) -> int:
+    """Delete the entries to these frontends (by protocol number) that saw no reply and were
+    not DNATed: one dump per protocol; returns how many were deleted."""
+    address_family = ADDRESS_FAMILIES[family]
+    with NetlinkSocket(NETLINK_NETFILTER) as sock:
+        unanswered = [
+            entry.delete_request
+            for protocol, addresses in frontends.items()
+            if addresses
+            for entry in unanswered_entries(sock, address_family, protocol, addresses)
+        ]
+        return delete(sock, unanswered, "never answered")

@@ -1,5 +1,6 @@
 """What every datapath shares: which service ports changed, their plans per family, when a
-sync must be full, Local-policy and health-check bookkeeping, and UDP conntrack cleanup.
+sync must be full, Local-policy and health-check bookkeeping, and conntrack clean-up (stale UDP
+entries; never-answered entries to a frontend that just got its rules).
 
 A datapath subclasses Proxier and implements `_program` (write one family's changes to the
 kernel) and `cleanup`, and `_rehearse` where the kernel offers a dry run.
@@ -13,6 +14,7 @@ changes.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -165,6 +167,8 @@ class Proxier(ABC):
             ctx = self.context(family, node, changes.service_cidrs)
             family_full = full or not self._in_sync[family]
             plans = self._plans[family]
+            # Before the plans change in place: which frontends already had rules.
+            written = _address_frontends(plans, plans if family_full else changed)
             if family_full:
                 plans = self._plan_all(ctx)
                 touched = set(plans) | set(self._plans[family])
@@ -196,6 +200,7 @@ class Proxier(ABC):
             self._track_no_local(family, plans, touched)
             udp = plans.values() if family_full else (plans[n] for n in fresh if n in plans)
             self._clear_udp(family, [plan for plan in udp if plan.port.protocol == "UDP"])
+            self._clear_unanswered(family, _address_frontends(plans, touched) - written)
             elapsed = time.monotonic() - start
             self._record_sync(metrics, family, wrote or family_full, elapsed, changes)
         if failed:
@@ -295,6 +300,27 @@ class Proxier(ABC):
             if deleted:
                 log.info("deleted %d stale UDP conntrack entries (IPv%d)", deleted, family)
 
+    def _clear_unanswered(self, family: int, frontends: set[tuple[int, conntrack.Address]]) -> None:
+        """Delete the TCP and SCTP conntrack entries to these frontends, just given rules, that
+        saw no reply and were not DNATed (see conntrack.py)."""
+        if not frontends:
+            return
+        by_protocol: dict[int, set[conntrack.Address]] = {}
+        for protocol, address in frontends:
+            by_protocol.setdefault(protocol, set()).add(address)
+        try:
+            deleted = conntrack.clear_unanswered(family, by_protocol)
+        except OSError as err:
+            log.warning("conntrack clean-up of new frontends failed (IPv%d): %s", family, err)
+            return
+        self.metrics.for_family(family).conntrack_deleted.inc(deleted)
+        if deleted:
+            log.info(
+                "deleted %d never-answered conntrack entries to new frontends (IPv%d)",
+                deleted,
+                family,
+            )
+
     def _health_checks(self, node_name: str) -> dict[int, tuple[str, str, int]]:
         """healthCheckNodePort -> its service and the ready endpoints the service has on this
         node (summed over its ports, in the family with most): a terminating endpoint, even
@@ -325,6 +351,25 @@ class Proxier(ABC):
                 internal.add(name)
             if plan is not None and plan.no_local_external:
                 external.add(name)
+
+
+CONNECTED_PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "SCTP": socket.IPPROTO_SCTP}
+
+
+def _address_frontends(
+    plans: Plans, names: Iterable[ServicePortName]
+) -> set[tuple[int, conntrack.Address]]:
+    """(protocol number, (address, port)) of the TCP and SCTP address frontends (cluster IP,
+    external IPs, load-balancer IPs) of the named ports' plans."""
+    found: set[tuple[int, conntrack.Address]] = set()
+    for name in names:
+        plan = plans.get(name)
+        protocol = CONNECTED_PROTOCOLS.get(plan.port.protocol) if plan is not None else None
+        if plan is None or protocol is None:
+            continue
+        for ip in (plan.cluster_ip, *plan.external_ips, *plan.load_balancer_ips):
+            found.add((protocol, (ip, plan.port.port)))
+    return found
 
 
 def _only(plans: Plans, names: Iterable[ServicePortName]) -> Plans:

@@ -163,3 +163,31 @@ def test_a_new_pod_address_loses_every_entry_from_or_to_it_and_no_other(
             assert conntrack.forget_addresses([pod, twin["endpoint"]]) == 1, "both families"
         assert remaining(ct, family) == {(client[3], at["cluster_ip"], 53)}
         assert not list(ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=tcp)))
+
+
+@pytest.mark.parametrize("version", [4, 6], ids=["IPv4", "IPv6"])
+def test_a_new_frontends_never_answered_entries_that_were_not_dnated_go_and_no_other(
+    make_netns: Callable[[str], Netns], version: int
+) -> None:
+    """A connection opened to a frontend before its rules were written went out not DNATed;
+    once the rules are there, its entry goes, and nothing that was answered or DNATed."""
+    at = ADDRESSES[version]
+    family = socket.AF_INET if version == 4 else socket.AF_INET6
+    cluster_ip, endpoint = at["cluster_ip"], at["endpoint"]
+    client = [f"{at['client']}{i}" for i in range(1, 7)]
+    tcp, sctp, udp = socket.IPPROTO_TCP, socket.IPPROTO_SCTP, socket.IPPROTO_UDP
+    node = make_netns("conntrack")
+    with node.entered(), Conntrack(nfgen_family=family) as ct:
+        for who, proto, reply_from, reply_port, answered in [
+            (client[0], tcp, cluster_ip, 80, False),  # goes
+            (client[1], sctp, cluster_ip, 80, False),  # goes
+            (client[2], tcp, cluster_ip, 80, True),  # answered: a host owns the address
+            (client[3], tcp, endpoint, 8080, False),  # DNATed, its SYN-ACK on the way
+            (client[4], udp, cluster_ip, 80, False),  # UDP: the stale clean-up's
+        ]:
+            add_entry(ct, family, who, (cluster_ip, 80), reply_from, 0, proto, reply_port, answered)
+        add_entry(ct, family, client[5], (cluster_ip, 81), cluster_ip, proto=tcp, reply_port=81)
+        frontends = {tcp: {(cluster_ip, 80)}, sctp: {(cluster_ip, 80)}}
+        assert conntrack.clear_unanswered(version, frontends) == 2
+        left = {(e.tuple_orig.saddr, e.tuple_orig.dport) for e in ct.dump_entries()}
+        assert left == {(client[2], 80), (client[3], 80), (client[4], 80), (client[5], 81)}

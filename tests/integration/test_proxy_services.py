@@ -143,13 +143,16 @@ def backends_seen(client: Any, host: str, port: int, tries: int, proto: str = "t
     return {client.exchange(host, port, proto)[1] for _ in range(tries)}
 
 
-def connect_outcome(ns: Any, host: str, port: int) -> str:
-    """ "open", "refused" at once (an ICMP reject), "timeout" after 3 s, or the error."""
+def connect_outcome(ns: Any, host: str, port: int, source_port: int = 0, timeout: float = 3) -> str:
+    """ "open", "refused" at once (an ICMP reject), "timeout" after `timeout` s, or the error;
+    from `source_port` when given."""
     result = ns.run(
         sys.executable,
         "-c",
         "import socket,sys\n"
-        f"s=socket.socket(); s.settimeout(3)\n"
+        f"s=socket.socket(); s.settimeout({timeout})\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('', {source_port}))\n"
         f"try:\n s.connect(({host!r},{port})); print('open')\n"
         "except ConnectionRefusedError: print('refused')\n"
         "except OSError as e: print('timeout' if isinstance(e, TimeoutError) else e)\n",
@@ -730,6 +733,26 @@ def test_sync_after_a_change_is_partial(proxy_node: ProxyNode, kube: Kube) -> No
     assert proxy_node.metric(full, ipv4) == full_before, (
         "the change was programmed by a partial sync"
     )
+
+
+EARLY_CLUSTER_IP = "10.96.200.200"
+EARLY_SOURCE_PORT = 45123
+
+
+def test_a_connection_tried_before_a_cluster_ips_rules_leaves_its_source_port_usable(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    """A SYN sent to a ClusterIP before the proxy wrote its rules is not DNATed: routed on (the
+    iptables and IPVS modes, as kube-proxy's) or dropped (the nftables mode), unanswered. Once
+    the rules are written, the same client reusing that source port for that address is
+    served: the entry the first SYN left (SYN_SENT, 120 s) is gone."""
+    client = pods["client"].ns
+    early = connect_outcome(client, EARLY_CLUSTER_IP, 80, EARLY_SOURCE_PORT, timeout=1)
+    assert early != "open"
+    backed = [endpoint(pods["a"].address(), proxy_node.name)]
+    create_backed(kube, "early", endpoints=backed, clusterIP=EARLY_CLUSTER_IP)
+    eventually(lambda: client.exchange(EARLY_CLUSTER_IP, 80))
+    assert connect_outcome(client, EARLY_CLUSTER_IP, 80, EARLY_SOURCE_PORT) == "open"
 
 
 def test_full_syncs_keep_every_connection_flowing(

@@ -5,11 +5,12 @@ flows a sync leaves alone."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import pytest
 
 from proxyd import proxier as proxier_module
-from proxyd.conntrack import UdpFrontends
+from proxyd.conntrack import Address, UdpFrontends
 from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.port_plan import FamilyContext
@@ -145,3 +146,20 @@ def test_each_family_records_its_own_sync_metrics_as_kube_proxys_per_family_prox
     no_local = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
     assert sample(proxier, no_local, 4, traffic_policy="internal") == 1
     assert sample(proxier, no_local, 6, traffic_policy="internal") == 0
+
+
+def test_only_frontends_getting_their_first_rules_lose_their_never_answered_entries(
+    unanswered_cleared: list[tuple[int, dict[int, set[Address]]]],
+) -> None:
+    tcp = socket.IPPROTO_TCP
+    proxier = RecordingProxier((4,))
+    proxier.sync(changes((PORT, READY)))
+    assert unanswered_cleared == [(4, {tcp: {("10.96.0.10", 80)}})]
+    external = dataclasses.replace(PORT, external_ips=("203.0.113.9",))
+    proxier.sync(changes((external, (*READY, Endpoint("10.244.1.9", 8080)))))
+    assert unanswered_cleared[1:] == [(4, {tcp: {("203.0.113.9", 80)}})]
+    proxier.sync(Changes(services={}, node=dataclasses.replace(NODE, zone="zone-b")))
+    assert len(unanswered_cleared) == 2, "a full sync of the same frontends deletes nothing"
+    udp = dataclasses.replace(PORT, name=dataclasses.replace(NAME, port="dns", protocol="UDP"))
+    proxier.sync(changes((external, READY), (udp, READY)))
+    assert len(unanswered_cleared) == 2, "UDP entries are the stale clean-up's"
