@@ -223,6 +223,7 @@ class Cluster(Network):
                 [
                     PYTHON, "-m", "deploy.lab.relay",
                     "--netns", node.ns, "--target-port", str(self.control_plane.port),
+                    "--target-host", self.control_plane.host,
                 ],
                 node.folder / "forward.log",
             )  # fmt: skip

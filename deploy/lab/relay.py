@@ -130,12 +130,12 @@ class NetnsForward:
             relay.join()
 
 
-def forward_until_signalled(netns: str, target_port: int) -> None:
+def forward_until_signalled(netns: str, target_port: int, target_host: str) -> None:
     """Run a NetnsForward until SIGTERM or SIGINT (the lab's per-node API access)."""
     done = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: done.set())
-    forward = NetnsForward(netns, target_port)
+    forward = NetnsForward(netns, target_port, target_host=target_host)
     done.wait()
     forward.stop()
 
@@ -144,8 +144,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--netns", required=True)
     parser.add_argument("--target-port", type=int, required=True)
+    parser.add_argument("--target-host", default="127.0.0.1")
     options = parser.parse_args()
-    forward_until_signalled(options.netns, options.target_port)
+    forward_until_signalled(options.netns, options.target_port, options.target_host)
 
 
 if __name__ == "__main__":
