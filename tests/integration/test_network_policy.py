@@ -33,6 +33,9 @@ from proxyd.policy.render import TABLE
 
 PYTHON = sys.executable
 UDP_PORT = 5353
+SCTP_PORT = 9132
+SCTP_SOCKETS = "SCTP" in Path("/proc/net/protocols").read_text()
+"""The development kernel has none; the VM node's has (tests/vm runs the SCTP test there)."""
 POLICIES = "/apis/networking.k8s.io/v1/namespaces/{}/networkpolicies"
 CLUSTER_POLICIES = "/apis/policy.networking.k8s.io/v1alpha2/clusternetworkpolicies"
 CRD = Path(__file__).parents[2] / "deploy" / "kubernetes" / "clusternetworkpolicies.yaml"
@@ -85,10 +88,13 @@ def world(
         x = _namespace(cluster, unique_name("x"))
         y = _namespace(cluster, unique_name("y"))
         ports = [("web", 80, "TCP"), ("alt", 81, "TCP"), ("dns", UDP_PORT, "UDP")]
-        server = _pod(cluster, x, "a", "server", ports)
+        server = _pod(cluster, x, "a", "server", [*ports, ("assoc", SCTP_PORT, "SCTP")])
         cluster.serve(server.ns, 81, cluster.folder / "server-81.log")
-        udp = [PYTHON, str(ECHO), "serve", "::", str(UDP_PORT), "udp"]
-        cluster.spawn(["ip", "netns", "exec", server.ns, *udp], cluster.folder / "server-udp.log")
+        served = [("udp", UDP_PORT), *([("sctp", SCTP_PORT)] if SCTP_SOCKETS else [])]
+        for proto, port in served:
+            serve = [PYTHON, str(ECHO), "serve", "::", str(port), proto]
+            log = cluster.folder / f"server-{proto}.log"
+            cluster.spawn(["ip", "netns", "exec", server.ns, *serve], log)
         near = _pod(cluster, x, "a", "near", [])
         far = _pod(cluster, y, "c", "far", [("web", 80, "TCP")])
         yield World(cluster, x, y, server, near, far)
@@ -735,6 +741,30 @@ def test_baseline_applies_only_to_pods_no_networkpolicy_isolates(
     peer = {"namespaceSelector": {}}
     apply(world, policies, {"podSelector": SERVER, "ingress": [{"from": [peer]}]})
     settles(world.far, world.server.address(4), 80, allowed=True)
+
+
+@pytest.mark.skipif(not SCTP_SOCKETS, reason="no SCTP sockets here; tests/vm runs it")
+def test_sctp_is_judged_by_protocol_and_port_by_both_policy_apis(
+    world: World, policies: list[str]
+) -> None:
+    """SCTP associations, by packets: a NetworkPolicy port without a protocol is TCP's, one
+    naming SCTP lets the association in, and an admin Deny of SCTP outranks it."""
+    server = world.server.address(4)
+    assert reaches(world.far, server, SCTP_PORT, "sctp")
+    apply(world, policies, {"podSelector": SERVER, "ingress": [{"ports": [{"port": SCTP_PORT}]}]})
+    settles(world.far, server, SCTP_PORT, allowed=False, proto="sctp")
+    sctp = {"port": SCTP_PORT, "protocol": "SCTP"}
+    apply(world, policies, {"podSelector": SERVER, "ingress": [{"ports": [sctp]}]})
+    settles(world.far, server, SCTP_PORT, allowed=True, proto="sctp")
+    assert reaches(world.far, world.server.address(6), SCTP_PORT, "sctp")
+    assert not reaches(world.far, server, 80), "the policies let in SCTP alone"
+    denied = {
+        **from_namespace("Deny", world.y),
+        "protocols": [{"sctp": {"destinationPort": {"number": SCTP_PORT}}}],
+    }
+    apply_cluster_policy(world, policies, "Admin", 10, ingress=[denied])
+    settles(world.far, server, SCTP_PORT, allowed=False, proto="sctp")
+    assert reaches(world.near, server, SCTP_PORT, "sctp"), "the Deny names the far namespace"
 
 
 def test_admin_egress_to_networks_and_ports(world: World, policies: list[str]) -> None:

@@ -157,6 +157,42 @@ def test_cleanup_kube_proxy_removes_its_leftovers(proxy_node: ProxyNode) -> None
         proxy_node.restart()
 
 
+@pytest.mark.skipif(
+    not Path("/proc/net/ip_vs").exists(),
+    reason="this kernel has no IPVS (CONFIG_IP_VS off); the VM node runs this test (tests/vm)",
+)
+def test_ipvs_mode_restart_keeps_connections_and_cleanup_removes_all_it_made(
+    control_plane: ControlPlane,
+    make_netns: Callable[[str], Netns],
+    tmp_path: Path,
+    kube: Kube,
+) -> None:
+    """Stopped, the IPVS mode leaves the kernel serving; started again, its full sync adopts
+    the virtual servers without breaking a held connection; `--cleanup` then removes its
+    virtual servers, dummy link, sets and chains."""
+    node_ns = make_netns("ipvs-node")
+    with running_proxy_node(control_plane, kube, node_ns, make_netns, tmp_path, "ipvs") as proxy:
+        backend = proxy.add_pod("ipvs-backend", (8080, "tcp"))
+        ip = make_service(kube, proxy, backend, "ipvs-held")
+        client = proxy.add_pod("ipvs-client")
+        eventually(lambda: client.ns.exchange(ip, 80))
+        with HeldConnection(client.ns.name, ip, 80) as held:
+            proxy.stop()
+            assert f"{ip} TCP 80" in proxy.rules(), "stopping leaves the virtual server in place"
+            assert held.exchange("while stopped")
+            proxy.start()
+            assert held.exchange("after the restart's full sync")
+            assert client.ns.exchange(ip, 80), "and new connections are served"
+        proxy.stop()
+        proxy.ns.run(
+            sys.executable, "-m", "proxyd", "--cleanup", env={**os.environ, **checkout_path()}
+        )
+        left = proxy.rules()
+        assert ip not in left and "KNIT" not in left, left
+        assert "knit-ipvs0" not in proxy.ns.run("ip", "link").stdout
+        assert not client.ns.reaches(ip, 80), "nothing serves the address any more"
+
+
 def test_the_node_iptables_flavour_is_followed(
     control_plane: ControlPlane,
     make_netns: Callable[[str], Netns],

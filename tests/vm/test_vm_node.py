@@ -1,7 +1,8 @@
 """The VM node's proofs, on Debian's kernel (IPVS and SCTP, which the development kernel
 lacks): the kernel holds IPVS virtual servers and carries SCTP; the IPVS namespace tests pass
-inside the VM, and so does the Service behaviour suite in the IPVS mode (long: KNIT_VM=all);
-and knit-proxyd, run in the VM against the real API server, sends TCP and SCTP through a
+inside the VM, and so do the IPVS mode's restart and clean-up test, and (long: KNIT_VM=all)
+the Service behaviour suite in the IPVS mode and the policy suite's SCTP test; and
+knit-proxyd, run in the VM against the real API server, sends TCP and SCTP through a
 ClusterIP and a NodePort to a pod in the VM, in each proxy mode."""
 
 from __future__ import annotations
@@ -95,22 +96,17 @@ def test_the_ipvs_namespace_tests_pass_in_the_vm(vm: VmNode) -> None:
         assert f"{name} PASSED" in result.stdout
 
 
-@pytest.mark.vm_long
-@pytest.mark.timeout(1800)
-def test_the_proxy_service_tests_pass_in_the_vm_in_the_ipvs_mode(vm: VmNode, world: World) -> None:
-    """tests/integration/test_proxy_services.py, the module that proves each Service behaviour
-    by packets in the iptables and nftables modes on the development kernel, run by pytest
-    inside the VM in the IPVS mode: against the host's API server (KNIT_CONTROL_PLANE, the
-    state dir api_access wrote), its pods attached by a plugin directory made for the VM's
-    interpreter (KNIT_PLUGIN_DIR)."""
+def pytest_in_vm(vm: VmNode, *arguments: str) -> str:
+    """pytest run by the VM's interpreter on the checkout, verbose: against the host's API
+    server (KNIT_CONTROL_PLANE, the state dir api_access wrote), its pods attached by a plugin
+    directory made for the VM's interpreter (KNIT_PLUGIN_DIR); its output, once it passed."""
     vm.run(
         PYTHON, "-m", "deploy.lab.plugin_dir",
         "--output", VM_PLUGIN_DIR, "--client", str(PLUGIN_DIR / "knit"),
         cwd=str(ROOT),
     )  # fmt: skip
     result = vm.run(
-        PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-k", "ipvs",
-        "tests/integration/test_proxy_services.py",
+        PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-v", *arguments,
         cwd=str(ROOT), timeout=1800, check=False,
         env={
             "KNIT_CONTROL_PLANE": CONTROL_PLANE,
@@ -119,8 +115,36 @@ def test_the_proxy_service_tests_pass_in_the_vm_in_the_ipvs_mode(vm: VmNode, wor
         },
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-8000:]
-    passed = re.findall(r"::(\w+)\[ipvs\] PASSED", result.stdout)
-    assert len(passed) >= 20, result.stdout[-8000:]
+    return result.stdout
+
+
+@pytest.mark.vm_long
+@pytest.mark.timeout(1800)
+def test_the_proxy_service_tests_pass_in_the_vm_in_the_ipvs_mode(vm: VmNode, world: World) -> None:
+    """tests/integration/test_proxy_services.py, the module that proves each Service behaviour
+    by packets in the iptables and nftables modes on the development kernel, in the IPVS
+    mode."""
+    printed = pytest_in_vm(vm, "-k", "ipvs", "tests/integration/test_proxy_services.py")
+    assert len(re.findall(r"::(\w+)\[ipvs\] PASSED", printed)) >= 20, printed[-8000:]
+
+
+@pytest.mark.timeout(900)
+def test_the_ipvs_modes_restart_and_cleanup_pass_in_the_vm(vm: VmNode, world: World) -> None:
+    """tests/integration/test_proxy_lifecycle.py's IPVS test: a restart's full sync keeps a
+    held connection, and `--cleanup` removes every virtual server, set, chain and link."""
+    printed = pytest_in_vm(vm, "-k", "ipvs", "tests/integration/test_proxy_lifecycle.py")
+    assert "test_ipvs_mode_restart_keeps_connections_and_cleanup_removes_all_it_made PASSED" in (
+        printed
+    )
+
+
+@pytest.mark.vm_long
+@pytest.mark.timeout(1800)
+def test_the_sctp_policy_test_passes_in_the_vm(vm: VmNode, world: World) -> None:
+    """tests/integration/test_network_policy.py's SCTP test, on a two-node lab inside the VM:
+    NetworkPolicy and ClusterNetworkPolicy judge SCTP associations by protocol and port."""
+    printed = pytest_in_vm(vm, "-k", "sctp", "tests/integration/test_network_policy.py")
+    assert "test_sctp_is_judged_by_protocol_and_port_by_both_policy_apis PASSED" in printed
 
 
 @dataclass
