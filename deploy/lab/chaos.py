@@ -89,12 +89,8 @@ class Client:
             stamp, _, said = line.partition(" ")
             outcome, _, error = said.partition(" ")
             if outcome in ("ok", "failed", "broken"):
-                found.append((float(stamp), outcome, error))
+                found.append((float(stamp), outcome, error.partition(" ")[0]))
         return found
-
-
-def _url(address: str, port: int) -> str:
-    return f"http://[{address}]:{port}/" if ":" in address else f"http://{address}:{port}/"
 
 
 class SteadyClients:
@@ -115,8 +111,8 @@ class SteadyClients:
         names = list(self.lab.nodes)
         following = self.lab.nodes[names[(names.index(node) + 1) % len(names)]]
         targets = (
-            ("http", [_url(self.cluster_ip, self.http_port)]),
-            ("http", [_url(following.addresses[0], self.node_port)]),
+            ("http", [self.cluster_ip, str(self.http_port)]),
+            ("http", [following.addresses[0], str(self.node_port)]),
             ("udp", [self.cluster_ip, str(self.udp_port)]),
             ("hold", [self.cluster_ip, str(self.http_port)]),
             ("hold", [following.addresses[0], str(self.node_port)]),

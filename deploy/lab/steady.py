@@ -2,7 +2,10 @@
 namespace. Each writes one line per attempt, `TIME OUTCOME` (TIME in wall-clock seconds), so
 its failures can be placed beside faults injected at known times:
 
-- `http URL`: a new connection per request, 2 s to answer; `ok` or `failed ERROR`;
+- `http HOST PORT`: a new connection per request (HTTP/1.0 GET /hostname), 2 s for each step;
+  `ok` or `failed ERROR/STEP from port N`, STEP being `connect` (no SYN-ACK: the SYN or its
+  answer was lost) or `answer` (connected, then no whole answer in time), N the source port,
+  to find the attempt in a capture or a conntrack listing;
 - `udp HOST PORT`: a datagram to agnhost netexec's UDP server from one source port held for the
   whole run, 1 s to answer; `ok` or `failed ERROR`. One source port keeps one conntrack entry,
   so an entry left pointing at a deleted endpoint shows as failures that never end;
@@ -10,18 +13,18 @@ its failures can be placed beside faults injected at known times:
   or `broken` when it stops answering, after which a new connection is opened.
 
 ERROR names how an attempt failed (TimeoutError: no answer, ConnectionRefusedError: a reject
-or a reset at once, ...), which tells a rule that drops from one that rejects.
+or a reset at once, ...), which tells a rule that drops from one that rejects; the report
+counts failures by it (what follows it is detail).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 
 INTERVAL = 0.1
 HOLD_INTERVAL = 0.5
@@ -33,19 +36,25 @@ def _say(outcome: str) -> None:
 
 
 def _failed(err: OSError) -> None:
-    # urllib wraps a connection's error in a URLError, whose reason is the error itself
-    cause = err.reason if isinstance(err, urllib.error.URLError) else err
-    _say(f"failed {type(cause).__name__}")
+    _say(f"failed {type(err).__name__}")
 
 
-def http_loop(url: str) -> None:
+def http_loop(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    request = f"GET /hostname HTTP/1.0\r\nHost: {host}\r\n\r\n".encode()
     while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as answer:
-                answer.read()
-            _say("ok")
-        except OSError as err:
-            _failed(err)
+        step = "connect"
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(2.0)
+            try:
+                sock.connect((host, port))
+                step = "answer"
+                sock.sendall(request)
+                answer = b"".join(iter(lambda: sock.recv(4096), b""))
+                status = answer.split(maxsplit=2)[1:2]
+                _say("ok" if status and status[0].startswith(b"2") else f"failed HTTPError/{step}")
+            except OSError as err:
+                _say(f"failed {type(err).__name__}/{step} from port {sock.getsockname()[1]}")
         time.sleep(INTERVAL)
 
 
@@ -83,15 +92,12 @@ def hold(host: str, port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("kind", choices=["http", "udp", "hold"])
-    parser.add_argument("target", nargs="+", help="URL (http) or HOST PORT (udp, hold)")
+    parser.add_argument("host")
+    parser.add_argument("port", type=int)
     options = parser.parse_args()
-    try:
-        if options.kind == "http":
-            http_loop(options.target[0])
-        host, port = options.target
-        (udp_loop if options.kind == "udp" else hold)(host, int(port))
-    except KeyboardInterrupt:
-        pass
+    loops = {"http": http_loop, "udp": udp_loop, "hold": hold}
+    with contextlib.suppress(KeyboardInterrupt):
+        loops[options.kind](options.host, options.port)
 
 
 if __name__ == "__main__":
