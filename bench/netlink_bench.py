@@ -40,7 +40,7 @@ from cni.kernel.addresses import link_addresses
 from deploy.lab.conntrack_entries import add_entry
 from deploy.lab.netns import Netns, namespaces
 from deploy.lab.process import exit_on_termination
-from proxyd.conntrack import UdpFrontends, clear_stale
+from proxyd.conntrack import Frontends, clear_stale
 from proxyd.ipvs import dummy, names
 from proxyd.nodenet.route_plan import NodeNet, check_peers, plan_routes
 from proxyd.nodenet.routes import NTF_SELF, VXLAN_DEVICE, RouteTable
@@ -116,7 +116,7 @@ def add_entries(ct: Conntrack, indices: range) -> None:
         add_entry(ct, socket.AF_INET, host(index, "10.1"), DNS, reply_from[0])
 
 
-def pyroute2_clean(ct: Conntrack, frontends: UdpFrontends) -> int:
+def pyroute2_clean(ct: Conntrack, frontends: Frontends) -> int:
     """The clean-up as it was before it read the entries with struct: pyroute2 dumps each
     frontend port's UDP entries (the kernel filters), decodes them, and deletes the stale ones."""
     stale = [
@@ -134,9 +134,9 @@ def pyroute2_clean(ct: Conntrack, frontends: UdpFrontends) -> int:
 
 
 def conntrack(node: Netns, count: int, rounds: int, figures: Figures) -> None:
-    both = UdpFrontends(4, by_address={DNS: {ENDPOINT, GONE}})
-    other = UdpFrontends(4, by_address={("10.96.0.11", 5353): {ENDPOINT}})
-    one = UdpFrontends(4, by_address={DNS: {ENDPOINT}})
+    both = Frontends(4, by_address={DNS: {ENDPOINT, GONE}})
+    other = Frontends(4, by_address={("10.96.0.11", 5353): {ENDPOINT}})
+    one = Frontends(4, by_address={DNS: {ENDPOINT}})
     with node.entered(), Conntrack() as ct:
         began = time.monotonic()
         add_entries(ct, range(count))

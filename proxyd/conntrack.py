@@ -7,12 +7,12 @@ frontend and whose reply source is not one of that frontend's endpoints are dele
 covers both an endpoint going away and a service gaining endpoints after having none (the
 entry then points at the frontend itself).
 
-TCP and SCTP entries are left alone but for one kind: a connection opened to a frontend before
-the proxy wrote its rules went out not DNATed (routed away, where nothing answers), and its
-entry, never answered, lives on (TCP's SYN_SENT for 120 s). A later connection from the same
-client reusing that source port to that frontend matches the entry and goes the same way. So,
-once a frontend's rules are written for the first time, its entries that saw no reply and were
-not DNATed are deleted: no working connection is one of them.
+TCP and SCTP entries to those frontends are deleted on the same test, but only while they saw
+no reply, so no working connection is one of them. A connection attempt that got no answer
+leaves an entry (TCP's SYN_SENT lives 120 s): one made before the proxy wrote the frontend's
+rules (not DNATed, routed away), or one DNATed to an endpoint that was going away. A later
+attempt from the same client reusing that source port for that frontend matches the entry
+and goes where the first went, to time out as well.
 
 The kernel picks the entries to look at: one dump per frontend port, filtered on it
 (CTA_FILTER, Linux 5.8 and later), costs a walk of the whole table in the kernel, far less
@@ -101,8 +101,9 @@ class Entry:
 
 
 @dataclass
-class UdpFrontends:
-    """Service frontends of one family and the endpoints that may answer for them."""
+class Frontends:
+    """Service frontends of one family and protocol, and the endpoints that may answer for
+    them."""
 
     family: int
     by_address: dict[Address, set[Address]] = field(default_factory=dict)
@@ -244,21 +245,19 @@ def udp_entries(
 
 
 def unanswered_entries(
-    sock: NetlinkSocket, address_family: int, protocol: int, frontends: Collection[Address]
+    sock: NetlinkSocket,
+    address_family: int,
+    protocol: int,
+    keep: Callable[[Address, Address], bool],
 ) -> list[Entry]:
-    """The family's entries of `protocol` to one of `frontends` that saw no reply and were not
-    DNATed (their reply comes from the frontend itself)."""
+    """The family's entries of `protocol` that saw no reply and whose original destination and
+    reply source `keep` keeps."""
 
     def read(found: dict[int, memoryview]) -> Entry | None:
         number, destination = tuple_end(found.get(CTA_TUPLE_ORIG), address_family, DESTINATION)
         _, reply_source = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
         status = U32.unpack(found[CTA_STATUS])[0] if CTA_STATUS in found else IPS_SEEN_REPLY
-        if (
-            number != protocol
-            or status & IPS_SEEN_REPLY
-            or reply_source != destination
-            or destination not in frontends
-        ):
+        if number != protocol or status & IPS_SEEN_REPLY or not keep(destination, reply_source):
             return None
         return Entry(destination, reply_source, identity(found, address_family))
 
@@ -389,7 +388,7 @@ def forget_addresses(addresses: Iterable[str]) -> int:
     return deleted
 
 
-def clear_stale(frontends: UdpFrontends) -> int:
+def clear_stale(frontends: Frontends) -> int:
     """Delete the stale UDP entries; returns how many were deleted."""
     if not frontends:
         return 0
@@ -402,15 +401,15 @@ def clear_stale(frontends: UdpFrontends) -> int:
         return delete(sock, stale, "stale UDP")
 
 
-def clear_unanswered(family: int, frontends: dict[int, set[Address]]) -> int:
-    """Delete the entries to these frontends (by protocol number) that saw no reply and were
-    not DNATed: one dump per protocol; returns how many were deleted."""
-    address_family = ADDRESS_FAMILIES[family]
+def clear_unanswered(frontends: dict[int, Frontends]) -> int:
+    """Delete the entries of each protocol's frontends (TCP, SCTP: by protocol number; one
+    family) that saw no reply and that none of the frontend's endpoints answers: one dump per
+    protocol; returns how many were deleted."""
     with NetlinkSocket(NETLINK_NETFILTER) as sock:
         unanswered = [
             entry.delete_request
-            for protocol, addresses in frontends.items()
-            if addresses
-            for entry in unanswered_entries(sock, address_family, protocol, addresses)
+            for protocol, of in frontends.items()
+            if of
+            for entry in unanswered_entries(sock, of.address_family, protocol, of.stale)
         ]
         return delete(sock, unanswered, "never answered")

@@ -1,6 +1,6 @@
 """What every datapath shares: which service ports changed, their plans per family, when a
 sync must be full, Local-policy and health-check bookkeeping, and conntrack clean-up (stale UDP
-entries; never-answered entries to a frontend that just got its rules).
+entries, and TCP and SCTP ones that got no answer).
 
 A datapath subclasses Proxier and implements `_program` (write one family's changes to the
 kernel) and `cleanup`, and `_rehearse` where the kernel offers a dry run.
@@ -167,8 +167,6 @@ class Proxier(ABC):
             ctx = self.context(family, node, changes.service_cidrs)
             family_full = full or not self._in_sync[family]
             plans = self._plans[family]
-            # Before the plans change in place: which frontends already had rules.
-            written = _address_frontends(plans, plans if family_full else changed)
             if family_full:
                 plans = self._plan_all(ctx)
                 touched = set(plans) | set(self._plans[family])
@@ -198,9 +196,9 @@ class Proxier(ABC):
             self._in_sync[family] = True
             self._plans[family] = plans
             self._track_no_local(family, plans, touched)
-            udp = plans.values() if family_full else (plans[n] for n in fresh if n in plans)
-            self._clear_udp(family, [plan for plan in udp if plan.port.protocol == "UDP"])
-            self._clear_unanswered(family, _address_frontends(plans, touched) - written)
+            self._clear_conntrack(
+                family, plans.values() if family_full else [plans[n] for n in fresh if n in plans]
+            )
             elapsed = time.monotonic() - start
             self._record_sync(metrics, family, wrote or family_full, elapsed, changes)
         if failed:
@@ -274,52 +272,41 @@ class Proxier(ABC):
         """Every endpoint of the port, of both families, whatever its conditions."""
         return self._views[(port.name.namespace, port.name.name)].endpoints[port]
 
-    def _clear_udp(self, family: int, plans: list[PortPlan]) -> None:
-        """Delete the UDP conntrack entries of these ports' frontends whose reply comes from
+    def _clear_conntrack(self, family: int, plans: Iterable[PortPlan]) -> None:
+        """Delete the conntrack entries of these ports' frontends whose reply comes from
         anything but a serving endpoint (whatever the policies, topology or termination say,
-        as kube-proxy does: a flow to a serving endpoint is left to finish)."""
-        frontends = conntrack.UdpFrontends(family)
+        as kube-proxy does: a flow to a serving endpoint is left to finish): every UDP one, and
+        the TCP and SCTP ones that saw no reply (see conntrack.py)."""
+        by_protocol: dict[str, conntrack.Frontends] = {}
         for plan in plans:
+            frontends = by_protocol.setdefault(plan.port.protocol, conntrack.Frontends(family))
             allowed = {(e.ip, e.port) for e in self._endpoints(plan.port) if e.serving}
             for ip in (plan.cluster_ip, *plan.external_ips, *plan.load_balancer_ips):
                 frontends.by_address[(ip, plan.port.port)] = allowed
             if plan.port.node_port:
                 frontends.by_node_port[plan.port.node_port] = allowed
-        if frontends:
-            start = time.monotonic()
-            try:
-                if frontends.by_node_port:
-                    frontends.local_addresses = {a.address for a in self.link_addresses(family)}
-                deleted = conntrack.clear_stale(frontends)
-            except OSError as err:  # the rules stay written, as in kube-proxy
-                log.warning("UDP conntrack clean-up failed (IPv%d): %s", family, err)
-                return
-            metrics = self.metrics.for_family(family)
-            metrics.conntrack_sync_duration.observe(time.monotonic() - start)
-            metrics.conntrack_deleted.inc(deleted)
-            if deleted:
-                log.info("deleted %d stale UDP conntrack entries (IPv%d)", deleted, family)
-
-    def _clear_unanswered(self, family: int, frontends: set[tuple[int, conntrack.Address]]) -> None:
-        """Delete the TCP and SCTP conntrack entries to these frontends, just given rules, that
-        saw no reply and were not DNATed (see conntrack.py)."""
-        if not frontends:
+        if not by_protocol:
             return
-        by_protocol: dict[int, set[conntrack.Address]] = {}
-        for protocol, address in frontends:
-            by_protocol.setdefault(protocol, set()).add(address)
+        start = time.monotonic()
         try:
-            deleted = conntrack.clear_unanswered(family, by_protocol)
-        except OSError as err:
-            log.warning("conntrack clean-up of new frontends failed (IPv%d): %s", family, err)
+            if any(frontends.by_node_port for frontends in by_protocol.values()):
+                local = {a.address for a in self.link_addresses(family)}
+                for frontends in by_protocol.values():
+                    frontends.local_addresses = local
+            udp = by_protocol.pop("UDP", None)
+            deleted = conntrack.clear_stale(udp) if udp else 0
+            if by_protocol:
+                deleted += conntrack.clear_unanswered(
+                    {PROTOCOL_NUMBERS[name]: frontends for name, frontends in by_protocol.items()}
+                )
+        except OSError as err:  # the rules stay written, as in kube-proxy
+            log.warning("conntrack clean-up failed (IPv%d): %s", family, err)
             return
-        self.metrics.for_family(family).conntrack_deleted.inc(deleted)
+        metrics = self.metrics.for_family(family)
+        metrics.conntrack_sync_duration.observe(time.monotonic() - start)
+        metrics.conntrack_deleted.inc(deleted)
         if deleted:
-            log.info(
-                "deleted %d never-answered conntrack entries to new frontends (IPv%d)",
-                deleted,
-                family,
-            )
+            log.info("deleted %d stale conntrack entries (IPv%d)", deleted, family)
 
     def _health_checks(self, node_name: str) -> dict[int, tuple[str, str, int]]:
         """healthCheckNodePort -> its service and the ready endpoints the service has on this
@@ -353,23 +340,8 @@ class Proxier(ABC):
                 external.add(name)
 
 
-CONNECTED_PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "SCTP": socket.IPPROTO_SCTP}
-
-
-def _address_frontends(
-    plans: Plans, names: Iterable[ServicePortName]
-) -> set[tuple[int, conntrack.Address]]:
-    """(protocol number, (address, port)) of the TCP and SCTP address frontends (cluster IP,
-    external IPs, load-balancer IPs) of the named ports' plans."""
-    found: set[tuple[int, conntrack.Address]] = set()
-    for name in names:
-        plan = plans.get(name)
-        protocol = CONNECTED_PROTOCOLS.get(plan.port.protocol) if plan is not None else None
-        if plan is None or protocol is None:
-            continue
-        for ip in (plan.cluster_ip, *plan.external_ips, *plan.load_balancer_ips):
-            found.add((protocol, (ip, plan.port.port)))
-    return found
+PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "SCTP": socket.IPPROTO_SCTP}
+"""The protocols whose never-answered entries the clean-up deletes."""
 
 
 def _only(plans: Plans, names: Iterable[ServicePortName]) -> Plans:

@@ -19,7 +19,7 @@ from cni.kernel.rawnetlink import NETLINK_NETFILTER, NetlinkSocket, RawNetlinkEr
 from deploy.lab.conntrack_entries import add_entry
 from deploy.lab.netns import Netns
 from proxyd import conntrack
-from proxyd.conntrack import UdpFrontends, clear_stale
+from proxyd.conntrack import Frontends, clear_stale
 
 NODE_PORT = 30053
 ADDRESSES = {
@@ -65,7 +65,7 @@ def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
     family = socket.AF_INET if version == 4 else socket.AF_INET6
     client = [f"{at['client']}{i}" for i in range(1, 8)]
     node = make_netns("conntrack")
-    frontends = UdpFrontends(
+    frontends = Frontends(
         version,
         by_address={(at["cluster_ip"], 53): {(at["endpoint"], 53)}},
         by_node_port={NODE_PORT: {(at["endpoint"], 53)}},
@@ -75,7 +75,7 @@ def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
     expected_ports = [53, NODE_PORT] if per_port else [None]
     assert frontends.dump_ports(lambda: 7) == expected_ports
     assert frontends.dump_ports(lambda: conntrack.KERNEL_WALK_BUDGET) == [None]
-    one_port = UdpFrontends(version, by_address=frontends.by_address)
+    one_port = Frontends(version, by_address=frontends.by_address)
     assert one_port.dump_ports(lambda: conntrack.KERNEL_WALK_BUDGET + 1) == (
         [53] if per_port else [None]
     ), "one port's dump walks the table as the family's would"
@@ -166,28 +166,37 @@ def test_a_new_pod_address_loses_every_entry_from_or_to_it_and_no_other(
 
 
 @pytest.mark.parametrize("version", [4, 6], ids=["IPv4", "IPv6"])
-def test_a_new_frontends_never_answered_entries_that_were_not_dnated_go_and_no_other(
+def test_never_answered_tcp_and_sctp_entries_no_endpoint_serves_go_and_no_other(
     make_netns: Callable[[str], Netns], version: int
 ) -> None:
-    """A connection opened to a frontend before its rules were written went out not DNATed;
-    once the rules are there, its entry goes, and nothing that was answered or DNATed."""
+    """An attempt that got no answer, sent before the frontend's rules were written (not
+    DNATed) or to an endpoint since gone, leaves an entry that a later attempt from the same
+    source port would follow: it goes; what was answered, or DNATed to a serving endpoint
+    (its SYN-ACK on the way), stays."""
     at = ADDRESSES[version]
     family = socket.AF_INET if version == 4 else socket.AF_INET6
-    cluster_ip, endpoint = at["cluster_ip"], at["endpoint"]
-    client = [f"{at['client']}{i}" for i in range(1, 7)]
+    cluster_ip, endpoint, gone = at["cluster_ip"], at["endpoint"], at["gone"]
+    client = [f"{at['client']}{i}" for i in range(1, 9)]
     tcp, sctp, udp = socket.IPPROTO_TCP, socket.IPPROTO_SCTP, socket.IPPROTO_UDP
     node = make_netns("conntrack")
     with node.entered(), Conntrack(nfgen_family=family) as ct:
         for who, proto, reply_from, reply_port, answered in [
-            (client[0], tcp, cluster_ip, 80, False),  # goes
+            (client[0], tcp, cluster_ip, 80, False),  # goes: not DNATed
             (client[1], sctp, cluster_ip, 80, False),  # goes
-            (client[2], tcp, cluster_ip, 80, True),  # answered: a host owns the address
-            (client[3], tcp, endpoint, 8080, False),  # DNATed, its SYN-ACK on the way
-            (client[4], udp, cluster_ip, 80, False),  # UDP: the stale clean-up's
+            (client[2], tcp, gone, 8080, False),  # goes: DNATed to an endpoint since gone
+            (client[3], tcp, cluster_ip, 80, True),  # answered: a host owns the address
+            (client[4], tcp, gone, 8080, True),  # answered: a connection left to end
+            (client[5], tcp, endpoint, 8080, False),  # DNATed to a serving endpoint
+            (client[6], udp, cluster_ip, 80, False),  # UDP: the stale clean-up's
         ]:
             add_entry(ct, family, who, (cluster_ip, 80), reply_from, 0, proto, reply_port, answered)
-        add_entry(ct, family, client[5], (cluster_ip, 81), cluster_ip, proto=tcp, reply_port=81)
-        frontends = {tcp: {(cluster_ip, 80)}, sctp: {(cluster_ip, 80)}}
-        assert conntrack.clear_unanswered(version, frontends) == 2
+        add_entry(ct, family, client[7], (cluster_ip, 81), cluster_ip, proto=tcp, reply_port=81)
+        serving = {(cluster_ip, 80): {(endpoint, 8080)}}
+        frontends = {
+            tcp: Frontends(version, by_address=serving),
+            sctp: Frontends(version, by_address=serving),
+        }
+        assert conntrack.clear_unanswered(frontends) == 3
         left = {(e.tuple_orig.saddr, e.tuple_orig.dport) for e in ct.dump_entries()}
-        assert left == {(client[2], 80), (client[3], 80), (client[4], 80), (client[5], 81)}
+        kept = {(client[i], 80) for i in (3, 4, 5, 6)}
+        assert left == {*kept, (client[7], 81)}

@@ -737,6 +737,7 @@ def test_sync_after_a_change_is_partial(proxy_node: ProxyNode, kube: Kube) -> No
 
 EARLY_CLUSTER_IP = "10.96.200.200"
 EARLY_SOURCE_PORT = 45123
+"""The source port a test's attempt that gets no answer is made from, then reused."""
 
 
 def test_a_connection_tried_before_a_cluster_ips_rules_leaves_its_source_port_usable(
@@ -753,6 +754,31 @@ def test_a_connection_tried_before_a_cluster_ips_rules_leaves_its_source_port_us
     create_backed(kube, "early", endpoints=backed, clusterIP=EARLY_CLUSTER_IP)
     eventually(lambda: client.exchange(EARLY_CLUSTER_IP, 80))
     assert connect_outcome(client, EARLY_CLUSTER_IP, 80, EARLY_SOURCE_PORT) == "open"
+
+
+GONE_ENDPOINT = "10.244.2.250"
+"""On another node's range, which the outside host has no route to: nothing answers it."""
+
+
+def test_an_attempt_to_an_endpoint_since_gone_leaves_its_source_port_usable(
+    proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
+) -> None:
+    """A SYN DNATed to an endpoint that no longer answers (its node rebooting, say, the
+    EndpointSlice not yet changed) gets no answer, and its entry stays (SYN_SENT, 120 s). Once
+    the slice names a serving endpoint instead, the same client reusing that source port for
+    that ClusterIP reaches it: the entry went with the change."""
+    client = pods["client"].ns
+    svc = create_backed(kube, "moving", endpoints=[endpoint(pods["a"].address(), proxy_node.name)])
+    ip = svc["spec"]["clusterIP"]
+    eventually(lambda: client.exchange(ip, 80))
+    kube.patch(f"{SLICES}/moving-ipv4", {"endpoints": [endpoint(GONE_ENDPOINT, REMOTE_NODE)]})
+    eventually(lambda: connect_outcome(client, ip, 80, timeout=1) != "open")
+    assert connect_outcome(client, ip, 80, EARLY_SOURCE_PORT, timeout=1) != "open"
+    kube.patch(
+        f"{SLICES}/moving-ipv4", {"endpoints": [endpoint(pods["b"].address(), proxy_node.name)]}
+    )
+    eventually(lambda: client.exchange(ip, 80))
+    assert connect_outcome(client, ip, 80, EARLY_SOURCE_PORT) == "open"
 
 
 def test_full_syncs_keep_every_connection_flowing(

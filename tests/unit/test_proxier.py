@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from proxyd import proxier as proxier_module
-from proxyd.conntrack import Address, UdpFrontends
+from proxyd.conntrack import Frontends
 from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, ServicePort, ServicePortName
 from proxyd.port_plan import FamilyContext
@@ -84,9 +84,9 @@ def test_health_check_counts_ready_local_endpoints_over_the_services_ports() -> 
 
 
 def test_udp_flows_to_any_serving_endpoint_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    cleared: list[UdpFrontends] = []
+    cleared: list[Frontends] = []
 
-    def clear_stale(frontends: UdpFrontends) -> int:
+    def clear_stale(frontends: Frontends) -> int:
         cleared.append(frontends)
         return 2
 
@@ -148,18 +148,22 @@ def test_each_family_records_its_own_sync_metrics_as_kube_proxys_per_family_prox
     assert sample(proxier, no_local, 6, traffic_policy="internal") == 0
 
 
-def test_only_frontends_getting_their_first_rules_lose_their_never_answered_entries(
-    unanswered_cleared: list[tuple[int, dict[int, set[Address]]]],
+def test_tcp_frontends_of_changed_ports_lose_entries_no_serving_endpoint_answered(
+    unanswered_cleared: list[dict[int, Frontends]],
 ) -> None:
     tcp = socket.IPPROTO_TCP
     proxier = RecordingProxier((4,))
     proxier.sync(changes((PORT, READY)))
-    assert unanswered_cleared == [(4, {tcp: {("10.96.0.10", 80)}})]
-    external = dataclasses.replace(PORT, external_ips=("203.0.113.9",))
-    proxier.sync(changes((external, (*READY, Endpoint("10.244.1.9", 8080)))))
-    assert unanswered_cleared[1:] == [(4, {tcp: {("203.0.113.9", 80)}})]
-    proxier.sync(Changes(services={}, node=dataclasses.replace(NODE, zone="zone-b")))
-    assert len(unanswered_cleared) == 2, "a full sync of the same frontends deletes nothing"
+    [first] = unanswered_cleared
+    assert first[tcp].by_address == {
+        ("10.96.0.10", 80): {("10.244.1.5", 8080), ("10.244.2.5", 8080)}
+    }
+    assert first[tcp].stale(("10.96.0.10", 80), ("10.96.0.10", 80)), "not DNATed"
+    assert not first[tcp].stale(("10.96.0.10", 80), ("10.244.1.5", 8080))
+    proxier.sync(changes((PORT, READY[:1])))
+    assert unanswered_cleared[1][tcp].stale(("10.96.0.10", 80), ("10.244.2.5", 8080)), "gone"
+    proxier.sync(Changes(services={}, node=NODE))
+    assert len(unanswered_cleared) == 2, "a sync that changes no port cleans nothing"
     udp = dataclasses.replace(PORT, name=dataclasses.replace(NAME, port="dns", protocol="UDP"))
-    proxier.sync(changes((external, READY), (udp, READY)))
+    proxier.sync(changes((udp, READY)))
     assert len(unanswered_cleared) == 2, "UDP entries are the stale clean-up's"
