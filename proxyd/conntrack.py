@@ -20,7 +20,8 @@ per entry than reading an entry of the dump here costs
 (docs/benchmarks.md#netlink-make-bench-netlink). Past
 FILTERED_DUMPS_UP_TO ports (a full sync of many UDP services), past KERNEL_WALK_BUDGET entries
 walked in all by two or more dumps (a table of mostly TCP entries), or on a kernel that ignores
-the filter, one dump of the family's UDP entries is asked for instead. An entry is deleted by
+the filter, one dump of the family's entries of the protocol is asked for instead (for TCP
+and SCTP, of unanswered ones: any pod can fill the table with unanswered attempts elsewhere). An entry is deleted by
 its original tuple, zone and id as the dump gave them, so an entry of another conntrack zone
 goes too and a newer entry that took the tuple meanwhile stays.
 """
@@ -138,11 +139,14 @@ class Frontends:
 
 
 def dump_request(
-    address_family: int, port: int | None, protocol: int = socket.IPPROTO_UDP
+    address_family: int,
+    port: int | None,
+    protocol: int = socket.IPPROTO_UDP,
+    unanswered: bool = False,
 ) -> bytes:
-    """A dump request for the family's entries of `protocol` (to `port`), filtered by the
-    kernel (Linux 5.8 and later; older ones skip the attribute they do not know, and entries are
-    checked again as read)."""
+    """A dump request for the family's entries of `protocol` (to `port`; `unanswered`: that saw
+    no reply), filtered by the kernel (the tuple Linux 5.8 and later, the status 5.19 and later;
+    older ones skip the attributes they do not know, and entries are checked again as read)."""
     proto = attribute(CTA_PROTO_NUM, bytes([protocol]))
     flags = FILTER_PROTO_NUM
     if port is not None:
@@ -150,20 +154,17 @@ def dump_request(
         flags |= FILTER_DST_PORT
     tuple_orig = attribute(CTA_TUPLE_PROTO, proto, nested=True)
     filter_flags = attribute(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", flags))
+    status = (
+        attribute(CTA_STATUS, U32.pack(0)) + attribute(CTA_STATUS_MASK, U32.pack(IPS_SEEN_REPLY))
+        if unanswered
+        else b""
+    )
     return (
         NFGENMSG.pack(address_family, 0, 0)
         + attribute(CTA_TUPLE_ORIG, tuple_orig, nested=True)
         + attribute(CTA_FILTER, filter_flags, nested=True)
+        + status
     )
-
-
-def unanswered_request(address_family: int, protocol: int) -> bytes:
-    """A dump request for the family's entries of `protocol` that saw no reply: the kernel picks
-    them by status too (Linux 5.19 and later; older ones return them all, checked as read)."""
-    unanswered = attribute(CTA_STATUS, U32.pack(0)) + attribute(
-        CTA_STATUS_MASK, U32.pack(IPS_SEEN_REPLY)
-    )
-    return dump_request(address_family, None, protocol) + unanswered
 
 
 PROTOCOLS = {socket.IPPROTO_TCP: "tcp", socket.IPPROTO_UDP: "udp", socket.IPPROTO_SCTP: "sctp"}
@@ -225,43 +226,30 @@ def _source_address(tuple_attributes: memoryview | None, address_family: int) ->
     return bytes(address) if address is not None else None
 
 
-def udp_entries(
+def entries(
     sock: NetlinkSocket,
     address_family: int,
     port: int | None,
     keep: Callable[[Address, Address], bool],
+    protocol: int = socket.IPPROTO_UDP,
+    unanswered: bool = False,
 ) -> list[Entry]:
-    """The family's UDP entries (to `port`) whose original destination and reply source
-    `keep` keeps; messages that are not whole UDP entries are skipped."""
-
-    def read(found: dict[int, memoryview]) -> Entry | None:
-        protocol, destination = tuple_end(found.get(CTA_TUPLE_ORIG), address_family, DESTINATION)
-        _, reply_source = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
-        if protocol != socket.IPPROTO_UDP or not keep(destination, reply_source):
-            return None
-        return Entry(destination, reply_source, identity(found, address_family))
-
-    return _dump(sock, address_family, dump_request(address_family, port), read)
-
-
-def unanswered_entries(
-    sock: NetlinkSocket,
-    address_family: int,
-    protocol: int,
-    keep: Callable[[Address, Address], bool],
-) -> list[Entry]:
-    """The family's entries of `protocol` that saw no reply and whose original destination and
-    reply source `keep` keeps."""
+    """The family's entries of `protocol` (to `port`; `unanswered`: that saw no reply) whose
+    original destination and reply source `keep` keeps; messages that are not whole entries of
+    that protocol are skipped."""
 
     def read(found: dict[int, memoryview]) -> Entry | None:
         number, destination = tuple_end(found.get(CTA_TUPLE_ORIG), address_family, DESTINATION)
         _, reply_source = tuple_end(found.get(CTA_TUPLE_REPLY), address_family, SOURCE)
         status = U32.unpack(found[CTA_STATUS])[0] if CTA_STATUS in found else IPS_SEEN_REPLY
-        if number != protocol or status & IPS_SEEN_REPLY or not keep(destination, reply_source):
+        if number != protocol or (unanswered and status & IPS_SEEN_REPLY):
+            return None
+        if not keep(destination, reply_source):
             return None
         return Entry(destination, reply_source, identity(found, address_family))
 
-    return _dump(sock, address_family, unanswered_request(address_family, protocol), read)
+    request = dump_request(address_family, port, protocol, unanswered)
+    return _dump(sock, address_family, request, read)
 
 
 @dataclass(frozen=True)
@@ -396,20 +384,23 @@ def clear_stale(frontends: Frontends) -> int:
         stale = [
             entry.delete_request
             for port in frontends.dump_ports(lambda: table_size(sock))
-            for entry in udp_entries(sock, frontends.address_family, port, frontends.stale)
+            for entry in entries(sock, frontends.address_family, port, frontends.stale)
         ]
         return delete(sock, stale, "stale UDP")
 
 
 def clear_unanswered(frontends: dict[int, Frontends]) -> int:
     """Delete the entries of each protocol's frontends (TCP, SCTP: by protocol number; one
-    family) that saw no reply and that none of the frontend's endpoints answers: one dump per
-    protocol; returns how many were deleted."""
+    family) that saw no reply and that none of the frontend's endpoints answers, dumped as the
+    UDP clean-up dumps (per frontend port, the kernel picking unanswered entries): any pod can
+    fill the table with unanswered attempts elsewhere, and those are not read. Returns how
+    many were deleted."""
     with NetlinkSocket(NETLINK_NETFILTER) as sock:
         unanswered = [
             entry.delete_request
             for protocol, of in frontends.items()
             if of
-            for entry in unanswered_entries(sock, of.address_family, protocol, of.stale)
+            for port in of.dump_ports(lambda: table_size(sock))
+            for entry in entries(sock, of.address_family, port, of.stale, protocol, True)
         ]
         return delete(sock, unanswered, "never answered")

@@ -80,13 +80,13 @@ def test_stale_udp_entries_of_the_frontends_go_and_the_rest_stay(
         [53] if per_port else [None]
     ), "one port's dump walks the table as the family's would"
     dumped: list[int | None] = []
-    udp_entries = conntrack.udp_entries
+    every_entry = conntrack.entries
 
     def recorded(*args: Any) -> list[conntrack.Entry]:
         dumped.append(args[2])
-        return udp_entries(*args)
+        return every_entry(*args)
 
-    monkeypatch.setattr(conntrack, "udp_entries", recorded)
+    monkeypatch.setattr(conntrack, "entries", recorded)
     with node.entered(), Conntrack(nfgen_family=family) as ct:
         add_entry(ct, family, client[0], (at["cluster_ip"], 53), at["endpoint"])
         add_entry(ct, family, client[1], (at["cluster_ip"], 53), at["gone"])
@@ -121,12 +121,12 @@ def test_the_kernel_returns_one_ports_udp_entries_of_the_family_and_deletes_one_
             conntrack.MSG_GET, conntrack.dump_request(socket.AF_INET, 53), lambda *message: True
         )
         assert len(sent) == (1 if conntrack.kernel_filters_dumps() else 3)  # the family's
-        every_port = conntrack.udp_entries(sock, socket.AF_INET, None, lambda *_: True)
+        every_port = conntrack.entries(sock, socket.AF_INET, None, lambda *_: True)
         assert {entry.destination for entry in every_port} == {
             ("10.96.0.10", 53),
             ("10.96.0.10", 5353),
         }
-        to_53 = conntrack.udp_entries(sock, socket.AF_INET, 53, lambda to, _: to[1] == 53)
+        to_53 = conntrack.entries(sock, socket.AF_INET, 53, lambda to, _: to[1] == 53)
         [entry] = to_53  # a kernel before 5.8 returns the other port's too, left out here
         assert entry.destination == ("10.96.0.10", 53)
         assert entry.reply_source == ("10.244.1.6", 53)
@@ -191,6 +191,9 @@ def test_never_answered_tcp_and_sctp_entries_no_endpoint_serves_go_and_no_other(
         ]:
             add_entry(ct, family, who, (cluster_ip, 80), reply_from, 0, proto, reply_port, answered)
         add_entry(ct, family, client[7], (cluster_ip, 81), cluster_ip, proto=tcp, reply_port=81)
+        with NetlinkSocket(NETLINK_NETFILTER) as sock:
+            read = conntrack.entries(sock, family, 80, lambda *_: True, tcp, unanswered=True)
+        assert {e.reply_source for e in read} == {(cluster_ip, 80), (gone, 8080), (endpoint, 8080)}
         serving = {(cluster_ip, 80): {(endpoint, 8080)}}
         frontends = {
             tcp: Frontends(version, by_address=serving),

@@ -59,9 +59,7 @@ def test_whole_udp_entries_are_read_and_the_rest_skipped() -> None:
         messages = [message(MSG_NEW, seq, payload) for payload in [*dump, three_byte_address]]
         return [b"".join(messages) + message(DONE, seq)]
 
-    kept = conntrack.udp_entries(
-        scripted(ScriptedKernel(script)), socket.AF_INET, 53, lambda *_: True
-    )
+    kept = conntrack.entries(scripted(ScriptedKernel(script)), socket.AF_INET, 53, lambda *_: True)
     assert [(e.destination, e.reply_source) for e in kept] == [
         (("10.96.0.10", 53), ("10.244.1.6", 40000)),
         (("10.96.0.13", 53), ("10.244.1.6", 40000)),
