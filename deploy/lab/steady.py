@@ -52,7 +52,10 @@ def http_loop(host: str, port: int) -> None:
                 sock.sendall(request)
                 answer = b"".join(iter(lambda: sock.recv(4096), b""))
                 status = answer.split(maxsplit=2)[1:2]
-                _say("ok" if status and status[0].startswith(b"2") else f"failed HTTPError/{step}")
+                if not status:  # closed without a status line
+                    _say(f"failed NoAnswer/{step}")
+                else:
+                    _say("ok" if status[0].startswith(b"2") else f"failed HTTPError/{step}")
             except OSError as err:
                 _say(f"failed {type(err).__name__}/{step} from port {sock.getsockname()[1]}")
         time.sleep(INTERVAL)
