@@ -21,9 +21,9 @@ per entry than reading an entry of the dump here costs
 FILTERED_DUMPS_UP_TO ports (a full sync of many UDP services), past KERNEL_WALK_BUDGET entries
 walked in all by two or more dumps (a table of mostly TCP entries), or on a kernel that ignores
 the filter, one dump of the family's entries of the protocol is asked for instead (for TCP
-and SCTP, of unanswered ones: any pod can fill the table with unanswered attempts elsewhere). An entry is deleted by
-its original tuple, zone and id as the dump gave them, so an entry of another conntrack zone
-goes too and a newer entry that took the tuple meanwhile stays.
+and SCTP, of unanswered ones: any pod can fill the table with unanswered attempts elsewhere).
+An entry is deleted by its original tuple, zone and id as the dump gave them, so an entry of
+another conntrack zone goes too and a newer entry that took the tuple meanwhile stays.
 """
 
 from __future__ import annotations
