@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import time
 from collections import Counter
@@ -49,6 +50,8 @@ from deploy.lab.paths import ROOT
 from deploy.lab.process import eventually, terminate
 
 CHURN_ONLY = "churn alone"
+LATE_ATTEMPT = re.compile(r"/answer of attempt (\d+)$")
+"""A UDP attempt's failure, naming the attempt a later `late N` line may answer."""
 REACHABLE = 30.0
 """Seconds the workload's pods have to answer from every node once the audit is clean."""
 SETTLE_PODS = 180.0
@@ -84,12 +87,18 @@ class Client:
         )
 
     def _attempts(self) -> list[tuple[float, str, str]]:
+        """(time, outcome, error) of every attempt; a failed one whose answer came after all
+        (a UDP attempt's `late N`) is `late`."""
+        lines = [line.split(" ", 2) for line in self.log.read_text().splitlines()]
+        answered = {said[2].split()[0] for said in lines if len(said) == 3 and said[1] == "late"}
         found = []
-        for line in self.log.read_text().splitlines():
-            stamp, _, said = line.partition(" ")
-            outcome, _, error = said.partition(" ")
-            if outcome in ("ok", "failed", "broken"):
-                found.append((float(stamp), outcome, error.partition(" ")[0]))
+        for stamp, outcome, *rest in (said for said in lines if len(said) >= 2):
+            error = rest[0] if rest else ""
+            if outcome == "failed" and (late := LATE_ATTEMPT.search(error)):
+                outcome = "late" if late[1] in answered else outcome
+            elif outcome not in ("ok", "failed", "broken"):
+                continue  # a `late N` line, or one cut short by the client's end
+            found.append((float(stamp), outcome, error.partition(" ")[0]))
         return found
 
 
@@ -167,6 +176,8 @@ class KindReport:
     recovery_seconds: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     """The failed requests by how they failed (TimeoutError, ConnectionRefusedError, ...)."""
+    late_answers: int = 0
+    """Requests answered after their timeout: slow, not lost, so not failed."""
 
 
 def _windows(faults: list[Fault], began: float, ended: float) -> Iterator[tuple[str, float, float]]:
@@ -213,6 +224,7 @@ def report(
                 continue
             entry.requests += len(inside)
             entry.failed_requests += inside.count("failed")
+            entry.late_answers += inside.count("late")
             for error, count in client.errors(start, end).items():
                 entry.errors[error] = entry.errors.get(error, 0) + count
             longest = _longest_without_answer(lines, start, end)
@@ -223,10 +235,12 @@ def report(
 def show(kinds: dict[str, KindReport]) -> str:
     rows = [
         f"{'window':26} {'n':>3} {'failed/requests':>16} {'longest gap':>12} {'held kept':>10}"
-        f"  recovery s, failures by error"
+        f"  recovery s, failures by error, late answers"
     ]
     for kind, entry in kinds.items():
         errors = ", ".join(f"{error or '?'} {count}" for error, count in entry.errors.items())
+        if entry.late_answers:
+            errors += f"{', ' if errors else ''}late {entry.late_answers}"
         rows.append(
             f"{kind:26} {entry.injected:3} {entry.failed_requests:>7}/{entry.requests:<8} "
             f"{entry.longest_without_answer:11.2f}s "

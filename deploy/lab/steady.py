@@ -6,9 +6,11 @@ its failures can be placed beside faults injected at known times:
   `ok` or `failed ERROR/STEP from port N`, STEP being `connect` (no SYN-ACK: the SYN or its
   answer was lost) or `answer` (connected, then no whole answer in time), N the source port,
   to find the attempt in a capture or a conntrack listing;
-- `udp HOST PORT`: a datagram to agnhost netexec's UDP server from one source port held for the
-  whole run, 1 s to answer; `ok` or `failed ERROR`. One source port keeps one conntrack entry,
-  so an entry left pointing at a deleted endpoint shows as failures that never end;
+- `udp HOST PORT`: a numbered datagram (`echo N`) to agnhost netexec's UDP server from one
+  source port held for the whole run, 1 s to answer; `ok` or `failed ERROR/answer of attempt
+  N`, and `late N by S s` when attempt N's answer came after all (it was slow, not lost). One
+  source port keeps one conntrack entry, so an entry left pointing at a deleted endpoint shows
+  as failures that never end;
 - `hold HOST PORT`: one HTTP/1.1 connection kept open, a request on it every half second; `ok`,
   or `broken` when it stops answering, after which a new connection is opened.
 
@@ -22,21 +24,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import itertools
 import socket
 import sys
 import time
 
 INTERVAL = 0.1
+UDP_TIMEOUT = 1.0
+UDP_LATE = 30.0
+"""Seconds a UDP attempt's answer is still logged as late, after its timeout."""
 HOLD_INTERVAL = 0.5
 
 
 def _say(outcome: str) -> None:
     sys.stdout.write(f"{time.time():.3f} {outcome}\n")
     sys.stdout.flush()
-
-
-def _failed(err: OSError) -> None:
-    _say(f"failed {type(err).__name__}")
 
 
 def http_loop(host: str, port: int) -> None:
@@ -63,16 +65,29 @@ def http_loop(host: str, port: int) -> None:
 
 def udp_loop(host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sent: dict[int, float] = {}
+    """When each attempt still unanswered was sent (monotonic), by its number."""
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        sock.settimeout(1.0)
         sock.connect((host, port))
-        while True:
+        for attempt in itertools.count():
+            sent[attempt] = time.monotonic()
+            deadline = sent[attempt] + UDP_TIMEOUT
             try:
-                sock.send(b"hostname")
-                sock.recv(512)
-                _say("ok")
-            except OSError as err:
-                _failed(err)
+                sock.send(f"echo {attempt}".encode())
+                while True:
+                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    answered = int(sock.recv(512) or -1)
+                    if (began := sent.pop(answered, None)) is None:
+                        continue
+                    if answered == attempt:
+                        _say("ok")
+                        break
+                    # an earlier attempt's answer, after its own timeout
+                    _say(f"late {answered} by {time.monotonic() - began:.3f} s")
+            except (OSError, ValueError) as err:
+                _say(f"failed {type(err).__name__}/answer of attempt {attempt}")
+            for stale in [n for n, at in sent.items() if at < time.monotonic() - UDP_LATE]:
+                del sent[stale]
             time.sleep(INTERVAL)
 
 

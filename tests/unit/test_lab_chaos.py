@@ -95,3 +95,15 @@ def test_a_window_with_every_attempt_answered_has_no_gap() -> None:
     lines = [(1.0, "ok"), (5.0, "ok")]
     assert _longest_without_answer(lines, 0.0, 10.0) == 0.0
     assert _longest_without_answer([*lines, (6.0, "failed")], 0.0, 10.0) == 5.0
+
+
+def test_a_udp_attempt_answered_after_its_timeout_is_late_not_failed(tmp_path: Path) -> None:
+    steady = _client(
+        tmp_path,
+        "udp",
+        [(1.0, "ok"), (2.0, "failed TimeoutError/answer of attempt 7"), (2.3, "late 7 by 1.3 s"),
+         (3.0, "failed TimeoutError/answer of attempt 9"), (4.0, "ok")],
+    )  # fmt: skip
+    window = report([], [steady], began=0.0, ended=20.0)[CHURN_ONLY]
+    assert (window.requests, window.failed_requests, window.late_answers) == (4, 1, 1)
+    assert window.errors == {"TimeoutError/answer": 1}
