@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from bench.proxy_cluster import NODE, PORT, REMOTE_NODE, TARGET_PORT, SliceChange, service_name
-from bench.proxy_daemon import KNIT, LAST_SYNC, PARTIAL, Daemon, programming, spent
+from bench.proxy_daemon import KNIT, LAST_SYNC, PARTIAL, Daemon, programming
 from bench.proxy_modes import Mode, timed
 from bench.proxy_netns import in_netns
 from bench.proxy_report import PARTIAL_SYNC, PROGRAMMED, Results, ms, ratio
@@ -119,7 +119,7 @@ class OneServiceChanges:
             if not polled:
                 latencies["daemon's timestamp"].append(after[LAST_SYNC] - patched_at)
                 latencies[PROGRAMMING_METRIC].append(programming(after, before))
-                syncs.append(spent(after, before, PARTIAL))
+                syncs.append(daemon.spent(after, before, PARTIAL))
                 bares.append(bare)
 
         poll_cost = timed(lambda: programmed(""))

@@ -9,9 +9,11 @@ import re
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.proxy_netns import in_netns
 from deploy.lab.kube_proxy_node import kube_proxy_config, launch_kube_proxy
 from deploy.lab.netns import Netns
 from deploy.lab.process import eventually
@@ -22,6 +24,9 @@ KUBE_PROXY = "kube-proxy"
 METRICS_ADDRESS = "127.0.0.1:10249"
 FULL = "kubeproxy_sync_full_proxy_rules_duration_seconds"
 PARTIAL = "kubeproxy_sync_partial_proxy_rules_duration_seconds"
+SYNC = "kubeproxy_sync_proxy_rules_duration_seconds"
+"""Every sync, full or partial: the only sync metric of kube-proxy's IPVS mode, whose syncs
+are all full."""
 LAST_SYNC = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
 PROGRAMMING = "kubeproxy_network_programming_duration_seconds"
 """From an EndpointSlice's last-change-trigger-time annotation to its rules in the kernel: the
@@ -29,9 +34,10 @@ bench's changes set that annotation to the time of their PATCH, as the EndpointS
 does for a change it makes."""
 PENDING = "kubeproxy_sync_proxy_rules_endpoint_changes_pending"
 TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
-IP_FAMILY_LABEL = re.compile(r'ip_family="IPv[46]",?')
+IP_FAMILY_LABEL = re.compile(r'ip_family="(IPv[46])",?')
 """Both families' parts of one sync are read as one: their times summed (`_sum`), the rest
-(sync counts, timestamps) the larger of the two."""
+(sync counts, timestamps) the larger of the two; each family's value is kept too, as
+`NAME@IPvN`."""
 KNIT_SYNCS = {
     FULL: [re.compile(r"knit-proxyd: full sync of ")],
     PARTIAL: [re.compile(r"knit-proxyd: partial sync of [1-9]")],
@@ -51,7 +57,10 @@ KUBE_PROXY_SYNCS = {
 }
 """kube-proxy's lines at -v=2 (pkg/proxy/{iptables,nftables}/proxier.go): each family's
 proxier syncs on its own; a full sync ends when both did one. Its periodic syncs look like any
-partial one, so a change's sync is told by the network programming count (wait_sync)."""
+partial one, so a change's sync is told by the network programming count (wait_sync).
+Its IPVS mode logs the end of a sync only at -v=4, with a line per virtual server besides:
+there each family's sync count tells a sync has ended."""
+BY_METRIC: dict[str, list[re.Pattern[str]]] = {FULL: [], PARTIAL: []}
 
 
 @dataclass
@@ -68,6 +77,8 @@ class Daemon:
     """Per kind of sync, what the log holds past a point once one ended there."""
     args: list[str]
     """knit-proxyd's flags (empty for kube-proxy)."""
+    sync_metrics: dict[str, str] = field(default_factory=lambda: {FULL: FULL, PARTIAL: PARTIAL})
+    """The metric each kind of sync is measured by."""
 
     @classmethod
     def knit(cls, ns: Netns, args: list[str], log: Path, profile: Path | None) -> Daemon:
@@ -84,19 +95,23 @@ class Daemon:
         log = folder / "kube-proxy.log"
         started = time.time()
         process = launch_kube_proxy(ns, config, folder, log)
+        if mode == "ipvs":
+            by_metric = {FULL: SYNC, PARTIAL: SYNC}
+            return cls(KUBE_PROXY, ns, process, log, started, BY_METRIC, [], by_metric)
         return cls(KUBE_PROXY, ns, process, log, started, KUBE_PROXY_SYNCS, [])
 
     def metrics(self) -> dict[str, float]:
         if self.process.poll() is not None:
             tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
             raise RuntimeError(f"{self.program} exited with {self.process.returncode}:\n{tail}")
-        url = f"http://{METRICS_ADDRESS}/metrics"
-        body = self.ns.run("curl", "-sf", url, check=False).stdout
+        body = in_netns(self.ns, _metrics_page)
         values: dict[str, float] = {}
         for line in body.splitlines():
             if line and not line.startswith("#"):
                 labelled, _, text = line.rpartition(" ")
                 key, value = IP_FAMILY_LABEL.sub("", labelled).replace("{}", ""), float(text)
+                if family := IP_FAMILY_LABEL.search(labelled):
+                    values[f"{key}@{family[1]}"] = value
                 if key in values:
                     value = values[key] + value if key.endswith("_sum") else max(values[key], value)
                 values[key] = value
@@ -106,17 +121,26 @@ class Daemon:
         return self.log.stat().st_size
 
     def wait_sync(
-        self, kind: str, since: int, timeout: float, change: dict[str, float] | None = None
+        self,
+        kind: str,
+        since: int,
+        timeout: float,
+        change: dict[str, float] | None = None,
+        before: dict[str, float] | None = None,
     ) -> dict[str, float]:
         """The metrics once the log showed, past byte `since`, a full sync (FULL) or a partial
         sync (PARTIAL); with `change` (the metrics before a change was made), the sync that
         programmed it: the network programming count grew. TimeoutError when none did within
-        timeout. The log costs the daemon nothing to watch, where each look at its metrics
-        costs a process (~11 ms of CPU here) and, in knit-proxyd, a turn of its metrics thread
-        at the GIL, during the sync being measured: metrics are read once the log says so."""
+        timeout. The log costs the daemon nothing to watch, where each look at its metrics is
+        a request it serves (in knit-proxyd, a turn of its metrics thread at the GIL) during
+        the sync being measured: metrics are read once the log says so.
+        A daemon whose log does not say (kube-proxy's IPVS mode) has synced once every
+        family's count of the kind's metric grew past `change` or `before` (None: at start)."""
         patterns = self.syncs[kind]
         start = since
         result: dict[str, float] = {}
+        count = f"{self.sync_metrics[kind]}_count@"
+        counted = change if change is not None else (before or {})
 
         def synced() -> bool:
             nonlocal start
@@ -126,6 +150,9 @@ class Daemon:
             if not all(pattern.search(text) for pattern in patterns):
                 return False
             metrics = self.metrics()
+            counts = [f"{count}IPv{family}" for family in (4, 6)]
+            if not patterns and any(metrics.get(k, 0.0) <= counted.get(k, 0.0) for k in counts):
+                return False
             if change is not None and metrics.get(f"{PROGRAMMING}_count", 0.0) <= change.get(
                 f"{PROGRAMMING}_count", 0.0
             ):
@@ -134,9 +161,14 @@ class Daemon:
             result.update(metrics)
             return True
 
-        what = f"{self.program}: a sync logged as {[p.pattern for p in patterns]}"
-        eventually(synced, timeout, what, 0.05)
+        what = f"{self.program}: a sync logged as {[p.pattern for p in patterns]} or counted"
+        # a look at the metrics is a request the daemon serves: seldom, when only they tell
+        eventually(synced, timeout, what, 0.05 if patterns else 0.5)
         return result
+
+    def spent(self, after: dict[str, float], before: dict[str, float], kind: str) -> float:
+        """Seconds the daemon spent in syncs of the kind between the two readings."""
+        return spent(after, before, self.sync_metrics[kind])
 
     def memory_mib(self) -> tuple[float, float]:
         """(VmRSS, VmHWM); `ip netns exec` execs the program, so the pid is the same."""
@@ -162,6 +194,17 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def _metrics_page() -> str:
+    """The metrics page at METRICS_ADDRESS, as the calling thread's namespace reaches it; empty
+    when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{METRICS_ADDRESS}/metrics", timeout=10) as page:
+            body: bytes = page.read()
+            return body.decode()
+    except OSError:
+        return ""
 
 
 def spent(after: dict[str, float], before: dict[str, float], kind: str) -> float:

@@ -43,7 +43,7 @@ from kubernetes.client import ApiClient
 
 from bench import record
 from bench.proxy_cluster import NODE, NODE_ADDRESS, bench_api, create_services, start_knit
-from bench.proxy_daemon import FULL, LAST_SYNC, spent
+from bench.proxy_daemon import FULL, LAST_SYNC
 from bench.proxy_modes import Iptables, Mode, Nftables
 from bench.proxy_netns import make_netns
 from deploy.lab.controlplane import ControlPlane
@@ -210,7 +210,7 @@ def starts(
             synced = daemon.wait_sync(FULL, 0, 120)
             rss.append(daemon.memory_mib()[0])
             cold.append(synced[LAST_SYNC] - daemon.started)
-            first.append(spent(synced, {}, FULL))
+            first.append(daemon.spent(synced, {}, FULL))
             running.append(log_offset(daemon.log, RUNNING, daemon.started))
     figures.spread("launch to its running line (interpreter, imports, set-up)", running, "ms", 1000)
     figures.spread("cold start: launch to the first full sync done", cold, "ms", 1000)

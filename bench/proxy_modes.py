@@ -20,6 +20,8 @@ from proxyd.iptables.chains import ServiceChains
 from proxyd.iptables.kernel import BUILTIN_CHAINS, JUMP, IptablesKernel
 from proxyd.iptables.proxier import NFT_CHAINS_PER_RESTORE
 from proxyd.iptables.restore import RuleSet, Script, partial_script
+from proxyd.ipvs import names as ipvs_names
+from proxyd.ipvs.desired import Frontend, port_state
 from proxyd.model import ServicePortName
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.kernel import CHAIN_LINE, Nft
@@ -295,6 +297,176 @@ class Nftables(Mode):
 
     def dispatch(self, node: Netns, target: str) -> str:
         return "a verdict-map lookup, then an endpoint-map lookup"
+
+
+SECTION = "#section "
+"""Starts each tool's part of the IPVS mode's saved text and loads (Ipvs.write)."""
+SCHEDULER = "rr"
+"""knit-proxyd's and kube-proxy's default IPVS scheduler."""
+DUMMY_ADDRESS = re.compile(r"\binet6? (\S+)")
+
+
+def _sections(text: str) -> dict[str, list[str]]:
+    """A saved text or load of the IPVS mode, split by tool."""
+    parts: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in text.splitlines():
+        if line.startswith(SECTION):
+            lines = parts.setdefault(line.removeprefix(SECTION), [])
+        elif line:
+            lines.append(line)
+    return parts
+
+
+def _joined(parts: dict[str, list[str]]) -> str:
+    return "".join(
+        f"{SECTION}{tool}\n" + "".join(f"{line}\n" for line in lines)
+        for tool, lines in parts.items()
+        if lines
+    )
+
+
+def _virtual(frontend: Frontend) -> str:
+    """ipvsadm's service option for a TCP frontend (the bench's services are TCP)."""
+    address = f"[{frontend.address}]" if ":" in frontend.address else frontend.address
+    return f"-t {address}:{frontend.port}"
+
+
+class Ipvs(Mode):
+    """The daemon's IPVS state, each part read and loaded bare by the tool made for it: its
+    virtual servers (ipvsadm), its dummy link's addresses (ip), its ipsets (ipset) and its
+    iptables rules (iptables-save and -restore). The saved text and each load hold the
+    tools' parts one after another, in the order a fresh node needs them."""
+
+    name = "ipvs"
+    loader = "ipvsadm -R + ip -batch + ipset restore + iptables-restore"
+
+    def __init__(self) -> None:
+        self.kernels: dict[int, IptablesKernel] = {}
+
+    def prepare(self, node: Netns) -> None:
+        """The iptables flavour the node detects, as the daemon will."""
+        flavour = in_netns(node, detect_iptables_flavour)
+        self.kernels = {family: IptablesKernel(family, flavour) for family in IP_FAMILIES}
+
+    def save(self, ns: Netns) -> Saved:
+        servers = ns.run("ipvsadm", "-S", "-n", timeout=600).stdout.splitlines()
+        dummy = ns.run("ip", "-o", "address", "show", "dev", ipvs_names.DUMMY).stdout
+        addresses = [m[1] for m in DUMMY_ADDRESS.finditer(dummy)]
+        sets = ns.run("ipset", "save").stdout.splitlines()
+
+        def family_of(address: str) -> int:
+            return 6 if ":" in address else 4
+
+        def rules() -> dict[int, str]:
+            return {f: k.save("nat") + k.save("filter") for f, k in self.kernels.items()}
+
+        iptables = in_netns(ns, rules)
+        saved = {}
+        for family in IP_FAMILIES:
+            prefix = ipvs_names.set_name("", family)
+            parts = {
+                "ip": [
+                    f"address add {a} dev {ipvs_names.DUMMY}"
+                    for a in addresses
+                    if family_of(a) == family
+                ],
+                "ipset": [line for line in sets if line.split(" ", 2)[1].startswith(prefix)],
+                "ipvsadm": [
+                    line
+                    for line in servers
+                    if family_of(line.split(" ", 3)[2].rsplit(":", 1)[0]) == family
+                ],
+                "iptables": iptables[family].splitlines(),
+            }
+            saved[family] = _joined(parts)
+        return saved
+
+    def scripts(self, saved: Saved, fresh: bool) -> list[Load]:
+        """Per family, the whole state: into a fresh namespace (the dummy link made first),
+        or over the same state (every virtual and real server edited to what it is, every
+        address replaced, every set member added again, every chain rewritten)."""
+        loads = []
+        for family, text in saved.items():
+            parts = _sections(text)
+            chains, hooks = saved_chains("\n".join(parts.pop("iptables", [])))
+            script = Script()
+            for table, chain, rules in chains:
+                script.rewrite(table, chain, rules)
+            if fresh:
+                for table, chain, rule in reversed(hooks):
+                    script.insert(table, chain, rule)
+                if family == 4:
+                    parts["ip"].insert(0, f"link add {ipvs_names.DUMMY} type dummy")
+            else:
+                parts["ip"] = [
+                    line.replace("address add", "address replace", 1)
+                    for line in parts.get("ip", [])
+                ]
+                parts["ipvsadm"] = [
+                    line.replace("-A ", "-E ", 1).replace("-a ", "-e ", 1)
+                    for line in parts.get("ipvsadm", [])
+                ]
+            parts["iptables"] = script.text().splitlines()
+            loads.append((family, _joined(parts)))
+        return loads
+
+    def write(self, family: int, text: str) -> None:
+        for tool, lines in _sections(text).items():
+            body = "".join(f"{line}\n" for line in lines)
+            if tool == "iptables":
+                self.kernels[family].restore(body)
+                continue
+            argv = {
+                "ip": ["ip", "-batch", "-"],
+                "ipset": ["ipset", "restore", "-exist"],
+                "ipvsadm": ["ipvsadm", "-R"],
+            }[tool]
+            subprocess.run(argv, input=body, text=True, capture_output=True, check=True)
+
+    def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
+        """The real servers of the service's virtual server, with their weights."""
+        frontend = Frontend(cluster_ip, "TCP", PORT)
+        listing = ns.run("ipvsadm", "-L", "-n", *_virtual(frontend).split()).stdout
+        servers = [line.split() for line in listing.splitlines() if line.strip().startswith("->")]
+        return " ".join(sorted(f"{f[1]} w{f[3]}" for f in servers if f[1] != "RemoteAddress:Port"))
+
+    def change(self, ctx: FamilyContext, before: PortPlan, after: PortPlan) -> str:
+        """The real servers the daemon's own desired state adds and removes (an idle real
+        server goes at once, as the daemon deletes it)."""
+        old = {
+            s.frontend: s.real_servers
+            for s in port_state(before, ctx, SCHEDULER, ()).virtual_servers
+        }
+        lines = []
+        for server in port_state(after, ctx, SCHEDULER, ()).virtual_servers:
+            virtual, previous = _virtual(server.frontend), old.get(server.frontend, frozenset())
+            lines += [
+                f"-a {virtual} -r {r.ip}:{r.port} -m -w 1"
+                for r in sorted(server.real_servers - previous)
+            ]
+            lines += [
+                f"-d {virtual} -r {r.ip}:{r.port}" for r in sorted(previous - server.real_servers)
+            ]
+        return _joined({"ipvsadm": lines})
+
+    def summary(self, saved: Saved) -> str:
+        parts = [_sections(text) for text in saved.values()]
+
+        def count(tool: str, prefix: str) -> int:
+            return sum(1 for p in parts for line in p.get(tool, []) if line.startswith(prefix))
+
+        return (
+            f"{count('ipvsadm', '-A ')} virtual servers with {count('ipvsadm', '-a ')} real "
+            f"servers, {count('ip', 'address ')} dummy addresses, {count('ipset', 'add ')} set "
+            f"members, {count('iptables', '-A ')} iptables rules (IPv4 + IPv6)"
+        )
+
+    def connection_target(self, saved: Saved, size: int) -> str:
+        return service_name(size - 1)
+
+    def dispatch(self, node: Netns, target: str) -> str:
+        return "an IPVS virtual-server lookup"
 
 
 def service_order(saved: str) -> list[str]:

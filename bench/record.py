@@ -18,10 +18,14 @@ from typing import Any
 from deploy.lab.paths import ROOT
 
 RESULTS = ROOT / "docs" / "results"
+REVISION_VARIABLE = "KNIT_REVISION"
 
 
 def revision() -> str:
-    """The checkout's commit, marked -dirty when the tree has changes."""
+    """The checkout's commit, marked -dirty when the tree has changes; REVISION_VARIABLE's
+    value when set (a VM node, which has no git, is given the host's)."""
+    if given := os.environ.get(REVISION_VARIABLE):
+        return given
     return subprocess.run(
         ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
     ).stdout.strip()
