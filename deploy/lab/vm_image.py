@@ -38,7 +38,7 @@ INIT = Path(__file__).resolve().parent / "vm_init.sh"
 RECIPE = 2
 PACKAGES = (
     "iproute2", "nftables", "libnftables1", "iptables", "ipset", "conntrack", "ipvsadm",
-    "kmod", "procps", "python3",
+    "kmod", "procps", "python3", "openssl",
 )  # fmt: skip
 # Under lib/modules/VERSION/kernel: what networking and the VM's virtio devices load.
 MODULE_DIRS = (
