@@ -22,7 +22,7 @@ from proxyd.iptables.proxier import NFT_CHAINS_PER_RESTORE
 from proxyd.iptables.restore import RuleSet, Script, partial_script
 from proxyd.ipvs import names as ipvs_names
 from proxyd.ipvs.desired import Frontend, port_state
-from proxyd.model import ServicePortName
+from proxyd.model import ServicePortName, family_of
 from proxyd.nftables import render as nftables_render
 from proxyd.nftables.kernel import CHAIN_LINE, Nft
 from proxyd.nftables.transaction import GENERATION_SUFFIXES, TableState, partial_transaction
@@ -354,9 +354,6 @@ class Ipvs(Mode):
         dummy = ns.run("ip", "-o", "address", "show", "dev", ipvs_names.DUMMY).stdout
         addresses = [m[1] for m in DUMMY_ADDRESS.finditer(dummy)]
         sets = ns.run("ipset", "save").stdout.splitlines()
-
-        def family_of(address: str) -> int:
-            return 6 if ":" in address else 4
 
         def rules() -> dict[int, str]:
             return {f: k.save("nat") + k.save("filter") for f, k in self.kernels.items()}
