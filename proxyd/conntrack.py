@@ -21,7 +21,7 @@ per entry than reading an entry of the dump here costs
 FILTERED_DUMPS_UP_TO ports (a full sync of many UDP services), past KERNEL_WALK_BUDGET entries
 walked in all by two or more dumps (a table of mostly TCP entries), or on a kernel that ignores
 the filter, one dump of the family's entries of the protocol is asked for instead (for TCP
-and SCTP, of unanswered ones: any pod can fill the table with unanswered attempts elsewhere).
+and SCTP, of unanswered ones only).
 An entry is deleted by its original tuple, zone and id as the dump gave them, so an entry of
 another conntrack zone goes too and a newer entry that took the tuple meanwhile stays.
 """
@@ -392,9 +392,9 @@ def clear_stale(frontends: Frontends) -> int:
 def clear_unanswered(frontends: dict[int, Frontends]) -> int:
     """Delete the entries of each protocol's frontends (TCP, SCTP: by protocol number; one
     family) that saw no reply and that none of the frontend's endpoints answers, dumped as the
-    UDP clean-up dumps (per frontend port, the kernel picking unanswered entries): any pod can
-    fill the table with unanswered attempts elsewhere, and those are not read. Returns how
-    many were deleted."""
+    UDP clean-up dumps (per frontend port, the kernel picking unanswered entries): of the
+    unanswered attempts any pod can fill the table with, only those to a changed frontend's
+    port are read. Returns how many were deleted."""
     with NetlinkSocket(NETLINK_NETFILTER) as sock:
         unanswered = [
             entry.delete_request
