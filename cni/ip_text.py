@@ -10,6 +10,7 @@ holds only address characters.
 
 from __future__ import annotations
 
+import _socket
 import ipaddress
 from collections.abc import Iterable
 
@@ -29,6 +30,23 @@ def _text(value: object, what: str) -> str:
 def address(value: object) -> Address:
     """An IP address; ValueError when `value` is not one, or has a scope ID."""
     return ipaddress.ip_address(ipaddress.ip_address(_text(value, "an IP address")).packed)
+
+
+def address_text(value: object) -> str:
+    """An IP address's canonical text; ValueError as `address`. Text that is already the
+    canonical form of an IPv4 address (most of what the API holds) is returned as it is,
+    found so by the C library's round trip (a twentieth of ipaddress's cost: a watch event
+    of an EndpointSlice reads every endpoint's address)."""
+    if isinstance(value, str):
+        try:
+            if (
+                _socket.inet_ntop(_socket.AF_INET, _socket.inet_pton(_socket.AF_INET, value))
+                == value
+            ):
+                return value
+        except (OSError, ValueError):  # not IPv4 text, or holding a NUL
+            pass
+    return str(address(value))
 
 
 def network(value: object, strict: bool = False) -> Network:

@@ -174,7 +174,7 @@ def parse_or_skip(parse: Callable[[Obj], T], obj: Obj, kind: str) -> T | None:
 
 def _ip(text: Any, what: str) -> str:
     try:
-        return str(ip_text.address(text))
+        return ip_text.address_text(text)
     except ValueError as err:
         raise InvalidObject(f"{what} {text!r} is not an IP address") from err
 

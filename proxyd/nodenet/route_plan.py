@@ -118,7 +118,7 @@ def parse_node_net(obj: dict[str, Any]) -> NodeNet:
     for entry in (obj.get("status") or {}).get("addresses") or []:
         if entry.get("type") == "InternalIP":
             try:
-                internal.append(str(ip_text.address(entry.get("address"))))
+                internal.append(ip_text.address_text(entry.get("address")))
             except ValueError:
                 continue
     return NodeNet(str(meta.get("name", "")), pod_cidrs, tuple(internal), _created(meta))

@@ -113,3 +113,32 @@ def test_a_plugin_result_with_a_scope_id_is_a_decode_failure() -> None:
 def test_a_nodeport_address_flag_with_a_scope_id_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         load(["--nodeport-addresses", HOSTILE_CIDR])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "10.244.1.5",
+        "0.0.0.0",
+        "255.255.255.255",
+        "010.244.1.5",
+        "10.244.1",
+        " 10.244.1.5",
+        "10.244.1.5\n",
+        "10.244.1.5\x00",
+        "fd00:0::1",
+        "::ffff:10.244.1.5",
+        HOSTILE,
+        "",
+        7,
+        None,
+    ],
+)
+def test_address_text_is_the_canonical_text_of_what_address_reads(text: object) -> None:
+    try:
+        expected = str(ip_text.address(text))
+    except ValueError:
+        with pytest.raises(ValueError):
+            ip_text.address_text(text)
+    else:
+        assert ip_text.address_text(text) == expected
