@@ -300,6 +300,7 @@ class Daemon:
             log.info("NetworkPolicy enforcement is off: removed the policy tables")
         for reflector in reflectors:
             reflector.start()
+        self.proxier.reconciler.start()
         self.node_network.start(self.stop)
         log.info(
             "knit-proxyd (%s mode) running on node %s", self.proxier.mode, self.state.node.name
@@ -425,6 +426,7 @@ class Daemon:
         log.info("signal %d: stopping (rules stay in place)", signum)
         self.stop.set()
         self.policy.stop()
+        self.proxier.reconciler.stop()
         self.runner.stop()
 
 

@@ -1,6 +1,6 @@
 """What every datapath shares: which service ports changed, their plans per family, when a
-sync must be full, Local-policy and health-check bookkeeping, and conntrack clean-up (stale UDP
-entries, and TCP and SCTP ones that got no answer).
+sync must be full, Local-policy and health-check bookkeeping, and which frontends' conntrack
+entries the reconciler cleans (conntrack_reconciler.py).
 
 A datapath subclasses Proxier and implements `_program` (write one family's changes to the
 kernel) and `cleanup`, and `_rehearse` where the kernel offers a dry run.
@@ -14,7 +14,6 @@ changes.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from cni.kernel.addresses import LinkAddress, link_addresses
 from proxyd import conntrack
 from proxyd.addresses import nodeport_addresses
+from proxyd.conntrack_reconciler import ConntrackReconciler
 from proxyd.containment import Held, Unprogrammable, refused
 from proxyd.metrics import FamilyMetrics, Metrics, family_label
 from proxyd.model import Endpoint, NodeInfo, ServicePort, ServicePortName, family_of
@@ -83,6 +83,8 @@ class Proxier(ABC):
         self._last_full = 0.0
         self._on_links: dict[int, list[LinkAddress]] = {}
         self._refused: dict[int, Held[ServicePortName]] = {family: Held() for family in families}
+        self.reconciler = ConntrackReconciler(metrics)
+        """Cleans the conntrack entries of the frontends a sync changed, on its own thread."""
         """Per family, the ports left out because the kernel refused their rules, each with
         the plan it refused."""
 
@@ -196,7 +198,7 @@ class Proxier(ABC):
             self._in_sync[family] = True
             self._plans[family] = plans
             self._track_no_local(family, plans, touched)
-            self._clear_conntrack(
+            self._queue_conntrack_cleanup(
                 family, plans.values() if family_full else [plans[n] for n in fresh if n in plans]
             )
             elapsed = time.monotonic() - start
@@ -272,11 +274,10 @@ class Proxier(ABC):
         """Every endpoint of the port, of both families, whatever its conditions."""
         return self._views[(port.name.namespace, port.name.name)].endpoints[port]
 
-    def _clear_conntrack(self, family: int, plans: Iterable[PortPlan]) -> None:
-        """Delete the conntrack entries of these ports' frontends whose reply comes from
-        anything but a serving endpoint (whatever the policies, topology or termination say,
-        as kube-proxy does: a flow to a serving endpoint is left to finish): every UDP one, and
-        the TCP and SCTP ones that saw no reply (see conntrack.py)."""
+    def _queue_conntrack_cleanup(self, family: int, plans: Iterable[PortPlan]) -> None:
+        """Hand these ports' frontends to the conntrack reconciler, each with the endpoints
+        that may answer it: the serving ones, whatever the policies, topology or termination
+        say."""
         by_protocol: dict[str, conntrack.Frontends] = {}
         for plan in plans:
             frontends = by_protocol.setdefault(plan.port.protocol, conntrack.Frontends(family))
@@ -285,28 +286,7 @@ class Proxier(ABC):
                 frontends.by_address[(ip, plan.port.port)] = allowed
             if plan.port.node_port:
                 frontends.by_node_port[plan.port.node_port] = allowed
-        if not by_protocol:
-            return
-        start = time.monotonic()
-        try:
-            if any(frontends.by_node_port for frontends in by_protocol.values()):
-                local = {a.address for a in self.link_addresses(family)}
-                for frontends in by_protocol.values():
-                    frontends.local_addresses = local
-            udp = by_protocol.pop("UDP", None)
-            deleted = conntrack.clear_stale(udp) if udp else 0
-            if by_protocol:
-                deleted += conntrack.clear_unanswered(
-                    {PROTOCOL_NUMBERS[name]: frontends for name, frontends in by_protocol.items()}
-                )
-        except OSError as err:  # the rules stay written, as in kube-proxy
-            log.warning("conntrack clean-up failed (IPv%d): %s", family, err)
-            return
-        metrics = self.metrics.for_family(family)
-        metrics.conntrack_sync_duration.observe(time.monotonic() - start)
-        metrics.conntrack_deleted.inc(deleted)
-        if deleted:
-            log.info("deleted %d stale conntrack entries (IPv%d)", deleted, family)
+        self.reconciler.changed(family, by_protocol)
 
     def _health_checks(self, node_name: str) -> dict[int, tuple[str, str, int]]:
         """healthCheckNodePort -> its service and the ready endpoints the service has on this
@@ -338,10 +318,6 @@ class Proxier(ABC):
                 internal.add(name)
             if plan is not None and plan.no_local_external:
                 external.add(name)
-
-
-PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "SCTP": socket.IPPROTO_SCTP}
-"""The protocols whose never-answered entries the clean-up deletes."""
 
 
 def _only(plans: Plans, names: Iterable[ServicePortName]) -> Plans:

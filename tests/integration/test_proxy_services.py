@@ -740,6 +740,15 @@ EARLY_SOURCE_PORT = 45123
 """The source port a test's attempt that gets no answer is made from, then reused."""
 
 
+def attempted(proxy_node: ProxyNode, ip: str, source_port: int) -> bool:
+    """Whether the node's conntrack table holds an entry of a TCP connection from this source
+    port to `ip` (the reconciler deletes a never-answered one after the sync, on its thread)."""
+    listed = proxy_node.ns.run(
+        "conntrack", "-L", "-p", "tcp", "--orig-dst", ip, "--sport", str(source_port), check=False
+    )
+    return bool(listed.stdout.strip())
+
+
 def test_a_connection_tried_before_a_cluster_ips_rules_leaves_its_source_port_usable(
     proxy_node: ProxyNode, pods: dict[str, Any], kube: Kube
 ) -> None:
@@ -753,6 +762,7 @@ def test_a_connection_tried_before_a_cluster_ips_rules_leaves_its_source_port_us
     backed = [endpoint(pods["a"].address(), proxy_node.name)]
     create_backed(kube, "early", endpoints=backed, clusterIP=EARLY_CLUSTER_IP)
     eventually(lambda: client.exchange(EARLY_CLUSTER_IP, 80))
+    eventually(lambda: not attempted(proxy_node, EARLY_CLUSTER_IP, EARLY_SOURCE_PORT))
     assert connect_outcome(client, EARLY_CLUSTER_IP, 80, EARLY_SOURCE_PORT) == "open"
 
 
@@ -774,10 +784,12 @@ def test_an_attempt_to_an_endpoint_since_gone_leaves_its_source_port_usable(
     kube.patch(f"{SLICES}/moving-ipv4", {"endpoints": [endpoint(GONE_ENDPOINT, REMOTE_NODE)]})
     eventually(lambda: connect_outcome(client, ip, 80, timeout=1) != "open")
     assert connect_outcome(client, ip, 80, EARLY_SOURCE_PORT, timeout=1) != "open"
+    assert attempted(proxy_node, ip, EARLY_SOURCE_PORT)
     kube.patch(
         f"{SLICES}/moving-ipv4", {"endpoints": [endpoint(pods["b"].address(), proxy_node.name)]}
     )
     eventually(lambda: client.exchange(ip, 80))
+    eventually(lambda: not attempted(proxy_node, ip, EARLY_SOURCE_PORT))
     assert connect_outcome(client, ip, 80, EARLY_SOURCE_PORT) == "open"
 
 

@@ -1,5 +1,5 @@
-"""Unit tests leave the kernel alone: the proxy's clean-up of never-answered TCP and SCTP
-conntrack entries, asked for by every sync that changes such a port, is recorded instead."""
+"""The conntrack reconciler's clean-up of never-answered TCP and SCTP entries, recorded instead
+of asked of the kernel."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from proxyd import conntrack
 from proxyd.conntrack import Frontends
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def unanswered_cleared(monkeypatch: pytest.MonkeyPatch) -> list[dict[int, Frontends]]:
-    """The frontends, by protocol number, of each clean-up a sync asked for."""
+    """The frontends, by protocol number, of each clean-up the reconciler ran."""
     asked: list[dict[int, Frontends]] = []
 
     def record(frontends: dict[int, Frontends]) -> int:

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from proxyd import proxier as proxier_module
+from proxyd import conntrack
 from proxyd.conntrack import Frontends
 from proxyd.metrics import Metrics
 from proxyd.model import Endpoint, ServicePort, ServicePortName
@@ -90,8 +90,7 @@ def test_udp_flows_to_any_serving_endpoint_are_kept(monkeypatch: pytest.MonkeyPa
         cleared.append(frontends)
         return 2
 
-    monkeypatch.setattr(proxier_module.conntrack, "clear_stale", clear_stale)
-    monkeypatch.setattr(proxier_module, "link_addresses", lambda family: [])
+    monkeypatch.setattr(conntrack, "clear_stale", clear_stale)
     port = dataclasses.replace(
         PORT, name=dataclasses.replace(NAME, protocol="UDP"), internal_policy_local=True
     )
@@ -103,6 +102,8 @@ def test_udp_flows_to_any_serving_endpoint_are_kept(monkeypatch: pytest.MonkeyPa
     )
     proxier = RecordingProxier((4,))
     proxier.sync(changes((port, endpoints)))
+    assert cleared == [], "the reconciler's thread cleans, not the sync"
+    proxier.reconciler.reconcile()
     (frontends,) = cleared
     served = {("10.244.1.5", 53), ("10.244.2.5", 53), ("10.244.1.6", 53)}
     assert frontends.by_address == {("10.96.0.10", 80): served}
@@ -149,11 +150,12 @@ def test_each_family_records_its_own_sync_metrics_as_kube_proxys_per_family_prox
 
 
 def test_tcp_frontends_of_changed_ports_lose_entries_no_serving_endpoint_answered(
-    unanswered_cleared: list[dict[int, Frontends]],
+    unanswered_cleared: list[dict[int, Frontends]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tcp = socket.IPPROTO_TCP
     proxier = RecordingProxier((4,))
     proxier.sync(changes((PORT, READY)))
+    proxier.reconciler.reconcile()
     [first] = unanswered_cleared
     assert first[tcp].by_address == {
         ("10.96.0.10", 80): {("10.244.1.5", 8080), ("10.244.2.5", 8080)}
@@ -161,9 +163,13 @@ def test_tcp_frontends_of_changed_ports_lose_entries_no_serving_endpoint_answere
     assert first[tcp].stale(("10.96.0.10", 80), ("10.96.0.10", 80)), "not DNATed"
     assert not first[tcp].stale(("10.96.0.10", 80), ("10.244.1.5", 8080))
     proxier.sync(changes((PORT, READY[:1])))
+    proxier.reconciler.reconcile()
     assert unanswered_cleared[1][tcp].stale(("10.96.0.10", 80), ("10.244.2.5", 8080)), "gone"
     proxier.sync(Changes(services={}, node=NODE))
+    proxier.reconciler.reconcile()
     assert len(unanswered_cleared) == 2, "a sync that changes no port cleans nothing"
     udp = dataclasses.replace(PORT, name=dataclasses.replace(NAME, port="dns", protocol="UDP"))
+    monkeypatch.setattr(conntrack, "clear_stale", lambda frontends: 0)
     proxier.sync(changes((udp, READY)))
+    proxier.reconciler.reconcile()
     assert len(unanswered_cleared) == 2, "UDP entries are the stale clean-up's"
