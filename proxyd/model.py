@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from cni import ip_text
 
@@ -85,8 +85,12 @@ class ServicePort:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
+class Endpoint(NamedTuple):
+    """One endpoint of a slice (its port 0) or of a service port. A tuple, not a frozen
+    dataclass: every watch event of a slice makes one per endpoint and every sync of a changed
+    service port one more, and a frozen dataclass's constructor sets each field through
+    object.__setattr__ (4.4 us against the tuple's 1.0 us, timeit)."""
+
     ip: str
     port: int
     ready: bool = True
@@ -365,7 +369,7 @@ def endpoints_for(port: ServicePort, slices: list[EndpointSlice]) -> tuple[Endpo
             if slice_port.name != port.name.port or slice_port.protocol != port.protocol:
                 continue
             for endpoint in endpoint_slice.endpoints:
-                placed = replace(endpoint, port=slice_port.port)
+                placed = endpoint._replace(port=slice_port.port)
                 key = (placed.ip, placed.port)
                 previous = chosen.get(key)
                 if previous is None or (previous.terminating and not placed.terminating):
