@@ -53,17 +53,18 @@ class ConntrackReconciler:
         self._pending: dict[int, dict[str, Frontends]] = {}
         """Per family and protocol name, the frontends changed since the last run."""
 
-    def changed(self, family: int, by_protocol: dict[str, Frontends]) -> None:
-        """A sync wrote the rules of these frontends: their entries are cleaned on the
-        reconciler's thread."""
-        if not by_protocol:
+    def changed(self, by_family: dict[int, dict[str, Frontends]]) -> None:
+        """A sync wrote the rules of these frontends (per family and protocol name): their
+        entries are cleaned on the reconciler's thread."""
+        if not any(by_family.values()):
             return
         with self._lock:
-            pending = self._pending.setdefault(family, {})
-            for protocol, frontends in by_protocol.items():
-                merged = pending.setdefault(protocol, Frontends(family))
-                merged.by_address.update(frontends.by_address)
-                merged.by_node_port.update(frontends.by_node_port)
+            for family, by_protocol in by_family.items():
+                pending = self._pending.setdefault(family, {})
+                for protocol, frontends in by_protocol.items():
+                    merged = pending.setdefault(protocol, Frontends(family))
+                    merged.by_address.update(frontends.by_address)
+                    merged.by_node_port.update(frontends.by_node_port)
         self.runner.run()
 
     def reconcile(self) -> None:

@@ -163,6 +163,7 @@ class Proxier(ABC):
         self._placement = placement
         wrote_all = full
         failed: dict[int, ProgramError] = {}
+        cleanup: dict[int, dict[str, conntrack.Frontends]] = {}
         for family in self.families:
             start = time.monotonic()
             metrics = self.metrics.for_family(family)
@@ -198,11 +199,14 @@ class Proxier(ABC):
             self._in_sync[family] = True
             self._plans[family] = plans
             self._track_no_local(family, plans, touched)
-            self._queue_conntrack_cleanup(
+            cleanup[family] = self._frontends(
                 family, plans.values() if family_full else [plans[n] for n in fresh if n in plans]
             )
             elapsed = time.monotonic() - start
             self._record_sync(metrics, family, wrote or family_full, elapsed, changes)
+        # handed over once every family is written: the reconciler's thread, running beside
+        # a family's sync, would hold the interpreter's lock for up to a switch interval (5 ms)
+        self.reconciler.changed(cleanup)
         if failed:
             first = next(iter(failed.values()))
             raise ProgramError("; ".join(map(str, failed.values())), frozenset(failed)) from first
@@ -274,10 +278,10 @@ class Proxier(ABC):
         """Every endpoint of the port, of both families, whatever its conditions."""
         return self._views[(port.name.namespace, port.name.name)].endpoints[port]
 
-    def _queue_conntrack_cleanup(self, family: int, plans: Iterable[PortPlan]) -> None:
-        """Hand these ports' frontends to the conntrack reconciler, each with the endpoints
-        that may answer it: the serving ones, whatever the policies, topology or termination
-        say."""
+    def _frontends(self, family: int, plans: Iterable[PortPlan]) -> dict[str, conntrack.Frontends]:
+        """These ports' frontends by protocol, for the conntrack reconciler, each with the
+        endpoints that may answer it: the serving ones, whatever the policies, topology or
+        termination say."""
         by_protocol: dict[str, conntrack.Frontends] = {}
         for plan in plans:
             frontends = by_protocol.setdefault(plan.port.protocol, conntrack.Frontends(family))
@@ -286,7 +290,7 @@ class Proxier(ABC):
                 frontends.by_address[(ip, plan.port.port)] = allowed
             if plan.port.node_port:
                 frontends.by_node_port[plan.port.node_port] = allowed
-        self.reconciler.changed(family, by_protocol)
+        return by_protocol
 
     def _health_checks(self, node_name: str) -> dict[int, tuple[str, str, int]]:
         """healthCheckNodePort -> its service and the ready endpoints the service has on this

@@ -33,8 +33,8 @@ def test_the_frontends_of_syncs_before_a_run_are_cleaned_together_with_their_lat
     unanswered_cleared: list[dict[int, Frontends]],
 ) -> None:
     reconciler = ConntrackReconciler(Metrics())
-    reconciler.changed(4, {"TCP": frontends(4, ip10={A, B}, ip11={A})})
-    reconciler.changed(4, {"TCP": frontends(4, ip10={B})})
+    reconciler.changed({4: {"TCP": frontends(4, ip10={A, B}, ip11={A})}})
+    reconciler.changed({4: {"TCP": frontends(4, ip10={B})}})
     assert unanswered_cleared == [], "nothing is cleaned before the reconciler runs"
     reconciler.reconcile()
     [cleaned] = unanswered_cleared
@@ -55,10 +55,10 @@ def test_node_port_frontends_are_told_the_nodes_addresses_only_when_there_are_so
         return {"192.168.1.10"}
 
     reconciler = ConntrackReconciler(Metrics(), addresses)
-    reconciler.changed(4, {"TCP": frontends(4, ip10={A})})
+    reconciler.changed({4: {"TCP": frontends(4, ip10={A})}})
     reconciler.reconcile()
     assert asked == []
-    reconciler.changed(4, {"SCTP": Frontends(4, by_node_port={30080: {A}})})
+    reconciler.changed({4: {"SCTP": Frontends(4, by_node_port={30080: {A}})}})
     reconciler.reconcile()
     assert asked == [4]
     cleaned = unanswered_cleared[-1][socket.IPPROTO_SCTP]
@@ -79,8 +79,8 @@ def test_a_familys_failed_clean_up_leaves_the_other_cleaned_and_the_thread_runni
 
     monkeypatch.setattr(conntrack, "clear_stale", clear_stale)
     reconciler = ConntrackReconciler(Metrics())
-    reconciler.changed(4, {"UDP": frontends(4, ip10={A})})
-    reconciler.changed(6, {"UDP": Frontends(6, by_address={("fd00::10", 53): set()})})
+    reconciler.changed({4: {"UDP": frontends(4, ip10={A})}})
+    reconciler.changed({6: {"UDP": Frontends(6, by_address={("fd00::10", 53): set()})}})
     reconciler.reconcile()
     assert cleaned == [6]
     assert sample(reconciler, "kubeproxy_conntrack_reconciler_deleted_entries_total", 6) == 3
@@ -100,7 +100,7 @@ def test_a_change_is_cleaned_on_the_reconcilers_thread(monkeypatch: pytest.Monke
     reconciler = ConntrackReconciler(Metrics())
     thread = reconciler.start()
     try:
-        reconciler.changed(4, {"UDP": frontends(4, ip10={A})})
+        reconciler.changed({4: {"UDP": frontends(4, ip10={A})}})
         assert done.wait(10)
     finally:
         reconciler.stop()
