@@ -250,7 +250,9 @@ class Nftables(Mode):
 
     def write(self, family: int, text: str) -> None:
         """A bare `nft -f` process (the daemon runs libnftables in its own process)."""
-        subprocess.run(["nft", "-f", "-"], input=text, text=True, capture_output=True, check=True)
+        done = subprocess.run(["nft", "-f", "-"], input=text, text=True, capture_output=True)
+        if done.returncode:
+            raise RuntimeError(f"a bare nft -f failed: {done.stderr.strip()}\n{text[:2000]}")
 
     def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
         """The elements of the endpoint map keyed by the service's cluster IP, in whichever
