@@ -83,10 +83,10 @@ class Proxier(ABC):
         self._last_full = 0.0
         self._on_links: dict[int, list[LinkAddress]] = {}
         self._refused: dict[int, Held[ServicePortName]] = {family: Held() for family in families}
-        self.reconciler = ConntrackReconciler(metrics)
-        """Cleans the conntrack entries of the frontends a sync changed, on its own thread."""
         """Per family, the ports left out because the kernel refused their rules, each with
         the plan it refused."""
+        self.reconciler = ConntrackReconciler(metrics)
+        """Cleans the conntrack entries of the frontends a sync changed, on its own thread."""
 
     @abstractmethod
     def _program(
@@ -204,8 +204,8 @@ class Proxier(ABC):
             )
             elapsed = time.monotonic() - start
             self._record_sync(metrics, family, wrote or family_full, elapsed, changes)
-        # handed over once every family is written: the reconciler's thread, running beside
-        # a family's sync, would hold the interpreter's lock for up to a switch interval (5 ms)
+        # handed over once every family is written, so that the reconciler's thread never
+        # runs beside a family's part of the sync
         self.reconciler.changed(cleanup)
         if failed:
             first = next(iter(failed.values()))
