@@ -25,12 +25,10 @@ from cni.kernel.addresses import link_addresses
 from proxyd import conntrack
 from proxyd.conntrack import Frontends
 from proxyd.metrics import Metrics
-from proxyd.runner import BoundedFrequencyRunner
+from proxyd.runner import IDLE, BoundedFrequencyRunner
 
 log = logging.getLogger(__name__)
 
-IDLE = 3600.0
-"""The runner's longest interval: a run without a change finds nothing to do."""
 PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "SCTP": socket.IPPROTO_SCTP}
 """The protocols whose never-answered entries are deleted."""
 
@@ -99,9 +97,7 @@ class ConntrackReconciler:
             log.info("deleted %d stale conntrack entries (IPv%d)", deleted, family)
 
     def start(self) -> threading.Thread:
-        thread = threading.Thread(target=self.runner.loop, name="conntrack", daemon=True)
-        thread.start()
-        return thread
+        return self.runner.start("conntrack")
 
     def stop(self) -> None:
         self.runner.stop()

@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 
 RETRY_LONGEST = 60.0
+IDLE = 3600.0
+"""The longest interval of a worker that runs only when asked (a walk without a change finds
+nothing to do)."""
 
 
 def backoff(failures: int, first: float) -> float:
@@ -103,6 +106,12 @@ class BoundedFrequencyRunner:
                 return False
         self._fn()
         return True
+
+    def start(self, name: str) -> threading.Thread:
+        """Run loop() on a daemon thread of its own, named `name`."""
+        thread = threading.Thread(target=self.loop, name=name, daemon=True)
+        thread.start()
+        return thread
 
     def loop(self) -> None:
         """Run until stop(); call from the thread that should do the syncs."""

@@ -42,15 +42,13 @@ from proxyd.metrics import Metrics, family_label
 from proxyd.policy.compile import FamilyPolicy
 from proxyd.policy.render import CUT_MARK
 from proxyd.policy.verdict import Connection, Judge
-from proxyd.runner import BoundedFrequencyRunner
+from proxyd.runner import IDLE, BoundedFrequencyRunner
 
 log = logging.getLogger(__name__)
 
 KEEP, CUT = "keep", "cut"
 EXISTING_CONNECTIONS = (CUT, KEEP)
 """What a policy change does to the connections it no longer allows (the first: default)."""
-IDLE = 3600.0
-"""The runner's longest interval: a walk without a change finds nothing to do."""
 
 
 def _node_addresses(family: int) -> set[str]:
@@ -142,9 +140,7 @@ class ConnectionCutter:
             )
 
     def start(self) -> threading.Thread:
-        thread = threading.Thread(target=self.runner.loop, name="policy-cut", daemon=True)
-        thread.start()
-        return thread
+        return self.runner.start("policy-cut")
 
     def stop(self) -> None:
         self.runner.stop()

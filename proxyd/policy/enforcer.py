@@ -429,9 +429,7 @@ class PolicyEnforcer:
         if self.recorder is not None:
             self.metrics.count_lost_records(self.lost_records)
             self.recorder.flow_log.start()
-        thread = threading.Thread(target=self.runner.loop, name="policy-sync", daemon=True)
-        thread.start()
-        return thread
+        return self.runner.start("policy-sync")
 
     def stop(self) -> None:
         self.runner.stop()
