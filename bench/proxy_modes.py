@@ -250,9 +250,7 @@ class Nftables(Mode):
 
     def write(self, family: int, text: str) -> None:
         """A bare `nft -f` process (the daemon runs libnftables in its own process)."""
-        done = subprocess.run(["nft", "-f", "-"], input=text, text=True, capture_output=True)
-        if done.returncode:
-            raise RuntimeError(f"a bare nft -f failed: {done.stderr.strip()}\n{text[:2000]}")
+        _load(["nft", "-f", "-"], text)
 
     def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
         """The elements of the endpoint map keyed by the service's cluster IP, in whichever
@@ -421,7 +419,7 @@ class Ipvs(Mode):
                 "ipset": ["ipset", "restore", "-exist"],
                 "ipvsadm": ["ipvsadm", "-R"],
             }[tool]
-            subprocess.run(argv, input=body, text=True, capture_output=True, check=True)
+            _load(argv, body)
 
     def endpoints(self, ns: Netns, name: str, cluster_ip: str) -> str:
         """The real servers of the service's virtual server, with their weights."""
@@ -471,3 +469,11 @@ class Ipvs(Mode):
 def service_order(saved: str) -> list[str]:
     """Service names in the order of their cluster IP rules in KNIT-SERVICES."""
     return [m.group(1) for line in saved.splitlines() if (m := CLUSTER_IP_RULE.match(line))]
+
+
+def _load(argv: list[str], text: str) -> None:
+    """A bare load of `text` by a tool reading it on its standard input; RuntimeError naming
+    what the tool said and the start of what it refused."""
+    done = subprocess.run(argv, input=text, text=True, capture_output=True)
+    if done.returncode:
+        raise RuntimeError(f"a bare {' '.join(argv)} failed: {done.stderr.strip()}\n{text[:2000]}")
