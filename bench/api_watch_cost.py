@@ -72,7 +72,7 @@ from deploy.lab.controlplane import ControlPlane
 from deploy.lab.kube import Kube, node_object, pod_object
 from deploy.lab.paths import ROOT
 from deploy.lab.process import exit_on_termination
-from proxyd import watch
+from proxyd import kubeapi, watch
 from proxyd.policy.model import pod_essentials
 from proxyd.policy.state import PolicyState
 
@@ -238,7 +238,7 @@ def make_cluster(kube: Kube, options: argparse.Namespace, figures: Figures) -> N
     )
 
 
-def held_per_pod(api: ApiClient, pods: int, figures: Figures) -> None:
+def held_per_pod(api: kubeapi.Api, pods: int, figures: Figures) -> None:
     """The bytes the policy state holds per pod, and the API server's JSON of one."""
     stop = threading.Event()
     reflector = watch.Reflector(api, watch.pods(), lambda _: None, lambda *_: None, stop)
@@ -794,9 +794,9 @@ def main() -> None:
     print(f"at {began_at}", flush=True)
     figures = Figures()
     with tempfile.TemporaryDirectory(prefix="knit-watch-cost-") as tmp, ExitStack() as stack:
-        plane, api, kube = bench_api(stack, Path(tmp))
+        plane, _, kube = bench_api(stack, Path(tmp))
         make_cluster(kube, options, figures)
-        held_per_pod(api, options.pods, figures)
+        held_per_pod(kubeapi.from_kubeconfig([plane.kubeconfig]), options.pods, figures)
         bench = Bench(options, plane, kube)
         base = bench.run("none", 0)
         for count in counts:

@@ -2,10 +2,10 @@
 
 - the interpreter: `python -c pass` (wall, from this process) and its resident memory;
 - the libraries, in the daemon's import order, each timed and its resident memory (VmRSS)
-  read in a fresh interpreter that imports one after the other (kubernetes, pyroute2,
-  prometheus_client, then knit's own modules, proxyd.daemon), and the two large ones each
-  alone; beside them what a client of its own would import instead of the kubernetes client
-  (ssl, http.client, json, yaml for the kubeconfig);
+  read in a fresh interpreter that imports one after the other (its API client with ssl,
+  http.client and yaml, pyroute2, prometheus_client, then the rest of knit's own modules,
+  proxyd.daemon), and the two first each alone; beside them the kubernetes client, which the
+  daemon used before its own;
 - the watch caches: the Services and EndpointSlices of N services (one port, 10 endpoints
   each, as in the proxy bench) listed from a real API server by the daemon's reflector, then
   held by its cluster state: the bytes tracemalloc sees per Service and slice, beside the
@@ -39,8 +39,6 @@ from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
 
-from kubernetes.client import ApiClient
-
 from bench import record
 from bench.proxy_cluster import NODE, NODE_ADDRESS, bench_api, create_services, start_knit
 from bench.proxy_daemon import FULL, LAST_SYNC
@@ -51,7 +49,7 @@ from deploy.lab.kube import node_object
 from deploy.lab.paths import ROOT
 from deploy.lab.process import exit_on_termination
 from deploy.lab.relay import NetnsForward
-from proxyd import watch
+from proxyd import kubeapi, watch
 from proxyd.tracker import ClusterState
 
 IMPORTS = """
@@ -70,10 +68,10 @@ print(json.dumps(steps))
 """Imports the modules named, one after the other: each one's seconds and the VmRSS after it
 (the first step: the interpreter's own)."""
 CHAINS = (
-    ("in the daemon's order", ("kubernetes", "pyroute2", "prometheus_client", "proxyd.daemon")),
-    ("alone", ("kubernetes",)),
+    ("in the daemon's order", ("proxyd.kubeapi", "pyroute2", "prometheus_client", "proxyd.daemon")),
+    ("alone", ("proxyd.kubeapi",)),
     ("alone", ("pyroute2",)),
-    ("what a client of its own needs", ("ssl", "http.client", "json", "yaml")),
+    ("the client it replaced, alone", ("kubernetes",)),
 )
 """Modules imported one after the other in one interpreter, each chain in a fresh one."""
 RUNNING = "running on node"
@@ -146,7 +144,7 @@ def imports(rounds: int, figures: Figures) -> None:
             )
 
 
-def watch_caches(api: ApiClient, services: int, figures: Figures) -> None:
+def watch_caches(api: kubeapi.Api, services: int, figures: Figures) -> None:
     """The cluster state's memory per Service and per slice, as the daemon holds them."""
     print(f"the watch caches at {services} services:")
     state, stop = ClusterState(NODE), threading.Event()
@@ -232,10 +230,10 @@ def main() -> None:
     mode: Mode = Nftables() if options.mode == "nftables" else Iptables("nft")
     with tempfile.TemporaryDirectory(prefix="knit-fixed-cost-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        plane, api, kube = bench_api(stack, work)
+        plane, _, kube = bench_api(stack, work)
         kube.call("POST", "/api/v1/nodes", node_object(NODE, [NODE_ADDRESS], zone="zone-a"))
         create_services(kube, range(options.services))
-        watch_caches(api, options.services, figures)
+        watch_caches(kubeapi.from_kubeconfig([plane.kubeconfig]), options.services, figures)
         starts(plane, mode, options.services, options.rounds, work, figures)
     variant = f"{options.mode}-{options.services}"
     record.write(record.result_path(options.json, "proxy-fixed-cost", variant), figures, began_at)

@@ -27,10 +27,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kubernetes import client
-from kubernetes import config as kubeconfig
-
-from proxyd import watch
+from proxyd import kubeapi, watch
 from proxyd.model import key_of
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.policy.model import pod_essentials
@@ -62,7 +59,7 @@ def memory_kib(pid: int | str = "self") -> dict[str, int]:
 
 
 class Watcher:
-    def __init__(self, api: client.ApiClient, kind: str, node: str) -> None:
+    def __init__(self, api: kubeapi.Api, kind: str, node: str) -> None:
         self.stop = threading.Event()
         self.changed = threading.Event()
         self.state = ClusterState(node, on_change=lambda _: self.changed.set())
@@ -109,7 +106,7 @@ class Watcher:
 
     def _reflector(
         self,
-        api: client.ApiClient,
+        api: kubeapi.Api,
         resource: watch.Resource,
         on_replace: Callable[[list[watch.Obj]], None],
         on_event: Callable[[str, watch.Obj], None],
@@ -163,20 +160,14 @@ class Watcher:
         }
 
 
-def api_client(path: Path) -> client.ApiClient:
-    """As the daemon makes its client (proxyd.daemon._api_client)."""
-    configuration = client.Configuration()
-    kubeconfig.load_kube_config(config_file=str(path), client_configuration=configuration)
-    return client.ApiClient(configuration)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", choices=KINDS, required=True)
     parser.add_argument("--kubeconfig", type=Path, required=True)
     parser.add_argument("--node", required=True)
     options = parser.parse_args()
-    watcher = Watcher(api_client(options.kubeconfig), options.kind, options.node)
+    # as the daemon makes its client from --kubeconfig
+    watcher = Watcher(kubeapi.from_kubeconfig([options.kubeconfig]), options.kind, options.node)
     print(json.dumps({"started": True, **memory_kib()}), flush=True)
     watcher.start()
     for _ in sys.stdin:

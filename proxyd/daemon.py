@@ -12,15 +12,12 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from kubernetes import client
-from kubernetes import config as kubeconfig
-
 from cni import install, server
 from cni.errors import CniError
 from cni.kernel import sysctl
 from cni.kernel.errors import KernelError, SysctlError
 from cni.kernel.families import IP_FAMILIES
-from proxyd import gc_pause, watch
+from proxyd import gc_pause, kubeapi, watch
 from proxyd.config import MODES, Config, ConfigError, conntrack_sysctls, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
 from proxyd.iptables.chains import owned_by_kube_proxy
@@ -90,15 +87,11 @@ def remove_kube_proxy_nft_tables() -> int:
     return sum(Nft(family, KUBE_PROXY_NFT_TABLE).delete_table() for family in IP_FAMILIES)
 
 
-def _api_client(config: Config) -> client.ApiClient:
-    configuration = client.Configuration()
+def api_client(config: Config) -> kubeapi.Api:
+    """The client of --kubeconfig's API server, else of the pod's service account."""
     if config.kubeconfig:
-        kubeconfig.load_kube_config(
-            config_file=config.kubeconfig, client_configuration=configuration
-        )
-    else:
-        kubeconfig.load_incluster_config(client_configuration=configuration)
-    return client.ApiClient(configuration)
+        return kubeapi.from_kubeconfig([Path(config.kubeconfig)])
+    return kubeapi.in_cluster()
 
 
 def _node_name(config: Config) -> str:
@@ -251,10 +244,9 @@ class Daemon:
         )
         return result.full
 
-    def run(self) -> None:
+    def run(self, api: kubeapi.Api) -> None:
         self._set_sysctls()
         cni_server = self._prepare_cni()
-        api = _api_client(self.config)
         serve_metrics(self.config.metrics_bind_address, self.metrics, self.proxier.mode)
         policy_health = (
             (lambda: self.policy.health(self.health.timeout, time.time()))
@@ -312,7 +304,7 @@ class Daemon:
         if flow_server is not None:
             flow_server.close()
 
-    def _policy_reflectors(self, api: client.ApiClient) -> list[watch.Reflector]:
+    def _policy_reflectors(self, api: kubeapi.Api) -> list[watch.Reflector]:
         state = self.policy.state
         return [
             watch.Reflector(
@@ -449,8 +441,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         tables = remove_kube_proxy_nft_tables()
         log.info("removed %d chains and %d nftables tables kube-proxy left", removed, tables)
+    try:
+        api = api_client(config)
+    except kubeapi.ConfigError as err:
+        print(f"knit-proxyd: {err}", file=sys.stderr)
+        return 2
     daemon = Daemon(config)
     signal.signal(signal.SIGTERM, daemon.shutdown)
     signal.signal(signal.SIGINT, daemon.shutdown)
-    daemon.run()
+    daemon.run(api)
     return 0

@@ -1,4 +1,4 @@
-"""List+watch of one resource through the kubernetes client's authenticated HTTP layer.
+"""List+watch of one resource through the daemon's API client (kubeapi.py).
 
 Objects stay the API server's JSON (dicts): the generated models cost far more time and memory
 than the proxy needs at 10,000 services. A list (in pages) replaces the whole set; the watch
@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.client import ApiClient
-
 from proxyd import gc_pause
+from proxyd.kubeapi import Api, Response
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ class Reflector:
 
     def __init__(
         self,
-        api: ApiClient,
+        api: Api,
         resource: Resource,
         on_replace: Callable[[list[Obj]], None],
         on_event: Callable[[str, Obj], None],
@@ -119,26 +118,19 @@ class Reflector:
         self._listed = False
         """Whether the API server has answered a list."""
 
-    def _get(self, query: list[tuple[str, Any]], timeout: tuple[float, float]) -> Any:
-        method, url, headers, _, _ = self._api.param_serialize(
-            method="GET",
-            resource_path=self._resource.path,
-            query_params=query,
-            header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"],
-        )
-        response = self._api.call_api(method, url, header_params=headers, _request_timeout=timeout)
+    def _get(self, query: list[tuple[str, str]], timeout: tuple[float, float]) -> Response:
+        response = self._api.get(self._resource.path, query, timeout)
+        if response.status == 200:
+            return response
+        body = response.read()
         if response.status == 404 and self._resource.optional:
             raise NotServed(self._resource.path)
-        if response.status != 200:
-            body = response.read()
-            raise ConnectionError(
-                f"{self._resource.kind} request: HTTP {response.status} {body[:200]!r}"
-            )
-        return response.response
+        raise ConnectionError(
+            f"{self._resource.kind} request: HTTP {response.status} {body[:200]!r}"
+        )
 
-    def _selectors(self) -> list[tuple[str, Any]]:
-        query: list[tuple[str, Any]] = []
+    def _selectors(self) -> list[tuple[str, str]]:
+        query: list[tuple[str, str]] = []
         if self._resource.label_selector:
             query.append(("labelSelector", self._resource.label_selector))
         if self._resource.field_selector:
@@ -149,10 +141,10 @@ class Reflector:
         items: list[Obj] = []
         token = ""
         while True:
-            query = [*self._selectors(), ("limit", PAGE_SIZE)]
+            query = [*self._selectors(), ("limit", str(PAGE_SIZE))]
             if token:
                 query.append(("continue", token))
-            page = json.loads(self._get(query, (10, 60)).data)
+            page = json.loads(self._get(query, (10, 60)).read())
             items.extend(self._resource.trim(item) for item in page.get("items") or [])
             token = (page.get("metadata") or {}).get("continue") or ""
             if not token:
@@ -161,10 +153,10 @@ class Reflector:
     def _events(self, resource_version: str) -> Iterator[tuple[str, Obj]]:
         query = [
             *self._selectors(),
-            ("watch", True),
-            ("allowWatchBookmarks", True),
+            ("watch", "true"),
+            ("allowWatchBookmarks", "true"),
             ("resourceVersion", resource_version),
-            ("timeoutSeconds", random.randint(300, 600)),
+            ("timeoutSeconds", str(random.randint(300, 600))),
         ]
         stream = self._get(query, (10, 660))
         try:
@@ -175,7 +167,7 @@ class Reflector:
                     event = json.loads(line)
                     yield event["type"], event["object"]
         finally:
-            stream.release_conn()
+            stream.close()
 
     def _watch(self, resource_version: str) -> None:
         while not self._stop.is_set():

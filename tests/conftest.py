@@ -18,6 +18,7 @@ from kubernetes.config import new_client_from_config
 from deploy.lab.controlplane import ControlPlane, ControlPlaneError, attached, start
 from deploy.lab.netns import Netns, namespaces
 from deploy.lab.paths import CONTROLPLANE_BIN, PLUGIN_DIR, REFERENCE_PLUGINS
+from proxyd import kubeapi
 
 
 def netns_factory() -> Iterator[Callable[[str], Netns]]:
@@ -60,6 +61,13 @@ def kube_api(control_plane: ControlPlane) -> Iterator[ApiClient]:
     api = new_client_from_config(config_file=str(control_plane.kubeconfig))
     yield api
     api.close()
+
+
+@pytest.fixture(scope="session")
+def proxy_api(control_plane: ControlPlane) -> kubeapi.Api:
+    """knit-proxyd's own client (proxyd.kubeapi) for the session's control plane, made from the
+    same kubeconfig as kube_api."""
+    return kubeapi.from_kubeconfig([control_plane.kubeconfig])
 
 
 @dataclass

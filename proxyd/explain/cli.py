@@ -17,12 +17,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kubernetes import client
 from kubernetes import config as kubeconfig
 
-from proxyd import watch
+from proxyd import kubeapi, watch
 from proxyd.explain import flows, probe, verify
 from proxyd.explain.explain import (
     AddressTarget,
@@ -98,7 +99,7 @@ def parse_pod_key(text: str) -> PodKey:
     return namespace, name
 
 
-def _listed(api: client.ApiClient, resource: watch.Resource) -> list[Obj]:
+def _listed(api: kubeapi.Api, resource: watch.Resource) -> list[Obj]:
     """The resource's objects, listed in pages as the daemons list them; none when the API
     server does not serve an optional resource."""
     reflector = watch.Reflector(api, resource, lambda _: None, lambda *_: None, threading.Event())
@@ -112,7 +113,7 @@ def _parsed(objs: list[Obj], parse: Callable[[Obj], Parsed | None], kind: str) -
     return [p for obj in objs if (p := parse_or_skip(parse, obj, kind)) is not None]
 
 
-def fetch_world(api: client.ApiClient, masquerade_all: bool) -> World:
+def fetch_world(api: kubeapi.Api, masquerade_all: bool) -> World:
     """What the daemons watch, parsed by their parsers (what they skip is skipped here, and
     logged the same way)."""
     pods: list[Pod] = _parsed(_listed(api, watch.pods()), parse_pod, "Pod")
@@ -152,6 +153,12 @@ def fetch_world(api: client.ApiClient, masquerade_all: bool) -> World:
         {node.name: node for node in nodes},
         masquerade_all,
     )
+
+
+def lister(kubeconfig_path: str | None) -> kubeapi.Api:
+    """The client the daemons list with, for the same kubeconfig as api_client's."""
+    paths = [Path(kubeconfig_path)] if kubeconfig_path else kubeapi.default_kubeconfigs()
+    return kubeapi.from_kubeconfig(paths)
 
 
 def api_client(kubeconfig_path: str | None) -> client.ApiClient:
@@ -302,14 +309,25 @@ def _answer(arguments: argparse.Namespace) -> int:
         question = Question(
             parse_pod_key(arguments.source), target, port, arguments.protocol, arguments.endpoint
         )
-        api = api_client(arguments.kubeconfig)
-        explanation = Explainer(fetch_world(api, arguments.masquerade_all)).explain(question)
+        world = fetch_world(lister(arguments.kubeconfig), arguments.masquerade_all)
+        explanation = Explainer(world).explain(question)
         verification = (
-            _verified(api, explanation, arguments.probe_image, arguments.kubeconfig)
+            _verified(
+                api_client(arguments.kubeconfig),
+                explanation,
+                arguments.probe_image,
+                arguments.kubeconfig,
+            )
             if arguments.verify
             else None
         )
-    except (ExplainError, ConnectionError, OSError, kubeconfig.ConfigException) as err:
+    except (
+        ExplainError,
+        ConnectionError,
+        OSError,
+        kubeconfig.ConfigException,
+        kubeapi.ConfigError,
+    ) as err:
         print(f"kubectl knit explain: {err}", file=sys.stderr)
         return 2
     if arguments.output == "json":

@@ -30,7 +30,7 @@ from deploy.lab.lab import KUBECTL, Lab
 from deploy.lab.netns import unique_name
 from deploy.lab.process import eventually
 from proxyd.explain import cli
-from proxyd.explain.cli import api_client, fetch_world
+from proxyd.explain.cli import fetch_world, lister
 from proxyd.explain.explain import AddressTarget, Explainer, Explanation, Question
 
 PODS = ("a", "b", "c")
@@ -429,7 +429,7 @@ def observed(lab: Lab, probes: list[Probe]) -> dict[Probe, bool]:
 
 def explained(lab: Lab, probes: list[Probe]) -> dict[Probe, Explanation]:
     """Each probe explained, from one reading of the API objects."""
-    explainer = Explainer(fetch_world(api_client(str(lab.kubeconfig)), masquerade_all=False))
+    explainer = Explainer(fetch_world(lister(str(lab.kubeconfig)), masquerade_all=False))
     answers = {}
     for probe in probes:
         source, _, address, port, protocol = probe

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from kubernetes.client import ApiClient, Configuration
+from kubernetes.client import ApiClient
 
 from deploy.lab.netns import unique_name
 from deploy.lab.process import eventually
-from proxyd import watch
+from proxyd import kubeapi, watch
 from proxyd.watch import Obj, Reflector
 
 
@@ -43,7 +43,10 @@ def services(kube_api: ApiClient) -> Iterator[list[str]]:
 
 
 def test_a_paged_list_then_a_watch_of_what_changed(
-    kube_api: ApiClient, services: list[str], monkeypatch: pytest.MonkeyPatch
+    kube_api: ApiClient,
+    proxy_api: kubeapi.Api,
+    services: list[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     core = client.CoreV1Api(kube_api)
     paged = [unique_name("paged") for _ in range(5)]
@@ -56,7 +59,7 @@ def test_a_paged_list_then_a_watch_of_what_changed(
     )
     services.append(other)
     monkeypatch.setattr(watch, "PAGE_SIZE", 2)
-    queries: list[list[tuple[str, Any]]] = []
+    queries: list[list[tuple[str, str]]] = []
     real_get = Reflector._get
 
     def recorded_get(self: Reflector, query: list[tuple[str, Any]], timeout: Any) -> Any:
@@ -68,7 +71,7 @@ def test_a_paged_list_then_a_watch_of_what_changed(
     events: list[tuple[str, str]] = []
     stop = threading.Event()
     reflector = Reflector(
-        kube_api,
+        proxy_api,
         watch.services(),
         lists.append,
         lambda kind, obj: events.append((kind, obj["metadata"]["name"])),
@@ -80,7 +83,7 @@ def test_a_paged_list_then_a_watch_of_what_changed(
         listed = {obj["metadata"]["name"] for obj in lists[0]}
         assert set(paged) <= listed and other not in listed
         pages = [dict(query) for query in queries if "watch" not in dict(query)]
-        assert len(pages) >= 3 and all(page["limit"] == 2 for page in pages)
+        assert len(pages) >= 3 and all(page["limit"] == "2" for page in pages)
         assert all("continue" in page for page in pages[1:])
         late = unique_name("late")
         core.create_namespaced_service("default", service(late))
@@ -99,7 +102,9 @@ class Listed(dict[str, Any]):
     """A listed object that can be watched for its end (a plain dict takes no weakref)."""
 
 
-def test_the_list_is_not_held_while_watching(kube_api: ApiClient, services: list[str]) -> None:
+def test_the_list_is_not_held_while_watching(
+    kube_api: ApiClient, proxy_api: kubeapi.Api, services: list[str]
+) -> None:
     core = client.CoreV1Api(kube_api)
     name = unique_name("held")
     core.create_namespaced_service("default", service(name))
@@ -115,7 +120,7 @@ def test_the_list_is_not_held_while_watching(kube_api: ApiClient, services: list
     stop = threading.Event()
     resource = dataclasses.replace(watch.services(), trim=tracked)
     reflector = Reflector(
-        kube_api,
+        proxy_api,
         resource,
         lambda objs: names.extend(obj["metadata"]["name"] for obj in objs),
         lambda kind, obj: None,
@@ -134,12 +139,12 @@ def test_the_list_is_not_held_while_watching(kube_api: ApiClient, services: list
 def test_an_unreachable_api_server_is_retried_with_a_doubling_backoff(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    config = Configuration()
-    config.host = "http://127.0.0.1:9"  # discard: nothing listens on loopback there
-    stop = threading.Event()
-    reflector = Reflector(
-        ApiClient(config), watch.nodes(), lambda items: None, lambda *event: None, stop
+    # discard: nothing listens on loopback there
+    nowhere = kubeapi.Api(
+        kubeapi.Endpoint.of("http://127.0.0.1:9", None, None), kubeapi.Credential()
     )
+    stop = threading.Event()
+    reflector = Reflector(nowhere, watch.nodes(), lambda items: None, lambda *event: None, stop)
     with caplog.at_level(logging.WARNING, logger="proxyd.watch"):
         thread = reflector.start()
         try:
@@ -157,14 +162,14 @@ def test_an_unreachable_api_server_is_retried_with_a_doubling_backoff(
 
 
 def test_a_resource_the_api_server_does_not_serve_is_listed_as_empty_and_looked_for_again(
-    kube_api: ApiClient, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    proxy_api: kubeapi.Api, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A custom resource whose CRD is not installed (here a made-up one): 404, not a failure."""
     monkeypatch.setattr(watch, "MAX_BACKOFF", 0.2)
     gadgets = watch.Resource("Gadget", "/apis/example.knit.test/v1/gadgets", optional=True)
     lists: list[list[Obj]] = []
     stop = threading.Event()
-    reflector = Reflector(kube_api, gadgets, lists.append, lambda *event: None, stop)
+    reflector = Reflector(proxy_api, gadgets, lists.append, lambda *event: None, stop)
     with caplog.at_level(logging.INFO, logger="proxyd.watch"):
         thread = reflector.start()
         try:

@@ -16,10 +16,9 @@ from typing import ClassVar
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from kubernetes.client import ApiClient, Configuration
 
 from deploy.lab.process import eventually
-from proxyd import watch
+from proxyd import kubeapi, watch
 from proxyd.watch import Obj, Reflector
 
 GONE = {
@@ -33,6 +32,11 @@ GONE = {
         "code": 410,
     },
 }
+
+
+def plain(server: str) -> kubeapi.Api:
+    """A client of an API server on loopback without TLS or credentials."""
+    return kubeapi.Api(kubeapi.Endpoint.of(server, None, None), kubeapi.Credential())
 
 
 def service(name: str, resource_version: str) -> Obj:
@@ -100,13 +104,11 @@ def api_server() -> Iterator[str]:
 def test_a_gone_watch_is_listed_again_at_once_and_watched_from_the_new_list(
     api_server: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = Configuration()
-    config.host = api_server
     replaced: list[list[Obj]] = []
     events: list[tuple[str, str]] = []
     stop = threading.Event()
     reflector = Reflector(
-        ApiClient(config),
+        plain(api_server),
         watch.services(),
         replaced.append,
         lambda kind, obj: events.append((kind, obj["metadata"]["name"])),
@@ -174,12 +176,10 @@ def test_an_optional_resource_that_stops_being_served_keeps_the_objects_last_lis
     monkeypatch.setattr(watch, "MAX_BACKOFF", 0.05)
     server = ThreadingHTTPServer(("127.0.0.1", 0), VanishingCrd)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    config = Configuration()
-    config.host = f"http://127.0.0.1:{server.server_address[1]}"
     replaced: list[list[str]] = []
     stop = threading.Event()
     reflector = Reflector(
-        ApiClient(config),
+        plain(f"http://127.0.0.1:{server.server_address[1]}"),
         watch.cluster_network_policies(),
         lambda objs: replaced.append([obj["metadata"]["name"] for obj in objs]),
         lambda kind, obj: None,
