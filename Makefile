@@ -77,7 +77,7 @@ fuzz: venv
 # the VM node's tests (tests/vm) run here too, but for the long ones (KNIT_VM=1)
 test: setup cni go-tools e2e-tools lint
 	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(VM_APT_PACKAGES)"
-	KNIT_VM=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	KNIT_VM=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40 tests
 
 # the VM node's tests (tests/vm), all of them: Debian's kernel under qemu (TCG), with IPVS and
 # SCTP. The first run builds build/vm/ (the kernel package and an initramfs).
