@@ -3,9 +3,9 @@
 - the interpreter: `python -c pass` (wall, from this process) and its resident memory;
 - the libraries, in the daemon's import order, each timed and its resident memory (VmRSS)
   read in a fresh interpreter that imports one after the other (its API client with ssl,
-  http.client and yaml, pyroute2, prometheus_client, then the rest of knit's own modules,
-  proxyd.daemon), and the two first each alone; beside them the kubernetes client, which the
-  daemon used before its own;
+  http.client and yaml, prometheus_client, then the rest of knit's own modules,
+  proxyd.daemon), and its API client alone; beside them, each alone, what the daemon imported
+  before: the kubernetes client, and pyroute2 (now the IPVS mode's alone);
 - the watch caches: the Services and EndpointSlices of N services (one port, 10 endpoints
   each, as in the proxy bench) listed from a real API server by the daemon's reflector, then
   held by its cluster state: the bytes tracemalloc sees per Service and slice, beside the
@@ -68,10 +68,10 @@ print(json.dumps(steps))
 """Imports the modules named, one after the other: each one's seconds and the VmRSS after it
 (the first step: the interpreter's own)."""
 CHAINS = (
-    ("in the daemon's order", ("proxyd.kubeapi", "pyroute2", "prometheus_client", "proxyd.daemon")),
+    ("in the daemon's order", ("proxyd.kubeapi", "prometheus_client", "proxyd.daemon")),
     ("alone", ("proxyd.kubeapi",)),
-    ("alone", ("pyroute2",)),
-    ("the client it replaced, alone", ("kubernetes",)),
+    ("what it no longer imports, alone", ("kubernetes",)),
+    ("what it no longer imports, alone", ("pyroute2",)),
 )
 """Modules imported one after the other in one interpreter, each chain in a fresh one."""
 RUNNING = "running on node"

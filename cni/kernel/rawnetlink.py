@@ -3,10 +3,10 @@ only), for the plugin and the node daemon, where one message per address, flow o
 be cheap: a link's addresses or every link's (cni.kernel.addresses: the plugin's bridge, IPVS mode's
 dummy link, node networking's uplink MTU), the UDP conntrack clean-up's conversation (its
 dumps, the table's size, its deletes), NetworkPolicy's NFLOG denials, and every request of the
-plugin's (cni.links, cni.routes). pyroute2 decodes every attribute of every message into
-objects, a request's answer too; what these callers need is two to six attributes of each,
-read here alone for a small part of that cost (docs/benchmarks.md#netlink-make-bench-netlink).
-The daemon's links, routes, neighbours, IPVS and ipsets stay with pyroute2.
+plugin's (cni.links, cni.routes) and node networking's (proxyd.nodenet.kernel). pyroute2
+decodes every attribute of every message into objects, a request's answer too; what these
+callers need is two to six attributes of each, read here alone for a small part of that cost
+(docs/benchmarks.md#netlink-make-bench-netlink). IPVS and ipsets stay with pyroute2.
 
 The socket and its constants come from `_socket`, the C module that `socket` wraps: importing
 `socket` (its enums and selectors) cost every in-process call of the plugin ~1.8 ms
@@ -24,7 +24,7 @@ from itertools import count
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import TypeVar
+    from typing import Self, TypeVar
 
     T = TypeVar("T")
 
@@ -105,7 +105,7 @@ class NetlinkSocket:
             raise
         self._sequence = count(1)
 
-    def __enter__(self) -> NetlinkSocket:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_: object) -> None:

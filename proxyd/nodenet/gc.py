@@ -15,12 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pyroute2 import IPRoute
-
 from cni.bridge import host_veth_name
 from cni.invocation import from_environ
 from cni.ipam.store import Store
 from cni.plugin import run
+from proxyd.nodenet import kernel
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +27,8 @@ GRACE_SECONDS = 30.0
 
 
 def _link_names() -> set[str]:
-    with IPRoute() as ipr:
-        return {link.get("IFLA_IFNAME") for link in ipr.get_links()}
+    with kernel.route_socket() as sock:
+        return kernel.link_names(sock)
 
 
 def live_attachments(plugin: dict[str, Any], links: set[str], now: float) -> set[tuple[str, str]]:

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pyroute2 import IPRoute
-
+from cni.kernel.rawnetlink import NetlinkSocket
 from proxyd.iptables.kernel import IptablesKernel
 from proxyd.model import parse_or_skip
-from proxyd.nodenet import conflist
+from proxyd.nodenet import conflist, kernel
 from proxyd.nodenet.route_plan import (
     NodeNet,
     PeerVtep,
@@ -121,8 +120,8 @@ class NodeNetwork:
             return
         routing = self.options.routing
         peer_vteps: tuple[PeerVtep, ...] = ()
-        with IPRoute() as ipr:
-            mtu = pod_mtu(self._uplink_mtu(ipr, local), routing, local)
+        with kernel.route_socket() as sock:
+            mtu = pod_mtu(self._uplink_mtu(sock, local), routing, local)
             if local.pod_cidrs:
                 conf = conflist.render(local.pod_cidrs, self.options.data_dir, mtu)
                 if conflist.write_if_changed(self.options.conf_dir, conf):
@@ -132,8 +131,8 @@ class NodeNetwork:
             warnings: list[str] = []
             if routing != "none":
                 peers = check_peers(local, nodes, self.options.cluster_cidrs, connected_networks())
-                plan = plan_routes(local, peers, routing, lambda ip: on_link(ipr, ip))
-                held = RouteTable(ipr).apply(local, plan, mtu)
+                plan = plan_routes(local, peers, routing, lambda ip: on_link(sock, ip))
+                held = RouteTable(sock).apply(local, plan, mtu)
                 warnings += [*map(str, peers.refused), *(f"cannot route {s}" for s in plan.skipped)]
                 warnings += [f"route to {cidr} not added: {reason}" for cidr, reason in held]
                 peer_vteps = plan.peer_vteps
@@ -147,11 +146,11 @@ class NodeNetwork:
         log.info("node networking in place for %d nodes", len(nodes))
 
     @staticmethod
-    def _uplink_mtu(ipr: IPRoute, local: NodeNet) -> int:
+    def _uplink_mtu(sock: NetlinkSocket, local: NodeNet) -> int:
         if not local.internal_ips:
             return DEFAULT_MTU
         try:
-            return uplink_mtu(ipr, local.internal_ips[0])
+            return uplink_mtu(sock, local.internal_ips[0])
         except LookupError as err:
             log.warning("%s; assuming MTU %d", err, DEFAULT_MTU)
             return DEFAULT_MTU

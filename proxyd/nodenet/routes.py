@@ -10,18 +10,15 @@ to it, and a new route is added, never written over one.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
-import socket
 from dataclasses import dataclass
-
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
 
 from cni.kernel.addresses import link_addresses
 from cni.kernel.families import ADDRESS_FAMILIES
+from cni.kernel.rawnetlink import NetlinkSocket, RawNetlinkError
 from proxyd.addresses import link_index
 from proxyd.model import family_of
+from proxyd.nodenet import kernel
 from proxyd.nodenet.route_plan import (
     NodeNet,
     OverlayPeer,
@@ -43,6 +40,8 @@ VXLAN_PORT = 8472
 NUD_PERMANENT = 0x80
 NTF_SELF = 0x02
 RTNH_F_ONLINK = 4
+AF_BRIDGE = 7
+"""The family of a link's forwarding entries."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +59,12 @@ class Overlay:
     port: int = VXLAN_PORT
 
 
-def on_link(ipr: IPRoute, address: str) -> bool:
+def on_link(sock: NetlinkSocket, address: str) -> bool:
     """Whether the kernel reaches address without a gateway (same L2 segment)."""
     try:
-        found = ipr.route("get", dst=address)
-    except NetlinkError:
+        return not kernel.route_gateway(sock, address)
+    except RawNetlinkError:
         return False
-    return bool(found) and found[0].get("RTA_GATEWAY") is None
 
 
 def connected_networks() -> tuple[str, ...]:
@@ -74,17 +72,17 @@ def connected_networks() -> tuple[str, ...]:
     return tuple(f"{found.address}/{found.prefix_length}" for found in link_addresses())
 
 
-def uplink_mtu(ipr: IPRoute, address: str) -> int:
+def uplink_mtu(sock: NetlinkSocket, address: str) -> int:
     """The MTU of the link holding address (the node's InternalIP)."""
     for local in link_addresses(family_of(address)):
         if local.address == address:
-            return int(ipr.get_links(local.link)[0].get("IFLA_MTU"))
+            return kernel.link_mtu(sock, local.link)
     raise LookupError(f"no local interface holds {address}")
 
 
 class RouteTable:
-    def __init__(self, ipr: IPRoute, overlay: Overlay = Overlay()) -> None:
-        self.ipr = ipr
+    def __init__(self, sock: NetlinkSocket, overlay: Overlay = Overlay()) -> None:
+        self.sock = sock
         self.overlay = overlay
 
     def apply(self, local: NodeNet, plan: RoutePlan, mtu: int) -> list[tuple[str, str]]:
@@ -102,20 +100,11 @@ class RouteTable:
         """The main table's routes: knit's by destination, and the others' destinations."""
         knit: dict[str, KnitRoute] = {}
         others: set[str] = set()
-        for address_family in ADDRESS_FAMILIES.values():
-            for route in self.ipr.route("dump", family=address_family, table=MAIN_TABLE):
-                if route.get("RTA_TABLE", route["table"]) != MAIN_TABLE:
-                    continue
-                dst = route.get("RTA_DST") or (
-                    "::" if address_family == socket.AF_INET6 else "0.0.0.0"
-                )
-                cidr = str(ipaddress.ip_network(f"{dst}/{route['dst_len']}"))
-                if route["proto"] == ROUTE_PROTOCOL:
-                    knit[cidr] = KnitRoute(
-                        route.get("RTA_GATEWAY") or "", route.get("RTA_OIF") or 0
-                    )
-                else:
-                    others.add(cidr)
+        for route in kernel.routes(self.sock, MAIN_TABLE):
+            if route.protocol == ROUTE_PROTOCOL:
+                knit[route.cidr] = KnitRoute(route.gateway, route.oif)
+            else:
+                others.add(route.cidr)
         return knit, others
 
     def _sync_routes(
@@ -136,13 +125,18 @@ class RouteTable:
                 # Deleted and added again rather than replaced: a replace would take whatever
                 # route holds the destination's slot, and a route is only ever knit's to delete.
                 self._delete(route.cidr, have)
-            spec: dict[str, object] = {"dst": route.cidr, "gateway": route.via}
-            if route.overlay:
-                spec.update(oif=overlay_index, flags=RTNH_F_ONLINK)
             try:
-                self.ipr.route("add", proto=ROUTE_PROTOCOL, table=MAIN_TABLE, **spec)
-            except NetlinkError as err:
-                if err.code != errno.EEXIST:  # one made since the dump above
+                kernel.add_route(
+                    self.sock,
+                    route.cidr,
+                    route.via,
+                    ROUTE_PROTOCOL,
+                    MAIN_TABLE,
+                    oif=overlay_oif or 0,
+                    flags=RTNH_F_ONLINK if route.overlay else 0,
+                )
+            except RawNetlinkError as err:
+                if err.errno != errno.EEXIST:  # one made since the dump above
                     raise
                 held.append((route.cidr, HELD))
                 continue
@@ -151,10 +145,7 @@ class RouteTable:
 
     def _delete(self, cidr: str, route: KnitRoute) -> None:
         """Deletes knit's route: the kernel matches the protocol, so no other route goes."""
-        spec: dict[str, object] = {"oif": route.oif} if route.oif else {}
-        if route.via:
-            spec["gateway"] = route.via
-        self.ipr.route("del", dst=cidr, proto=ROUTE_PROTOCOL, table=MAIN_TABLE, **spec)
+        kernel.delete_route(self.sock, cidr, route.via, ROUTE_PROTOCOL, MAIN_TABLE, route.oif)
 
     def _sync_device(self, local: NodeNet, plan: RoutePlan, mtu: int) -> int | None:
         if not plan.peers:
@@ -163,34 +154,30 @@ class RouteTable:
         underlay = local.internal_ips[0]
         index = link_index(self.overlay.device)
         if index is None:
-            self.ipr.link(
-                "add",
-                ifname=self.overlay.device,
-                kind="vxlan",
-                vxlan_id=self.overlay.vni,
-                vxlan_port=self.overlay.port,
-                vxlan_local=underlay,
-                vxlan_learning=0,
-                address=vtep_mac(underlay),
-                mtu=mtu,
-            )
-            index = link_index(self.overlay.device)
-            log.info("overlay device %s created (VNI %d)", self.overlay.device, self.overlay.vni)
-        self.ipr.link("set", index=index, state="up", mtu=mtu)
+            overlay = self.overlay
+            kernel.create_vxlan(
+                self.sock, overlay.device, overlay.vni, overlay.port, underlay,
+                vtep_mac(underlay), mtu,
+            )  # fmt: skip
+            index = link_index(overlay.device)
+            if index is None:
+                raise LookupError(f"overlay device {overlay.device} vanished once made")
+            log.info("overlay device %s created (VNI %d)", overlay.device, overlay.vni)
+        kernel.set_up(self.sock, index, mtu)
         for cidr in local.pod_cidrs:
             if family_of(cidr) != 4:
                 continue  # an IPv6 subnet's first address is its router anycast address
             try:
-                self.ipr.addr("add", index=index, address=vtep_address(cidr), prefixlen=32)
-            except NetlinkError as err:
-                if err.code != errno.EEXIST:
+                kernel.add_address(self.sock, index, vtep_address(cidr), 32)
+            except RawNetlinkError as err:
+                if err.errno != errno.EEXIST:
                     raise
         return index
 
     def _delete_device(self) -> None:
         index = link_index(self.overlay.device)
         if index is not None:
-            self.ipr.link("del", index=index)
+            kernel.delete_link(self.sock, index)
             log.info("overlay device %s removed", self.overlay.device)
 
     def _sync_peers(self, index: int, peers: tuple[OverlayPeer, ...]) -> None:
@@ -202,45 +189,34 @@ class RouteTable:
         neighbours = {vtep: peer.mac for peer in peers for vtep in peer.vtep_addresses}
         macs_in_place: set[str] = set()
         vteps_in_place: set[str] = set()
-        for entry in self.ipr.fdb("dump", ifindex=index):
-            mac, dst = entry.get("NDA_LLADDR"), entry.get("NDA_DST")
-            if not dst:
+        for entry in kernel.neighbours(self.sock, index, AF_BRIDGE):
+            if not entry.dst:
                 continue
             # The kernel names a remote's port and VNI only where they differ from the device's.
-            own = {"port": entry.get("NDA_PORT"), "vni": entry.get("NDA_VNI")}
-            foreign = {key: value for key, value in own.items() if value is not None}
-            if fdb.get(mac) != dst or foreign:
-                self.ipr.fdb("del", ifindex=index, lladdr=mac, dst=dst, flags=NTF_SELF, **foreign)
-            elif entry["state"] & NUD_PERMANENT:
-                macs_in_place.add(mac)
+            foreign = entry.port is not None or entry.vni is not None
+            if fdb.get(entry.mac) != entry.dst or foreign:
+                kernel.delete_neighbour(
+                    self.sock, AF_BRIDGE, index, entry.dst, entry.mac, NTF_SELF, entry.port,
+                    entry.vni,
+                )  # fmt: skip
+            elif entry.state & NUD_PERMANENT:
+                macs_in_place.add(entry.mac)
         for address_family in ADDRESS_FAMILIES.values():
-            for entry in self.ipr.neigh("dump", ifindex=index, family=address_family):
-                dst, mac = entry.get("NDA_DST"), entry.get("NDA_LLADDR")
-                permanent = entry["state"] & NUD_PERMANENT
-                if not dst:
+            for entry in kernel.neighbours(self.sock, index, address_family):
+                permanent = entry.state & NUD_PERMANENT
+                if not entry.dst:
                     continue
-                if dst in neighbours:  # a wrong one is replaced below
-                    if neighbours[dst] == mac and permanent:
-                        vteps_in_place.add(dst)
+                if entry.dst in neighbours:  # a wrong one is replaced below
+                    if neighbours[entry.dst] == entry.mac and permanent:
+                        vteps_in_place.add(entry.dst)
                 elif permanent:  # a departed peer's, not one the kernel made (multicast)
-                    self.ipr.neigh("del", ifindex=index, dst=dst, family=address_family)
+                    kernel.delete_neighbour(self.sock, address_family, index, entry.dst)
         fdb = {mac: dst for mac, dst in fdb.items() if mac not in macs_in_place}
         neighbours = {vtep: mac for vtep, mac in neighbours.items() if vtep not in vteps_in_place}
         for mac, underlay in fdb.items():
-            self.ipr.fdb(
-                "replace",
-                ifindex=index,
-                lladdr=mac,
-                dst=underlay,
-                flags=NTF_SELF,
-                state=NUD_PERMANENT,
+            kernel.write_neighbour(
+                self.sock, AF_BRIDGE, index, underlay, mac, NUD_PERMANENT, NTF_SELF
             )
         for vtep, mac in neighbours.items():
-            self.ipr.neigh(
-                "replace",
-                ifindex=index,
-                dst=vtep,
-                lladdr=mac,
-                state=NUD_PERMANENT,
-                family=ADDRESS_FAMILIES[family_of(vtep)],
-            )
+            family = ADDRESS_FAMILIES[family_of(vtep)]
+            kernel.write_neighbour(self.sock, family, index, vtep, mac, NUD_PERMANENT)

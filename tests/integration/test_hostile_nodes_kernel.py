@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pyroute2 import IPRoute
 
 from deploy.lab.netns import Netns
 from proxyd.iptables.kernel import IptablesKernel
+from proxyd.nodenet import kernel
 from proxyd.nodenet.manager import NodeNetwork, NodeNetworkOptions
 from proxyd.nodenet.routes import ROUTE_PROTOCOL, VXLAN_DEVICE, RouteTable
 from proxyd.nodenet.source_nat import EGRESS_CHAIN, PEER_CHAIN
@@ -145,6 +145,6 @@ def test_hostile_nodes_leave_the_nodes_routes_and_a_good_peer_is_routed(
         network.event("DELETED", obj)
     with node.entered():
         network.apply()
-        with IPRoute() as ipr:
-            RouteTable(ipr).remove_all()
+        with kernel.route_socket() as sock:
+            RouteTable(sock).remove_all()
     assert routes(node) == (set(), before), "cleanup takes knit's routes and only those"

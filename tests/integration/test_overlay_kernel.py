@@ -8,12 +8,12 @@ segment stays."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
-from typing import Any
 
-from pyroute2 import IPRoute
-
+from cni.kernel.rawnetlink import NetlinkSocket
 from deploy.lab.netns import Netns
+from proxyd.nodenet import kernel
 from proxyd.nodenet.route_plan import (
     NodeNet,
     Peers,
@@ -42,36 +42,28 @@ def on_segment(address: str) -> bool:
 
 def apply(node: Netns, peers: list[NodeNet]) -> None:
     plan = plan_routes(LOCAL, checked(peers), "auto", on_segment)
-    with node.entered(), IPRoute() as ipr:
-        RouteTable(ipr).apply(LOCAL, plan, 1450)
+    with node.entered(), kernel.route_socket() as sock:
+        RouteTable(sock).apply(LOCAL, plan, 1450)
 
 
-class EntryWritesCounted:
-    """An IPRoute counting the forwarding and neighbour entries written or deleted through it
-    (pyroute2's IPRoute hands its methods out by attribute, so it is wrapped, not subclassed)."""
+class EntryWritesCounted(NetlinkSocket):
+    """A routing socket counting the forwarding and neighbour entries written or deleted
+    through it."""
 
-    def __init__(self, ipr: IPRoute) -> None:
-        self.ipr = ipr
+    def __init__(self) -> None:
+        super().__init__(socket.NETLINK_ROUTE)
         self.writes = 0
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.ipr, name)
-        if name not in ("fdb", "neigh"):
-            return method
-
-        def counted(command: str, **kwarg: Any) -> Any:
-            self.writes += command != "dump"
-            return method(command, **kwarg)
-
-        return counted
+    def request(self, kind: int, body: bytes, flags: int = 0) -> list[tuple[int, memoryview]]:
+        self.writes += kind in (kernel.RTM_NEWNEIGH, kernel.RTM_DELNEIGH)
+        return super().request(kind, body, flags)
 
 
 def writes(node: Netns, peers: list[NodeNet]) -> int:
     """Forwarding and neighbour entries an apply of these peers writes or deletes."""
     plan = plan_routes(LOCAL, checked(peers), "auto", on_segment)
-    with node.entered(), IPRoute() as ipr:
-        counting = EntryWritesCounted(ipr)
-        RouteTable(counting).apply(LOCAL, plan, 1450)  # type: ignore[arg-type]
+    with node.entered(), EntryWritesCounted() as counting:
+        RouteTable(counting).apply(LOCAL, plan, 1450)
         return counting.writes
 
 
