@@ -17,7 +17,7 @@ from cni.errors import CniError
 from cni.kernel import sysctl
 from cni.kernel.errors import KernelError, SysctlError
 from cni.kernel.families import IP_FAMILIES
-from proxyd import gc_pause, kubeapi, watch
+from proxyd import allocator, gc_pause, kubeapi, watch
 from proxyd.config import MODES, Config, ConfigError, conntrack_sysctls, load
 from proxyd.health import ProxyHealth, ServiceHealthServers, serve_health, serve_metrics
 from proxyd.iptables.chains import owned_by_kube_proxy
@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     except kubeapi.ConfigError as err:
         print(f"knit-proxyd: {err}", file=sys.stderr)
         return 2
+    allocator.keep_sync_memory()
     daemon = Daemon(config)
     signal.signal(signal.SIGTERM, daemon.shutdown)
     signal.signal(signal.SIGINT, daemon.shutdown)
