@@ -51,8 +51,9 @@ metrics under the same names: cold start to its first full sync done, the full s
 and forced at steady state, one-service changes (its partial sync, and from the PATCH to the
 rules in the kernel by the network programming metric: every change the bench makes stamps
 the EndpointSlice's last-change-trigger-time, as the EndpointSlice controller does), resident
-memory after start and at peak, the CPU time each daemon spends over a churn of 1,000
-endpoint changes, and at the largest N connections/s through the same ClusterIP as a share of
+memory after start and at peak, the CPU time each daemon spends per minute with nothing
+changing (over a minute once synced, 15 s with --quick) and over a churn of 1,000 endpoint
+changes, and at the largest N connections/s through the same ClusterIP as a share of
 direct through a node without rules. Each becomes a row beside knit-proxyd's, with the ratio.
 
 The run ends with every figure as measured, then a table comparing the modes per N with the
@@ -127,6 +128,7 @@ from bench.proxy_report import (
     COLD,
     CONNECTIONS,
     FIRST,
+    IDLE,
     PARTIAL_SYNC,
     PROGRAMMED,
     RSS_PEAK,
@@ -147,6 +149,8 @@ from proxyd.model import ZONE_LABEL
 
 FORCED_FULL_LIMIT = 120.0
 """No forced full sync at steady state when the first one took longer than this (seconds)."""
+IDLE_SECONDS = 60.0
+"""How long the daemons are watched doing nothing, once synced."""
 FULL_SYNC_GOAL = 1.5
 """nftables: a full sync costs at most this many bare `nft -f` of the same rules."""
 
@@ -225,6 +229,7 @@ class Bench:
         self.results.note(mode, size, COLD, KUBE_PROXY, synced[LAST_SYNC] - daemon.started)
         self.results.note(mode, size, FIRST, KUBE_PROXY, first)
         self.results.note(mode, size, RSS_START, KUBE_PROXY, daemon.memory_mib()[0])
+        self.results.note(mode, size, IDLE, KUBE_PROXY, self.idle_cpu(daemon))
         if first < FORCED_FULL_LIMIT:
             forced = [self.force_full_sync(size, mode, daemon, n) for n in range(self.repeats)]
             done = [sync for sync in forced if sync is not None]
@@ -257,6 +262,14 @@ class Bench:
             )
         self.results.note(mode, size, CHURN, KUBE_PROXY, self.churn(daemon))
         self.results.note(mode, size, RSS_PEAK, KUBE_PROXY, daemon.memory_mib()[1])
+
+    def idle_cpu(self, daemon: Daemon) -> float:
+        """CPU seconds per minute the daemon spends with nothing changing, over IDLE_SECONDS
+        (a quarter of it with --quick)."""
+        seconds = IDLE_SECONDS / 4 if self.options.quick else IDLE_SECONDS
+        began = daemon.cpu_seconds()
+        time.sleep(seconds)
+        return (daemon.cpu_seconds() - began) * 60 / seconds
 
     def churn(self, daemon: Daemon) -> float:
         """CPU seconds the daemon spends on CHURN_CHANGES endpoint changes, made one after the
@@ -295,6 +308,7 @@ class Bench:
         wall = synced[LAST_SYNC] - daemon.started
         for figure, value in ((COLD, wall), (FIRST, full), (RSS_START, rss)):
             self.results.keep(mode, size, figure, KNIT, value)
+        self.results.note(mode, size, IDLE, KNIT, self.idle_cpu(daemon))
         anchor = self.bare_loads(size, mode, saved, full, wall, stack)
         if full < FORCED_FULL_LIMIT:
             self.forced_full_syncs(size, mode, daemon, anchor, saved)

@@ -128,7 +128,10 @@ CONNECTIONS = Figure(
 RSS_START = Figure("memory after start (VmRSS)", mib)
 RSS_PEAK = Figure("memory peak (VmHWM)", mib)
 CHURN = Figure(f"CPU time over a churn of {CHURN_CHANGES:,} endpoint changes", secs)
-BESIDE = (COLD, FIRST, STEADY, PARTIAL_SYNC, PROGRAMMED, CONNECTIONS, RSS_START, RSS_PEAK, CHURN)
+IDLE = Figure("CPU time per minute at idle, after the first full sync", secs)
+BESIDE = (
+    COLD, FIRST, STEADY, PARTIAL_SYNC, PROGRAMMED, CONNECTIONS, RSS_START, RSS_PEAK, CHURN, IDLE,
+)  # fmt: skip
 
 
 class Results:
