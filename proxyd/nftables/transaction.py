@@ -181,7 +181,11 @@ class Transaction:
         self.generation = generation
         self.declarations: list[str] = []
         self.rules: list[str] = []
-        self.removals: list[str] = []
+        self.removals: dict[str, list[str]] = {}
+        """Set or map -> the keys deleted from it, written as one statement: nft parses and
+        checks a statement's set once, however many elements it names (a churn's sync of 100
+        services, each replacing one endpoint, took 23-27 ms in libnftables with a statement
+        per element, and 17.5-20.3 ms with one per set)."""
         self.additions: list[str] = []
         self.emptied: list[str] = []
         """Chains going away, flushed first: what they name is no longer in use after it."""
@@ -204,8 +208,7 @@ class Transaction:
             self.additions.append(f"add element {self.prefix} {name} {{ {body} }}")
 
     def remove_element(self, name: str, key: str) -> None:
-        name = self.generation.name(name)
-        self.removals.append(f"delete element {self.prefix} {name} {{ {key} }}")
+        self.removals.setdefault(self.generation.name(name), []).append(key)
 
     def remove_chains(self, names: Iterable[str]) -> None:
         names = list(names)
@@ -219,7 +222,10 @@ class Transaction:
         lines = [
             *self.declarations,
             *self.rules,
-            *self.removals,
+            *(
+                f"delete element {self.prefix} {name} {{ {', '.join(keys)} }}"
+                for name, keys in self.removals.items()
+            ),
             *self.additions,
             *self.emptied,
             *self.released,
