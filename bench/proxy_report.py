@@ -3,6 +3,7 @@ at the end, and the figures taken of knit-proxyd and kube-proxy alike, set side 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,7 +178,8 @@ class Results:
                 if KNIT not in values or KUBE_PROXY not in values:
                     continue
                 knit, peer = values[KNIT], values[KUBE_PROXY]
-                factor = knit / peer
+                # idle CPU can be zero at the clock's 10-ms ticks: equal when both are
+                factor = knit / peer if peer else (1.0 if not knit else math.inf)
                 met = factor >= figure.goal if figure.higher_is_better else factor <= figure.goal
                 sign = ">=" if figure.higher_is_better else "<="
                 goal = f"{sign} {figure.goal:g}x: {'met' if met else 'NOT met'}"
