@@ -39,7 +39,11 @@ EXEC_EXPIRY_MARGIN = 10.0
 """Seconds before an exec plugin's token expires that it is asked for a new one."""
 EXEC_TIMEOUT = 60.0
 USER_AGENT = "knit-proxyd"
-UNSUPPORTED_USER_KEYS = ("auth-provider", "username", "password", "impersonate")
+RECONNECT = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+"""Errors of a kept connection that a new one answers."""
+UNSUPPORTED_USER_KEYS = (
+    "auth-provider", "username", "password", "as", "as-uid", "as-groups", "as-user-extra",
+)  # fmt: skip
 """User settings that would change who the requests are made as, and that knit cannot honour."""
 
 
@@ -98,8 +102,8 @@ class ExecPlugin(Credential):
     EXEC_EXPIRY_MARGIN before its expirationTimestamp, or until a 401."""
 
     command: str
-    args: Sequence[str]
-    env: dict[str, str]
+    args: Sequence[str] = field(repr=False)
+    env: dict[str, str] = field(repr=False)
     api_version: str
     cluster: dict[str, Any] | None
     """What provideClusterInfo hands the plugin, or None."""
@@ -259,10 +263,10 @@ class Api:
         target = f"{path}?{urlencode(query)}" if query else path
         refreshed = False
         while True:
-            connection, reused = self._connection(timeout[0])
             headers = {"Accept": accept, "User-Agent": USER_AGENT}
             if (authorization := self.credential.header()) is not None:
                 headers["Authorization"] = authorization
+            connection, reused = self._connection(timeout[0])
             try:
                 if connection.sock is None:
                     connection.connect()
@@ -271,7 +275,9 @@ class Api:
                 answer = connection.getresponse()
             except (OSError, http.client.HTTPException) as err:
                 connection.close()
-                if reused:
+                # a kept connection the server closed meanwhile; not a timeout, which a new
+                # connection would only wait out again
+                if reused and isinstance(err, RECONNECT):
                     continue
                 raise ConnectionError(f"GET {path}: {err}") from err
             response = Response(self, connection, answer)
@@ -323,6 +329,19 @@ def _read(section: dict[str, Any], key: str) -> str | None:
         raise ConfigError(f"{key} {path}: {err.strerror}") from err
 
 
+def _read_base64(section: dict[str, Any], key: str) -> str | None:
+    text = _read(section, key)
+    return base64.b64encode(text.encode()).decode() if text else None
+
+
+def _extension(cluster: dict[str, Any]) -> Any:
+    """The cluster's `client.authentication.k8s.io/exec` extension, handed to the plugin."""
+    for entry in cluster.get("extensions") or []:
+        if isinstance(entry, dict) and entry.get("name") == "client.authentication.k8s.io/exec":
+            return entry.get("extension")
+    return None
+
+
 def _credential(user: dict[str, Any], server: str, cluster: dict[str, Any]) -> Credential:
     if refused := [key for key in UNSUPPORTED_USER_KEYS if user.get(key)]:
         raise ConfigError(f"user setting {refused[0]} is not supported")
@@ -339,8 +358,15 @@ def _credential(user: dict[str, Any], server: str, cluster: dict[str, Any]) -> C
                 "server": server,
                 "insecure-skip-tls-verify": bool(cluster.get("insecure-skip-tls-verify")),
             }
-            if ca := cluster.get("certificate-authority-data"):
+            if name := cluster.get("tls-server-name"):
+                info["tls-server-name"] = name
+            if ca := cluster.get("certificate-authority-data") or _read_base64(
+                cluster, "certificate-authority"
+            ):
                 info["certificate-authority-data"] = ca
+            extension = _extension(cluster)
+            if extension is not None:
+                info["config"] = extension
         return ExecPlugin(
             command,
             [str(arg) for arg in plugin.get("args") or []],
@@ -419,9 +445,12 @@ def from_kubeconfig(paths: Sequence[Path], context: str | None = None) -> Api:
     if cluster.get("proxy-url"):
         raise ConfigError("cluster setting proxy-url is not supported")
     server = str(cluster.get("server") or "")
-    tls = _tls(cluster, user) if server.startswith("https:") else None
-    endpoint = Endpoint.of(server, tls, cluster.get("tls-server-name"))
-    return Api(endpoint, _credential(user, server, cluster))
+    try:
+        tls = _tls(cluster, user) if urlsplit(server).scheme == "https" else None
+        endpoint = Endpoint.of(server, tls, cluster.get("tls-server-name"))
+        return Api(endpoint, _credential(user, server, cluster))
+    except (OSError, ValueError, KeyError, TypeError) as err:  # ssl.SSLError is an OSError
+        raise ConfigError(f"the kubeconfig's context {name!r}: {err}") from err
 
 
 def in_cluster(account: Path = SERVICE_ACCOUNT) -> Api:
@@ -433,6 +462,9 @@ def in_cluster(account: Path = SERVICE_ACCOUNT) -> Api:
     try:
         tls = ssl.create_default_context(cafile=str(account / "ca.crt"))
     except OSError as err:
-        raise ConfigError(f"{account / 'ca.crt'}: {err.strerror}") from err
+        raise ConfigError(f"{account / 'ca.crt'}: {err.strerror or err}") from err
     server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-    return Api(Endpoint.of(server, tls, None), TokenFile(account / "token"))
+    try:
+        return Api(Endpoint.of(server, tls, None), TokenFile(account / "token"))
+    except ValueError as err:  # a port that is no number
+        raise ConfigError(f"KUBERNETES_SERVICE_HOST/PORT: {err}") from err

@@ -11,11 +11,19 @@ attribute of every message. The IPVS mode still uses it, for IPVS and ipsets."""
 from __future__ import annotations
 
 import _socket  # not socket: see cni.kernel.rawnetlink
+import errno
 import ipaddress
 import struct
 from typing import NamedTuple
 
-from cni.kernel.rawnetlink import CREATE_NEW, U32, NetlinkSocket, attribute, attributes
+from cni.kernel.rawnetlink import (
+    CREATE_NEW,
+    U32,
+    NetlinkSocket,
+    RawNetlinkError,
+    attribute,
+    attributes,
+)
 
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
 RTM_NEWADDR = 20
@@ -132,7 +140,7 @@ def route_gateway(sock: NetlinkSocket, address: str) -> str:
         if kind == RTM_NEWROUTE and len(payload) >= RTMSG.size:
             gateway = attributes(payload[RTMSG.size :]).get(RTA_GATEWAY)
             return _text(family, gateway) if gateway is not None else ""
-    return ""
+    raise RawNetlinkError(errno.ENETUNREACH, f"no route to {address}")
 
 
 def _route(cidr: str, gateway: str, protocol: int, table: int, scope: int, flags: int) -> bytes:

@@ -151,6 +151,6 @@ class NodeNetwork:
             return DEFAULT_MTU
         try:
             return uplink_mtu(sock, local.internal_ips[0])
-        except LookupError as err:
+        except (LookupError, OSError) as err:  # the link gone since its address was read
             log.warning("%s; assuming MTU %d", err, DEFAULT_MTU)
             return DEFAULT_MTU

@@ -145,7 +145,11 @@ class RouteTable:
 
     def _delete(self, cidr: str, route: KnitRoute) -> None:
         """Deletes knit's route: the kernel matches the protocol, so no other route goes."""
-        kernel.delete_route(self.sock, cidr, route.via, ROUTE_PROTOCOL, MAIN_TABLE, route.oif)
+        try:
+            kernel.delete_route(self.sock, cidr, route.via, ROUTE_PROTOCOL, MAIN_TABLE, route.oif)
+        except RawNetlinkError as err:
+            if err.errno != errno.ESRCH:  # gone since the dump: what was wanted
+                raise
 
     def _sync_device(self, local: NodeNet, plan: RoutePlan, mtu: int) -> int | None:
         if not plan.peers:
@@ -195,10 +199,16 @@ class RouteTable:
             # The kernel names a remote's port and VNI only where they differ from the device's.
             foreign = entry.port is not None or entry.vni is not None
             if fdb.get(entry.mac) != entry.dst or foreign:
-                kernel.delete_neighbour(
-                    self.sock, AF_BRIDGE, index, entry.dst, entry.mac, NTF_SELF, entry.port,
-                    entry.vni,
-                )  # fmt: skip
+                try:
+                    kernel.delete_neighbour(
+                        self.sock, AF_BRIDGE, index, entry.dst, entry.mac, NTF_SELF, entry.port,
+                        entry.vni,
+                    )  # fmt: skip
+                except RawNetlinkError as err:
+                    # an entry this request cannot name (another source VNI or device) stays:
+                    # the peers' entries are still written below
+                    if err.errno != errno.ENOENT:
+                        raise
             elif entry.state & NUD_PERMANENT:
                 macs_in_place.add(entry.mac)
         for address_family in ADDRESS_FAMILIES.values():

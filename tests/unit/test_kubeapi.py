@@ -164,6 +164,9 @@ def test_kubeconfigs_merge_as_kubectl_merges_them(tmp_path: Path) -> None:
     [
         ({"auth-provider": {"name": "oidc"}}, {}, "user setting auth-provider is not supported"),
         ({"username": "a", "password": "b"}, {}, "user setting username is not supported"),
+        ({"token": "t", "as": "system:admin"}, {}, "user setting as is not supported"),
+        ({"token": "t", "as-groups": ["system:masters"]}, {}, "user setting as-groups is not"),
+        ({"token": "t"}, {"certificate-authority": "/nonexistent/ca.crt"}, "No such file"),
         ({"token": "t"}, {"proxy-url": "http://proxy:3128"}, "proxy-url is not supported"),
         ({"client-certificate-data": "not base64!"}, {}, "is not base64 of PEM text"),
         ({"client-key": "/nonexistent/key"}, {}, "client-key /nonexistent/key"),
