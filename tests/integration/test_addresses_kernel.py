@@ -15,6 +15,7 @@ from pyroute2 import IPRoute
 from cni.kernel.addresses import link_addresses
 from deploy.lab.netns import Netns
 from proxyd.ipvs import dummy, names
+from proxyd.nodenet import kernel
 from proxyd.nodenet.routes import uplink_mtu
 
 SERVICE_ADDRESSES = [f"10.96.{i // 250}.{i % 250 + 1}" for i in range(1500)]
@@ -57,8 +58,9 @@ def test_addresses_read_in_one_dump_match_pyroute2s(make_netns: Callable[[str], 
         assert {a for a in v6.elsewhere if not a.startswith("fe80:")} == {"::1", "fd77::10"}
         assert v4.bound == set(SERVICE_ADDRESSES)
         assert v6.bound == {"fd00:96::1", "fd00:96::2", "fd00:96::3"}
-        assert uplink_mtu(ipr, "192.0.2.10") == 1400
-        assert uplink_mtu(ipr, "fd77::10") == 1400
+        with kernel.route_socket() as sock:
+            assert uplink_mtu(sock, "192.0.2.10") == 1400
+            assert uplink_mtu(sock, "fd77::10") == 1400
 
 
 def test_without_the_dummy_link_it_has_no_addresses(make_netns: Callable[[str], Netns]) -> None:

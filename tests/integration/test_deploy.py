@@ -324,32 +324,41 @@ def watched() -> set[tuple[str, str]]:
 
 
 def request_verbs() -> set[str]:
-    """The verbs of the daemon's API requests. Of its modules, only daemon.py and watch.py use
-    the kubernetes client; the daemon builds an ApiClient and hands it to the reflectors; the
-    reflector's one request is a GET of a Resource's collection (watched() checks the paths):
-    a list, or a watch with watch=true."""
+    """The verbs of the daemon's API requests. No module of the daemon imports the kubernetes
+    client; its requests go through its own client (kubeapi.py), whose one request is a GET;
+    of the daemon's modules only daemon.py (which builds the client) and watch.py (the
+    reflector, a GET of a Resource's collection: watched() checks the paths) use it: a list,
+    or a watch with watch=true."""
     # proxyd/explain/ is the kubectl plugin: it runs with the user's credentials, not the
     # daemon's ServiceAccount, which the role is for
-    users = {
-        path.relative_to(ROOT).as_posix()
+    daemon_modules = [
+        path
         for path in (ROOT / "proxyd").rglob("*.py")
         if "explain" not in path.relative_to(ROOT).parts
-        and re.search(r"^\s*(from|import) kubernetes\b", path.read_text(), re.MULTILINE)
-    }
-    assert users == {"proxyd/daemon.py", "proxyd/watch.py"}
-    daemon = (ROOT / "proxyd" / "daemon.py").read_text()
-    assert set(re.findall(r"\bclient\.(\w+)", daemon)) == {"ApiClient", "Configuration"}
-    reflector = ast.parse((ROOT / "proxyd" / "watch.py").read_text())
-    methods = [
-        keyword.value
-        for node in ast.walk(reflector)
-        if isinstance(node, ast.Call)
-        for keyword in node.keywords
-        if keyword.arg == "method"
     ]
-    assert [ast.literal_eval(method) for method in methods] == ["GET"]
-    queries = ast.unparse(reflector)
-    assert "('watch', True)" in queries and "('limit', PAGE_SIZE)" in queries
+
+    def importing(pattern: str) -> set[str]:
+        return {
+            path.relative_to(ROOT).as_posix()
+            for path in daemon_modules
+            if re.search(pattern, path.read_text(), re.MULTILINE)
+        }
+
+    assert importing(r"^\s*(from|import) kubernetes\b") == set()
+    kubeapi = r"^\s*from proxyd(\.kubeapi import| import .*\bkubeapi\b)"
+    assert importing(kubeapi) == {"proxyd/daemon.py", "proxyd/watch.py"}
+    client = ast.parse((ROOT / "proxyd" / "kubeapi.py").read_text())
+    requests = [
+        node.args[0]
+        for node in ast.walk(client)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "request"
+        and node.args
+    ]
+    assert [ast.literal_eval(method) for method in requests] == ["GET"]
+    queries = ast.unparse(ast.parse((ROOT / "proxyd" / "watch.py").read_text()))
+    assert "('watch', 'true')" in queries and "('limit', str(PAGE_SIZE))" in queries
     return {"list", "watch"}
 
 
