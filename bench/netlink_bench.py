@@ -42,6 +42,7 @@ from deploy.lab.netns import Netns, namespaces
 from deploy.lab.process import exit_on_termination
 from proxyd.conntrack import Frontends, clear_stale
 from proxyd.ipvs import dummy, names
+from proxyd.nodenet import kernel
 from proxyd.nodenet.route_plan import NodeNet, check_peers, plan_routes
 from proxyd.nodenet.routes import NTF_SELF, VXLAN_DEVICE, RouteTable
 
@@ -180,8 +181,8 @@ def overlay_peers(node: Netns, count: int, rounds: int, figures: Figures) -> Non
     # the peers' CIDRs (10.100-10.101.x.0/24) inside a cluster CIDR, as a real cluster's are
     checked = check_peers(local, peers, ("10.96.0.0/11",), ("10.77.1.11/24",))
     plan = plan_routes(local, checked, "auto", lambda _: False)
-    with node.entered(), IPRoute() as ipr:
-        table = RouteTable(ipr)
+    with node.entered(), IPRoute() as ipr, kernel.route_socket() as sock:
+        table = RouteTable(sock)
         table.apply(local, plan, 1450)
 
         def apply_after_flush() -> float:
