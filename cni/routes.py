@@ -10,6 +10,7 @@ import struct
 
 from cni.kernel.families import ADDRESS_FAMILIES
 from cni.kernel.rawnetlink import CREATE_NEW, U32, NetlinkSocket, attribute, attributes, request
+from cni.record import Record
 from cni.result import IPNetwork, Route
 
 RTM_NEWROUTE, RTM_GETROUTE = 24, 26
@@ -55,28 +56,46 @@ def add_route(route: Route, oif: int) -> None:
     request(_socket.NETLINK_ROUTE, RTM_NEWROUTE, body, CREATE_NEW)
 
 
-def routes(oif: int, table: int) -> list[tuple[IPNetwork, str | None]]:
-    """(destination, gateway) of the routes through the link in one routing table, both
-    families, in one dump (AF_UNSPEC: the kernel dumps every family's)."""
+class TableRoute(Record):
+    """A route of one table's dump: its link 0 when it names none."""
+
+    __slots__ = ("dst", "gateway", "oif", "protocol")
+
+    def __init__(self, dst: IPNetwork, gateway: str | None, oif: int, protocol: int) -> None:
+        self.dst = dst
+        self.gateway = gateway
+        self.oif = oif
+        self.protocol = protocol
+
+
+def table_routes(sock: NetlinkSocket, table: int) -> list[TableRoute]:
+    """The routes of one routing table, both families, in one dump (AF_UNSPEC: the kernel dumps
+    every family's); multipath ones without their gateways."""
     families = set(ADDRESS_FAMILIES.values())
 
-    def read(kind: int, payload: memoryview) -> tuple[IPNetwork, str | None] | None:
+    def read(kind: int, payload: memoryview) -> TableRoute | None:
         if kind != RTM_NEWROUTE or len(payload) < RTMSG.size:
             return None
-        family, dst_len, _, _, short_table, _, _, _, _ = RTMSG.unpack_from(payload)
+        family, dst_len, _, _, short_table, protocol, _, _, _ = RTMSG.unpack_from(payload)
         attrs = attributes(payload[RTMSG.size :])
         of_table = U32.unpack(attrs[RTA_TABLE])[0] if RTA_TABLE in attrs else short_table
-        of_oif = U32.unpack(attrs[RTA_OIF])[0] if RTA_OIF in attrs else 0
-        if family not in families or of_table != table or of_oif != oif:
+        if family not in families or of_table != table:
             return None
         any_address = bytes(16 if family == _socket.AF_INET6 else 4)
         dst = _socket.inet_ntop(family, attrs.get(RTA_DST, any_address))
         gateway = attrs.get(RTA_GATEWAY)
-        return (
+        return TableRoute(
             ipaddress.ip_network(f"{dst}/{dst_len}"),
             _socket.inet_ntop(family, gateway) if gateway is not None else None,
+            U32.unpack(attrs[RTA_OIF])[0] if RTA_OIF in attrs else 0,
+            protocol,
         )
 
     every_family = RTMSG.pack(_socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0, 0, 0)
+    return sock.dump(RTM_GETROUTE, every_family, read)
+
+
+def routes(oif: int, table: int) -> list[tuple[IPNetwork, str | None]]:
+    """(destination, gateway) of the routes through the link in one routing table."""
     with NetlinkSocket(_socket.NETLINK_ROUTE) as sock:
-        return sock.dump(RTM_GETROUTE, every_family, read)
+        return [(r.dst, r.gateway) for r in table_routes(sock, table) if r.oif == oif]

@@ -24,46 +24,33 @@ from cni.kernel.rawnetlink import (
     attribute,
     attributes,
 )
+from cni.links import (
+    IFINFOMSG,
+    IFLA_ADDRESS,
+    IFLA_IFNAME,
+    IFLA_INFO_DATA,
+    IFLA_INFO_KIND,
+    IFLA_LINKINFO,
+    IFLA_MTU,
+    NDA_DST,
+    NDMSG,
+    RTM_DELLINK,
+    RTM_GETLINK,
+    RTM_NEWLINK,
+    U8,
+)
+from cni.routes import RT_TABLE_COMPAT, RTA_DST, RTA_GATEWAY, RTA_OIF, RTA_TABLE, RTMSG, RTN_UNICAST
 
-RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
-RTM_NEWADDR = 20
 RTM_NEWROUTE, RTM_DELROUTE, RTM_GETROUTE = 24, 25, 26
 RTM_NEWNEIGH, RTM_DELNEIGH, RTM_GETNEIGH = 28, 29, 30
 REPLACE = 0x100 | 0x400
 """NLM_F_REPLACE | NLM_F_CREATE: write the object, whether it exists or not."""
-IFINFOMSG = struct.Struct("=BxHiII")
-"""ifinfomsg: family, device type, index, flags, change mask."""
-IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_LINKINFO = 1, 3, 4, 18
-IFLA_INFO_KIND, IFLA_INFO_DATA = 1, 2
 IFLA_VXLAN_ID, IFLA_VXLAN_LOCAL, IFLA_VXLAN_LEARNING = 1, 4, 7
 IFLA_VXLAN_PORT, IFLA_VXLAN_LOCAL6 = 15, 17
-IFF_UP = 0x1
-IFADDRMSG = struct.Struct("=BBBBI")
-"""ifaddrmsg: family, prefix length, flags, scope, index."""
-IFA_ADDRESS, IFA_LOCAL = 1, 2
-RTMSG = struct.Struct("=BBBBBBBBI")
-"""rtmsg: family, destination and source prefix lengths, TOS, table, protocol, scope, type,
-flags."""
-RTA_DST, RTA_OIF, RTA_GATEWAY, RTA_TABLE = 1, 4, 5, 15
 RT_SCOPE_UNIVERSE, RT_SCOPE_NOWHERE = 0, 255
 """A gateway route's scope; a deletion's, which matches a route of any scope."""
-RTN_UNICAST = 1
-RT_TABLE_COMPAT = 252
-NDMSG = struct.Struct("=BxxxiHBB")
-"""ndmsg: family, interface index, state, flags, type."""
-NDA_DST, NDA_LLADDR, NDA_PORT, NDA_VNI, NDA_IFINDEX = 1, 2, 6, 7, 8
+NDA_LLADDR, NDA_PORT, NDA_VNI, NDA_IFINDEX = 2, 6, 7, 8
 BE16 = struct.Struct(">H")
-U8 = struct.Struct("=B")
-
-
-class Route(NamedTuple):
-    """A route of the main table's dump."""
-
-    cidr: str
-    protocol: int
-    gateway: str
-    """"" when it has none."""
-    oif: int
 
 
 class Neighbour(NamedTuple):
@@ -102,33 +89,6 @@ def _mac(payload: memoryview | bytes) -> str:
 
 def _mac_bytes(mac: str) -> bytes:
     return bytes.fromhex(mac.replace(":", ""))
-
-
-def routes(sock: NetlinkSocket, table: int) -> list[Route]:
-    """The routes of one table, both families, in one dump (AF_UNSPEC: every family's);
-    multipath ones, which knit never writes, without their gateways."""
-
-    def read(kind: int, payload: memoryview) -> Route | None:
-        if kind != RTM_NEWROUTE or len(payload) < RTMSG.size:
-            return None
-        family, dst_len, _, _, short_table, protocol, _, _, _ = RTMSG.unpack_from(payload)
-        if family not in (_socket.AF_INET, _socket.AF_INET6):
-            return None
-        attrs = attributes(payload[RTMSG.size :])
-        if (U32.unpack(attrs[RTA_TABLE])[0] if RTA_TABLE in attrs else short_table) != table:
-            return None
-        any_address = bytes(16 if family == _socket.AF_INET6 else 4)
-        dst = _text(family, attrs.get(RTA_DST, any_address))
-        gateway = attrs.get(RTA_GATEWAY)
-        return Route(
-            str(ipaddress.ip_network(f"{dst}/{dst_len}")),
-            protocol,
-            _text(family, gateway) if gateway is not None else "",
-            U32.unpack(attrs[RTA_OIF])[0] if RTA_OIF in attrs else 0,
-        )
-
-    every_family = RTMSG.pack(_socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0, 0, 0)
-    return sock.dump(RTM_GETROUTE, every_family, read)
 
 
 def route_gateway(sock: NetlinkSocket, address: str) -> str:
@@ -228,21 +188,8 @@ def create_vxlan(
     sock.request(RTM_NEWLINK, body + attribute(IFLA_LINKINFO, info, nested=True), CREATE_NEW)
 
 
-def set_up(sock: NetlinkSocket, index: int, mtu: int) -> None:
-    body = IFINFOMSG.pack(_socket.AF_UNSPEC, 0, index, IFF_UP, IFF_UP)
-    sock.request(RTM_NEWLINK, body + attribute(IFLA_MTU, U32.pack(mtu)))
-
-
 def delete_link(sock: NetlinkSocket, index: int) -> None:
     sock.request(RTM_DELLINK, IFINFOMSG.pack(_socket.AF_UNSPEC, 0, index, 0, 0))
-
-
-def add_address(sock: NetlinkSocket, index: int, address: str, prefix_length: int) -> None:
-    """EEXIST when the link has it."""
-    header = IFADDRMSG.pack(_family(address), prefix_length, 0, RT_SCOPE_UNIVERSE, index)
-    packed = _packed(address)
-    body = header + attribute(IFA_LOCAL, packed) + attribute(IFA_ADDRESS, packed)
-    sock.request(RTM_NEWADDR, body, CREATE_NEW)
 
 
 def neighbours(sock: NetlinkSocket, index: int, family: int) -> list[Neighbour]:

@@ -10,12 +10,15 @@ to it, and a new route is added, never written over one.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 from dataclasses import dataclass
 
 from cni.kernel.addresses import link_addresses
 from cni.kernel.families import ADDRESS_FAMILIES
 from cni.kernel.rawnetlink import NetlinkSocket, RawNetlinkError
+from cni.links import add_address, set_link
+from cni.routes import table_routes
 from proxyd.addresses import link_index
 from proxyd.model import family_of
 from proxyd.nodenet import kernel
@@ -100,11 +103,11 @@ class RouteTable:
         """The main table's routes: knit's by destination, and the others' destinations."""
         knit: dict[str, KnitRoute] = {}
         others: set[str] = set()
-        for route in kernel.routes(self.sock, MAIN_TABLE):
+        for route in table_routes(self.sock, MAIN_TABLE):
             if route.protocol == ROUTE_PROTOCOL:
-                knit[route.cidr] = KnitRoute(route.gateway, route.oif)
+                knit[str(route.dst)] = KnitRoute(route.gateway or "", route.oif)
             else:
-                others.add(route.cidr)
+                others.add(str(route.dst))
         return knit, others
 
     def _sync_routes(
@@ -167,12 +170,12 @@ class RouteTable:
             if index is None:
                 raise LookupError(f"overlay device {overlay.device} vanished once made")
             log.info("overlay device %s created (VNI %d)", overlay.device, overlay.vni)
-        kernel.set_up(self.sock, index, mtu)
+        set_link(index, up=True, mtu=mtu)
         for cidr in local.pod_cidrs:
             if family_of(cidr) != 4:
                 continue  # an IPv6 subnet's first address is its router anycast address
             try:
-                kernel.add_address(self.sock, index, vtep_address(cidr), 32)
+                add_address(index, ipaddress.ip_interface(f"{vtep_address(cidr)}/32"))
             except RawNetlinkError as err:
                 if err.errno != errno.EEXIST:
                     raise
