@@ -19,10 +19,10 @@ import json
 import os
 import ssl
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -301,21 +301,39 @@ def _tls(cluster: dict[str, Any], user: dict[str, Any]) -> ssl.SSLContext:
     if bool(cert) != bool(key):
         raise ConfigError("a client certificate needs both its certificate and its key")
     if cert and key:
-        # ssl loads a certificate and key from files only: a private folder, gone at once
-        with tempfile.TemporaryDirectory(prefix="knit-kubeapi-") as folder:
-            cert_path, key_path = Path(folder) / "client.crt", Path(folder) / "client.key"
-            cert_path.write_text(cert)
-            key_path.write_text(key)
-            context.load_cert_chain(str(cert_path), str(key_path))
+        # ssl loads a certificate and key from files only: anonymous memory files, so the key
+        # never lands on a disk, nor stays anywhere if the process is killed meanwhile
+        with (
+            _memory_file("client.crt", cert) as cert_path,
+            _memory_file("client.key", key) as key_path,
+        ):
+            context.load_cert_chain(cert_path, key_path, password=_encrypted)
     return context
+
+
+@contextmanager
+def _memory_file(name: str, text: str) -> Iterator[str]:
+    """A path to `text` in an anonymous memory file, closed on leaving."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def _encrypted() -> str:
+    """ssl's question for an encrypted key's passphrase, which a kubeconfig cannot answer
+    (asked on a terminal otherwise)."""
+    raise ConfigError("the client key is encrypted")
 
 
 def _data(section: dict[str, Any], key: str) -> str | None:
     """A base64 setting's PEM text (ssl wants str)."""
     if not (value := section.get(key)):
         return None
-    try:
-        return base64.b64decode(value, validate=True).decode()
+    try:  # line breaks inside, as a folded YAML scalar has them, are allowed (as in Go)
+        return base64.b64decode("".join(str(value).split()), validate=True).decode()
     except (ValueError, UnicodeDecodeError) as err:
         raise ConfigError(f"{key} is not base64 of PEM text") from err
 

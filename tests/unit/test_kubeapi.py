@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -214,3 +215,32 @@ def test_in_cluster_needs_the_kubelets_environment(
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     with pytest.raises(kubeapi.ConfigError, match=r"ca\.crt"):
         kubeapi.in_cluster(tmp_path)
+
+
+def openssl(folder: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+
+def test_client_certificate_data_loads_folded_and_an_encrypted_key_is_refused(
+    tmp_path: Path,
+) -> None:
+    openssl(tmp_path, "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
+            "-out", "plain.key")  # fmt: skip
+    openssl(tmp_path, "req", "-new", "-x509", "-key", "plain.key", "-subj", "/CN=knit",
+            "-days", "1", "-out", "client.crt")  # fmt: skip
+    openssl(tmp_path, "pkey", "-in", "plain.key", "-aes256", "-passout", "pass:secret",
+            "-out", "locked.key")  # fmt: skip
+
+    def folded(name: str) -> str:
+        data = base64.b64encode((tmp_path / name).read_bytes()).decode()
+        return "\n".join(data[i : i + 60] for i in range(0, len(data), 60))
+
+    def user(key: str) -> dict[str, Any]:
+        return {"client-certificate-data": folded("client.crt"), "client-key-data": folded(key)}
+
+    server = "https://127.0.0.1:6443"
+    api = kubeapi.from_kubeconfig([write(tmp_path / "c", kubeconfig(server, user("plain.key")))])
+    assert api.endpoint.tls is not None
+    locked = write(tmp_path / "c", kubeconfig(server, user("locked.key")))
+    with pytest.raises(kubeapi.ConfigError, match="the client key is encrypted"):
+        kubeapi.from_kubeconfig([locked])
